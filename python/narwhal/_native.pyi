@@ -1,0 +1,121 @@
+"""Narwhal's Rust hot paths (rust/core), exposed through PyO3 (rust/python).
+
+Every method takes a whole network chunk or text delta: the boundary is crossed once per
+chunk, never once per event or token.
+"""
+
+from typing import Literal
+
+__version__: str
+
+class SseError(ValueError):
+    """The event stream is malformed (invalid UTF-8 at a byte offset, or an event too large)."""
+
+class AssemblyError(ValueError):
+    """The engine stream cannot be assembled into one response."""
+
+    field: str
+    """JSON path of the offending field, e.g. ``choices[0].delta.audio``."""
+
+class SseEvent:
+    """One dispatched server-sent event."""
+
+    @property
+    def event(self) -> str | None: ...
+    @property
+    def data(self) -> str: ...
+    @property
+    def id(self) -> str | None: ...
+    @property
+    def retry(self) -> int | None: ...
+    @property
+    def is_done(self) -> bool:
+        """Whether this is the ``[DONE]`` sentinel."""
+
+class SseDecoder:
+    """Incremental WHATWG event-stream decoder (LF/CR/CRLF, BOM, splits anywhere)."""
+
+    def __init__(self, max_event_bytes: int = ...) -> None: ...
+    def feed(self, chunk: bytes) -> list[SseEvent]:
+        """Decode one chunk; raises :class:`SseError`. A failed decoder stays failed."""
+    @property
+    def has_pending(self) -> bool:
+        """Whether an unfinished line or event is buffered."""
+
+class RelayChunk:
+    """What one relayed chunk held."""
+
+    @property
+    def forward(self) -> bytes:
+        """Whole SSE events to write to the client."""
+    @property
+    def events(self) -> int: ...
+    @property
+    def generation_events(self) -> int: ...
+    @property
+    def output_tokens(self) -> int:
+        """Validated output token IDs in this chunk."""
+    @property
+    def first_output(self) -> bool:
+        """This chunk carried the stream's first generated output."""
+    @property
+    def finished(self) -> bool: ...
+    @property
+    def done(self) -> bool: ...
+    @property
+    def engine_error(self) -> bool: ...
+    @property
+    def prompt_ids(self) -> int | None: ...
+    @property
+    def prompt_tokens(self) -> int | None: ...
+    @property
+    def completion_tokens(self) -> int | None: ...
+    @property
+    def fault_reason(self) -> str | None:
+        """Stable label when the stream failed (``missing_token_ids``, ``sse_invalid_utf8``...)."""
+    @property
+    def fault_message(self) -> str | None: ...
+
+class StreamRelay:
+    """Decode an engine stream, validate token IDs, strip them if asked, re-frame events."""
+
+    def __init__(
+        self, strip_token_ids: bool, require_token_ids: bool, max_event_bytes: int = ...
+    ) -> None: ...
+    def feed(self, chunk: bytes) -> RelayChunk: ...
+    @property
+    def has_pending(self) -> bool: ...
+
+class Assembler:
+    """Assemble one non-streaming response from an engine's SSE stream."""
+
+    def __init__(
+        self,
+        kind: Literal["chat", "completion"],
+        keep_token_ids: bool = False,
+        require_token_ids: bool = False,
+        max_event_bytes: int = ...,
+    ) -> None: ...
+    def feed(self, chunk: bytes) -> bool:
+        """Feed one chunk; True when it carried the first output. Raises :class:`AssemblyError`."""
+    @property
+    def done(self) -> bool: ...
+    @property
+    def measured_output_tokens(self) -> int: ...
+    def finish(self, prompt_tokens: int | None = None) -> bytes:
+        """The response JSON; ``prompt_tokens`` sizes usage when the engine sent none."""
+
+class ThinkSplitter:
+    """Split streamed text into ``(reasoning, content)``, holding back partial delimiters."""
+
+    def __init__(
+        self, pairs: list[tuple[str, str]] | None = None, start_in_reasoning: bool = False
+    ) -> None: ...
+    def feed(self, text: str) -> tuple[str, str]: ...
+    def finish(self) -> tuple[str, str]: ...
+    @property
+    def opened(self) -> bool: ...
+    @property
+    def closed(self) -> bool: ...
+    @property
+    def in_reasoning(self) -> bool: ...

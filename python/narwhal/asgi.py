@@ -1,0 +1,84 @@
+"""Small ASGI helpers shared by both servers: bounded body reads and plain responses."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Iterable, MutableMapping
+from typing import Any
+
+import orjson
+
+from narwhal.errors import ApiError
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+JSON = b"application/json"
+SSE = b"text/event-stream"
+
+
+class BodyTooLarge(Exception):
+    pass
+
+
+class ClientGone(Exception):
+    pass
+
+
+async def read_body(receive: Receive, limit: int) -> bytes:
+    """Read the request body, stopping as soon as it passes `limit` bytes."""
+    parts: list[bytes] = []
+    size = 0
+    while True:
+        msg = await receive()
+        if msg["type"] == "http.disconnect":
+            raise ClientGone
+        chunk = msg.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise BodyTooLarge
+        parts.append(chunk)
+        if not msg.get("more_body", False):
+            return b"".join(parts)
+
+
+def header(scope: Scope, name: bytes) -> str | None:
+    for k, v in scope.get("headers", ()):
+        if k == name:
+            return bytes(v).decode("latin-1")
+    return None
+
+
+def _headers(ctype: bytes, extra: Iterable[tuple[str, str]]) -> list[tuple[bytes, bytes]]:
+    out = [(b"content-type", ctype)]
+    out.extend((k.lower().encode(), v.encode()) for k, v in extra)
+    return out
+
+
+async def send_bytes(
+    send: Send,
+    status: int,
+    body: bytes,
+    ctype: bytes = JSON,
+    headers: Iterable[tuple[str, str]] = (),
+) -> None:
+    await send({"type": "http.response.start", "status": status, "headers": _headers(ctype, headers)})
+    await send({"type": "http.response.body", "body": body})
+
+
+async def send_json(send: Send, status: int, obj: Any) -> None:
+    await send_bytes(send, status, orjson.dumps(obj))
+
+
+async def send_error(send: Send, err: ApiError) -> None:
+    await send_bytes(send, err.status, err.body(), headers=err.headers.items())
+
+
+async def start_stream(send: Send, headers: Iterable[tuple[str, str]] = ()) -> None:
+    hs = _headers(SSE, [("cache-control", "no-cache"), *headers])
+    await send({"type": "http.response.start", "status": 200, "headers": hs})
+
+
+async def stream_chunk(send: Send, data: bytes, more: bool = True) -> None:
+    await send({"type": "http.response.body", "body": data, "more_body": more})

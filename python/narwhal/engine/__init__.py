@@ -1,0 +1,1 @@
+"""LexiEngine: one resident GGUF model served over llama-cpp-python."""

@@ -1,0 +1,49 @@
+"""`lexi-engine`: the command line."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from narwhal import __version__
+from narwhal.engine.config import ConfigError, add_arguments, from_args
+
+CONFIG_ENV = "LEXI_ENGINE_CONFIG"
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="lexi-engine", description="LexiEngine: one GGUF model "
+                                "over an OpenAI-compatible HTTP API.")
+    p.add_argument("--version", action="version", version=f"lexi-engine {__version__}")
+    sub = p.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="serve a GGUF model")
+    add_arguments(serve)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        config = from_args(args)
+    except ConfigError as e:
+        print(f"lexi-engine: error: {e}", file=sys.stderr)
+        return 2
+    from granian import Granian
+    from granian.constants import Interfaces
+
+    os.environ[CONFIG_ENV] = config.to_json().decode()
+    Granian(
+        "narwhal.engine.app:create_app",
+        factory=True,
+        address=config.host,
+        port=config.port,
+        interface=Interfaces.ASGI,
+        workers=1,
+        log_access=False,
+    ).serve()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,183 @@
+"""LexiEngine's launch options: parsed, range-checked and frozen before anything listens."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from narwhal.engine.template import TemplateError, validate_source
+
+REASONING_FORMATS = ("auto", "none")
+
+# llama-server's defaults, used when a switch is omitted.
+DEFAULT_SAMPLING = {"temp": 0.8, "top_p": 0.95, "top_k": 40, "min_p": 0.05, "n_predict": -1}
+
+RANGES: dict[str, tuple[float, float]] = {
+    "temp": (0.0, 2.0),
+    "top_p": (0.0, 1.0),
+    "top_k": (0, 100000),
+    "min_p": (0.0, 1.0),
+    "n_predict": (1, 131072),
+}
+
+
+class ConfigError(ValueError):
+    def __init__(self, flag: str, reason: str) -> None:
+        super().__init__(f"{flag}: {reason}")
+        self.flag = flag
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str
+    aliases: tuple[str, ...] = ()
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    reasoning_format: str = "auto"
+    sampling: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_SAMPLING))
+    queue_wait: float = 0.0
+    host: str = "127.0.0.1"
+    port: int = 8080
+    ctx_size: int = 4096
+    n_gpu_layers: int = 0
+    threads: int | None = None
+    api_keys: tuple[str, ...] = ()
+    parallel: int = 1
+
+    def to_json(self) -> bytes:
+        return orjson.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_json(cls, raw: bytes | str) -> EngineConfig:
+        d = orjson.loads(raw)
+        d["aliases"] = tuple(d["aliases"])
+        d["api_keys"] = tuple(d["api_keys"])
+        return cls(**d)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-m", "--model", required=True, help="path of the GGUF model file")
+    p.add_argument("--alias", action="append", default=[], metavar="NAME",
+                   help="public model name (repeatable; the first is the model's ID)")
+    p.add_argument("--chat-template-file", metavar="PATH",
+                   help="Jinja chat template overriding the GGUF's")
+    p.add_argument("--chat-template-kwargs", metavar="JSON",
+                   help="JSON object of default template variables")
+    p.add_argument("--reasoning-format", default="auto", help="auto | none")
+    p.add_argument("--temp", type=float, help="default temperature (0-2)")
+    p.add_argument("--top-p", type=float, help="default top-p (0-1)")
+    p.add_argument("--top-k", type=int, help="default top-k (0-100000)")
+    p.add_argument("--min-p", type=float, help="default min-p (0-1)")
+    p.add_argument("--n-predict", type=int, help="default max new tokens (1-131072)")
+    p.add_argument("--queue-wait", type=float, default=0.0, metavar="SECONDS",
+                   help="how long a request waits for a free slot (default 0: 429 at once)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8080)
+    p.add_argument("--ctx-size", type=int, default=4096, help="context size in tokens")
+    p.add_argument("--n-gpu-layers", type=int, default=0,
+                   help="layers to offload (GPU builds; CPU builds ignore it)")
+    p.add_argument("--threads", type=int, help="CPU threads for decoding")
+    p.add_argument("--api-key", action="append", default=[], metavar="KEY",
+                   help="accepted Bearer key (repeatable; @PATH reads one key per line)")
+    p.add_argument("--parallel", type=int, default=1, metavar="N", help="number of slots")
+
+
+def _read_keys(values: list[str]) -> tuple[str, ...]:
+    keys: list[str] = []
+    for v in values:
+        if v.startswith("@"):
+            try:
+                text = Path(v[1:]).read_text()
+            except OSError as e:
+                raise ConfigError("--api-key", f"cannot read {v[1:]}: {e.strerror}") from e
+            keys.extend(line.strip() for line in text.splitlines() if line.strip())
+        elif v:
+            keys.append(v)
+        else:
+            raise ConfigError("--api-key", "empty key")
+    return tuple(keys)
+
+
+def from_args(ns: argparse.Namespace) -> EngineConfig:
+    model = Path(ns.model)
+    if not model.is_file() or not os.access(model, os.R_OK):
+        raise ConfigError("--model", f"{model} is not a readable file")
+    with model.open("rb") as f:
+        if f.read(4) != b"GGUF":
+            raise ConfigError("--model", f"{model} is not a GGUF file")
+
+    sampling = dict(DEFAULT_SAMPLING)
+    for name, (lo, hi) in RANGES.items():
+        value = getattr(ns, name)
+        if value is None:
+            continue
+        if not (lo <= value <= hi) or value != value:
+            flag = "--" + name.replace("_", "-")
+            raise ConfigError(flag, f"must be between {lo:g} and {hi:g} (got {value:g})")
+        sampling[name] = value
+
+    if ns.reasoning_format not in REASONING_FORMATS:
+        raise ConfigError("--reasoning-format", "must be auto or none")
+
+    kwargs: dict[str, Any] = {}
+    if ns.chat_template_kwargs is not None:
+        try:
+            kwargs = orjson.loads(ns.chat_template_kwargs)
+        except orjson.JSONDecodeError as e:
+            raise ConfigError("--chat-template-kwargs", f"malformed JSON: {e}") from e
+        if not isinstance(kwargs, dict):
+            raise ConfigError("--chat-template-kwargs", "must be a JSON object")
+        from narwhal.engine.template import RESERVED
+
+        for k in kwargs:
+            if k in RESERVED:
+                raise ConfigError("--chat-template-kwargs", f"'{k}' is reserved")
+
+    template: str | None = None
+    if ns.chat_template_file is not None:
+        try:
+            raw = Path(ns.chat_template_file).read_bytes()
+        except OSError as e:
+            raise ConfigError("--chat-template-file", f"cannot read: {e.strerror}") from e
+        try:
+            template = validate_source(raw, ns.chat_template_file)
+        except TemplateError as e:
+            raise ConfigError("--chat-template-file", str(e)) from e
+
+    if ns.queue_wait < 0 or ns.queue_wait != ns.queue_wait:
+        raise ConfigError("--queue-wait", "must be >= 0")
+    if not (0 <= ns.port <= 65535):
+        raise ConfigError("--port", "must be between 0 and 65535")
+    if ns.ctx_size < 16:
+        raise ConfigError("--ctx-size", "must be at least 16")
+    if ns.parallel < 1:
+        raise ConfigError("--parallel", "must be at least 1")
+    if ns.threads is not None and ns.threads < 1:
+        raise ConfigError("--threads", "must be at least 1")
+    aliases = tuple(ns.alias)
+    for a in aliases:
+        if not a.strip():
+            raise ConfigError("--alias", "empty name")
+
+    return EngineConfig(
+        model=str(model.resolve()),
+        aliases=aliases,
+        chat_template=template,
+        chat_template_kwargs=kwargs,
+        reasoning_format=ns.reasoning_format,
+        sampling=sampling,
+        queue_wait=ns.queue_wait,
+        host=ns.host,
+        port=ns.port,
+        ctx_size=ns.ctx_size,
+        n_gpu_layers=ns.n_gpu_layers,
+        threads=ns.threads,
+        api_keys=_read_keys(ns.api_key),
+        parallel=ns.parallel,
+    )

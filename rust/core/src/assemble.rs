@@ -1,0 +1,644 @@
+//! Non-streaming assembly: one final response built from an engine's stream frames,
+//! following the spec's assembly table. Anything the table does not cover that carries a
+//! value is refused by name, so a client never gets a response silently missing a part.
+
+use std::collections::BTreeMap;
+
+use serde_json::{Map, Value};
+
+use crate::json_scan::IdListError;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    Chat,
+    Completion,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AssembleError {
+    /// JSON path of the offending field, e.g. `choices[0].delta.audio`.
+    pub field: String,
+    pub message: String,
+}
+
+impl std::fmt::Display for AssembleError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}: {}", self.field, self.message)
+    }
+}
+
+impl std::error::Error for AssembleError {}
+
+fn err(field: impl Into<String>, message: impl Into<String>) -> AssembleError {
+    AssembleError { field: field.into(), message: message.into() }
+}
+
+/// Null, an empty array and an empty object carry no value.
+fn has_value(v: &Value) -> bool {
+    match v {
+        Value::Null => false,
+        Value::Array(a) => !a.is_empty(),
+        Value::Object(o) => !o.is_empty(),
+        _ => true,
+    }
+}
+
+#[derive(Default)]
+struct ToolCall {
+    id: Option<String>,
+    name: Option<String>,
+    arguments: String,
+}
+
+#[derive(Default)]
+struct Choice {
+    role: Option<String>,
+    text: Option<String>,
+    reasoning: Option<String>,
+    reasoning_content: Option<String>,
+    refusal: Option<String>,
+    tool_calls: BTreeMap<u64, ToolCall>,
+    function_call: Option<(String, String)>,
+    logprobs: BTreeMap<&'static str, Vec<Value>>,
+    finish_reason: Option<Value>,
+    stop_reason: Option<Value>,
+    token_ids: Vec<u64>,
+    prompt_token_ids: Option<Vec<u64>>,
+    generation_events: u64,
+}
+
+pub struct Assembler {
+    kind: Kind,
+    keep_token_ids: bool,
+    require_token_ids: bool,
+    meta: Map<String, Value>,
+    usage: Option<Value>,
+    prompt_token_ids: Option<Vec<u64>>,
+    choices: BTreeMap<u64, Choice>,
+    saw_ids: bool,
+    done: bool,
+}
+
+const CHAT_LOGPROBS: &[&str] = &["content", "refusal"];
+const TEXT_LOGPROBS: &[&str] = &["tokens", "token_logprobs", "text_offset", "top_logprobs"];
+
+fn id_list(v: &Value, path: &str, sink: &mut Vec<u64>) -> Result<(), AssembleError> {
+    let Value::Array(items) = v else {
+        return Err(err(path, IdListError::NotAList.to_string()));
+    };
+    for (i, item) in items.iter().enumerate() {
+        let e = match item {
+            Value::Number(n) => match n.as_u64() {
+                Some(id) => {
+                    sink.push(id);
+                    continue;
+                }
+                None if n.as_i64().is_some() => IdListError::Negative(i),
+                None => IdListError::NotAnInteger(i),
+            },
+            Value::Bool(_) => IdListError::Boolean(i),
+            _ => IdListError::NotAnInteger(i),
+        };
+        return Err(err(path, e.to_string()));
+    }
+    Ok(())
+}
+
+fn append_str(slot: &mut Option<String>, v: &Value, path: impl FnOnce() -> String) -> Result<bool, AssembleError> {
+    match v {
+        Value::Null => Ok(false),
+        Value::String(s) => {
+            slot.get_or_insert_with(String::new).push_str(s);
+            Ok(!s.is_empty())
+        }
+        _ => Err(err(path(), "must be a string")),
+    }
+}
+
+impl Assembler {
+    pub fn new(kind: Kind, keep_token_ids: bool, require_token_ids: bool) -> Self {
+        Assembler {
+            kind,
+            keep_token_ids,
+            require_token_ids,
+            meta: Map::new(),
+            usage: None,
+            prompt_token_ids: None,
+            choices: BTreeMap::new(),
+            saw_ids: false,
+            done: false,
+        }
+    }
+
+    /// Whether the `[DONE]` sentinel arrived.
+    pub fn is_done(&self) -> bool {
+        self.done
+    }
+
+    /// Output length measured from the stream: validated token IDs when the engine sent
+    /// them, else one token per generation event (what `stream_interval: 1` engines send).
+    pub fn measured_output_tokens(&self) -> u64 {
+        self.choices
+            .values()
+            .map(|c| if self.saw_ids { c.token_ids.len() as u64 } else { c.generation_events })
+            .sum()
+    }
+
+    /// Feed one event's data (a JSON frame or `[DONE]`).
+    pub fn feed(&mut self, data: &str) -> Result<(), AssembleError> {
+        if data == "[DONE]" {
+            self.done = true;
+            return Ok(());
+        }
+        let frame: Value = serde_json::from_str(data).map_err(|e| err("<frame>", format!("malformed JSON: {e}")))?;
+        let Value::Object(frame) = frame else {
+            return Err(err("<frame>", "frame is not a JSON object"));
+        };
+        for (key, value) in frame {
+            match key.as_str() {
+                "choices" => match value {
+                    Value::Array(choices) => {
+                        for (pos, c) in choices.into_iter().enumerate() {
+                            self.choice(pos, c)?;
+                        }
+                    }
+                    Value::Null => {}
+                    _ => return Err(err("choices", "must be an array")),
+                },
+                "usage" => {
+                    if has_value(&value) {
+                        if !value.is_object() {
+                            return Err(err("usage", "must be an object"));
+                        }
+                        self.usage = Some(value);
+                    }
+                }
+                "prompt_token_ids" => {
+                    if has_value(&value) {
+                        let mut ids = Vec::new();
+                        id_list(&value, "prompt_token_ids", &mut ids)?;
+                        self.prompt_token_ids = Some(ids);
+                    }
+                }
+                "error" => {
+                    if has_value(&value) {
+                        let msg = value
+                            .get("message")
+                            .and_then(Value::as_str)
+                            .unwrap_or("engine reported an error")
+                            .to_owned();
+                        return Err(err("error", msg));
+                    }
+                }
+                "object" => {}
+                _ => {
+                    if !value.is_null() {
+                        self.meta.insert(key, value);
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn choice(&mut self, pos: usize, c: Value) -> Result<(), AssembleError> {
+        let Value::Object(c) = c else {
+            return Err(err(format!("choices[{pos}]"), "must be an object"));
+        };
+        let index = match c.get("index") {
+            None | Some(Value::Null) => pos as u64,
+            Some(v) => v.as_u64().ok_or_else(|| err(format!("choices[{pos}].index"), "must be a nonnegative integer"))?,
+        };
+        let kind = self.kind;
+        let require = self.require_token_ids;
+        let acc = self.choices.entry(index).or_default();
+        let p = |f: &str| format!("choices[{index}].{f}");
+        let mut generated = false;
+        let mut ids_field: Option<Value> = None;
+        for (key, value) in c {
+            match (key.as_str(), kind) {
+                ("index", _) => {}
+                ("delta", Kind::Chat) => {
+                    if has_value(&value) {
+                        generated |= Self::delta(acc, index, value)?;
+                    }
+                }
+                ("text", Kind::Completion) => {
+                    generated |= append_str(&mut acc.text, &value, || p("text"))?;
+                }
+                ("logprobs", _) => {
+                    if has_value(&value) {
+                        let Value::Object(lp) = value else {
+                            return Err(err(p("logprobs"), "must be an object"));
+                        };
+                        let names = if kind == Kind::Chat { CHAT_LOGPROBS } else { TEXT_LOGPROBS };
+                        for (k, v) in lp {
+                            let Some(name) = names.iter().find(|n| **n == k) else {
+                                if has_value(&v) {
+                                    return Err(err(p(&format!("logprobs.{k}")), "unsupported field"));
+                                }
+                                continue;
+                            };
+                            match v {
+                                Value::Null => {}
+                                Value::Array(items) => acc.logprobs.entry(name).or_default().extend(items),
+                                _ => return Err(err(p(&format!("logprobs.{k}")), "must be an array")),
+                            }
+                        }
+                    }
+                }
+                ("finish_reason", _) => {
+                    if !value.is_null() {
+                        if !value.is_string() {
+                            return Err(err(p("finish_reason"), "must be a string"));
+                        }
+                        acc.finish_reason = Some(value);
+                    }
+                }
+                // SGLang names vLLM's stop_reason `matched_stop`.
+                ("stop_reason", _) | ("matched_stop", _) => {
+                    if !value.is_null() {
+                        acc.stop_reason = Some(value);
+                    }
+                }
+                ("token_ids", _) => ids_field = Some(value),
+                ("prompt_token_ids", _) => {
+                    if has_value(&value) {
+                        let mut ids = Vec::new();
+                        id_list(&value, &p("prompt_token_ids"), &mut ids)?;
+                        acc.prompt_token_ids = Some(ids);
+                    }
+                }
+                _ => {
+                    if has_value(&value) {
+                        return Err(err(p(&key), "unsupported field"));
+                    }
+                }
+            }
+        }
+        if generated {
+            acc.generation_events += 1;
+        }
+        match ids_field {
+            Some(v) if !v.is_null() || generated => {
+                id_list(&v, &p("token_ids"), &mut acc.token_ids)?;
+                self.saw_ids = true;
+            }
+            _ if generated && require => return Err(err(p("token_ids"), "output frame carries no token_ids")),
+            _ => {}
+        }
+        Ok(())
+    }
+
+    fn delta(acc: &mut Choice, index: u64, delta: Value) -> Result<bool, AssembleError> {
+        let Value::Object(delta) = delta else {
+            return Err(err(format!("choices[{index}].delta"), "must be an object"));
+        };
+        let p = |f: &str| format!("choices[{index}].delta.{f}");
+        let mut generated = false;
+        for (key, value) in delta {
+            match key.as_str() {
+                "role" => match value {
+                    Value::Null => {}
+                    Value::String(s) => acc.role = Some(s),
+                    _ => return Err(err(p("role"), "must be a string")),
+                },
+                "content" => generated |= append_str(&mut acc.text, &value, || p("content"))?,
+                "reasoning" => generated |= append_str(&mut acc.reasoning, &value, || p("reasoning"))?,
+                "reasoning_content" => {
+                    generated |= append_str(&mut acc.reasoning_content, &value, || p("reasoning_content"))?
+                }
+                "refusal" => generated |= append_str(&mut acc.refusal, &value, || p("refusal"))?,
+                "tool_calls" => match value {
+                    Value::Null => {}
+                    Value::Array(calls) => {
+                        for (pos, call) in calls.into_iter().enumerate() {
+                            Self::tool_call(acc, index, pos, call)?;
+                            generated = true;
+                        }
+                    }
+                    _ => return Err(err(p("tool_calls"), "must be an array")),
+                },
+                "function_call" => {
+                    if has_value(&value) {
+                        let Value::Object(fc) = value else {
+                            return Err(err(p("function_call"), "must be an object"));
+                        };
+                        let slot = acc.function_call.get_or_insert_with(Default::default);
+                        for (k, v) in fc {
+                            let target = match k.as_str() {
+                                "name" => &mut slot.0,
+                                "arguments" => &mut slot.1,
+                                _ if !has_value(&v) => continue,
+                                _ => return Err(err(p(&format!("function_call.{k}")), "unsupported field")),
+                            };
+                            match v {
+                                Value::Null => {}
+                                Value::String(s) => target.push_str(&s),
+                                _ => return Err(err(p(&format!("function_call.{k}")), "must be a string")),
+                            }
+                        }
+                        generated = true;
+                    }
+                }
+                _ => {
+                    if has_value(&value) {
+                        return Err(err(p(&key), "unsupported field"));
+                    }
+                }
+            }
+        }
+        Ok(generated)
+    }
+
+    fn tool_call(acc: &mut Choice, index: u64, pos: usize, call: Value) -> Result<(), AssembleError> {
+        let base = format!("choices[{index}].delta.tool_calls[{pos}]");
+        let Value::Object(call) = call else {
+            return Err(err(base, "must be an object"));
+        };
+        let slot_index = match call.get("index") {
+            None | Some(Value::Null) => pos as u64,
+            Some(v) => v.as_u64().ok_or_else(|| err(format!("{base}.index"), "must be a nonnegative integer"))?,
+        };
+        let slot = acc.tool_calls.entry(slot_index).or_default();
+        for (k, v) in call {
+            match k.as_str() {
+                "index" => {}
+                "id" => {
+                    append_str(&mut slot.id, &v, || format!("{base}.id"))?;
+                }
+                "type" => match v.as_str() {
+                    None if v.is_null() => {}
+                    Some("function") => {}
+                    _ => return Err(err(format!("{base}.type"), "only function tool calls are supported")),
+                },
+                "function" => {
+                    if v.is_null() {
+                        continue;
+                    }
+                    let Value::Object(f) = v else {
+                        return Err(err(format!("{base}.function"), "must be an object"));
+                    };
+                    for (fk, fv) in f {
+                        match fk.as_str() {
+                            "name" => {
+                                append_str(&mut slot.name, &fv, || format!("{base}.function.name"))?;
+                            }
+                            "arguments" => {
+                                let mut args = None;
+                                append_str(&mut args, &fv, || format!("{base}.function.arguments"))?;
+                                if let Some(a) = args {
+                                    slot.arguments.push_str(&a);
+                                }
+                            }
+                            _ if !has_value(&fv) => {}
+                            _ => return Err(err(format!("{base}.function.{fk}"), "unsupported field")),
+                        }
+                    }
+                }
+                _ => {
+                    if has_value(&v) {
+                        return Err(err(format!("{base}.{k}"), "unsupported field"));
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The assembled response as JSON bytes. Without engine usage, usage is computed from
+    /// `prompt_tokens` (the router's input length) and the measured output count.
+    pub fn finish(&self, prompt_tokens: Option<u64>) -> Result<Vec<u8>, AssembleError> {
+        if self.choices.is_empty() {
+            return Err(err("choices", "engine stream carried no choices"));
+        }
+        let mut out = Map::new();
+        for key in ["id", "created", "model", "system_fingerprint"] {
+            if let Some(v) = self.meta.get(key) {
+                out.insert(key.to_owned(), v.clone());
+            }
+        }
+        let object = if self.kind == Kind::Chat { "chat.completion" } else { "text_completion" };
+        out.insert("object".to_owned(), Value::from(object));
+        for (k, v) in &self.meta {
+            if !out.contains_key(k) {
+                out.insert(k.clone(), v.clone());
+            }
+        }
+        let mut choices = Vec::with_capacity(self.choices.len());
+        for (&index, c) in &self.choices {
+            choices.push(self.render_choice(index, c)?);
+        }
+        out.insert("choices".to_owned(), Value::Array(choices));
+        let usage = match &self.usage {
+            Some(u) => u.clone(),
+            None => {
+                let completion = self.measured_output_tokens();
+                let prompt = prompt_tokens
+                    .or_else(|| self.prompt_token_ids.as_ref().map(|p| p.len() as u64))
+                    .unwrap_or(0);
+                serde_json::json!({
+                    "prompt_tokens": prompt,
+                    "completion_tokens": completion,
+                    "total_tokens": prompt + completion,
+                })
+            }
+        };
+        out.insert("usage".to_owned(), usage);
+        if self.keep_token_ids && self.kind == Kind::Chat {
+            if let Some(p) = &self.prompt_token_ids {
+                out.insert("prompt_token_ids".to_owned(), Value::from(p.clone()));
+            }
+        }
+        serde_json::to_vec(&Value::Object(out)).map_err(|e| err("<response>", e.to_string()))
+    }
+
+    fn render_choice(&self, index: u64, c: &Choice) -> Result<Value, AssembleError> {
+        let mut ch = Map::new();
+        ch.insert("index".to_owned(), Value::from(index));
+        match self.kind {
+            Kind::Chat => {
+                let mut msg = Map::new();
+                msg.insert("role".to_owned(), Value::from(c.role.clone().unwrap_or_else(|| "assistant".to_owned())));
+                let has_calls = !c.tool_calls.is_empty() || c.function_call.is_some();
+                let content = match &c.text {
+                    Some(t) if !(t.is_empty() && has_calls) => Value::from(t.clone()),
+                    None if !has_calls => Value::from(""),
+                    _ => Value::Null,
+                };
+                msg.insert("content".to_owned(), content);
+                for (name, v) in [
+                    ("reasoning", &c.reasoning),
+                    ("reasoning_content", &c.reasoning_content),
+                    ("refusal", &c.refusal),
+                ] {
+                    if let Some(v) = v {
+                        msg.insert(name.to_owned(), Value::from(v.clone()));
+                    }
+                }
+                if !c.tool_calls.is_empty() {
+                    let mut calls = Vec::with_capacity(c.tool_calls.len());
+                    for (pos, call) in c.tool_calls.values().enumerate() {
+                        let path = |f: &str| format!("choices[{index}].message.tool_calls[{pos}].{f}");
+                        let id = call.id.as_deref().filter(|s| !s.is_empty()).ok_or_else(|| err(path("id"), "tool call has no id"))?;
+                        let name = call
+                            .name
+                            .as_deref()
+                            .filter(|s| !s.is_empty())
+                            .ok_or_else(|| err(path("function.name"), "tool call has no function name"))?;
+                        calls.push(serde_json::json!({
+                            "id": id,
+                            "type": "function",
+                            "function": {"name": name, "arguments": call.arguments},
+                        }));
+                    }
+                    msg.insert("tool_calls".to_owned(), Value::Array(calls));
+                }
+                if let Some((name, args)) = &c.function_call {
+                    msg.insert("function_call".to_owned(), serde_json::json!({"name": name, "arguments": args}));
+                }
+                ch.insert("message".to_owned(), Value::Object(msg));
+                let lp = if c.logprobs.is_empty() {
+                    Value::Null
+                } else {
+                    let mut m = Map::new();
+                    for name in CHAT_LOGPROBS {
+                        if let Some(items) = c.logprobs.get(name) {
+                            m.insert((*name).to_owned(), Value::Array(items.clone()));
+                        }
+                    }
+                    Value::Object(m)
+                };
+                ch.insert("logprobs".to_owned(), lp);
+            }
+            Kind::Completion => {
+                ch.insert("text".to_owned(), Value::from(c.text.clone().unwrap_or_default()));
+                let lp = if c.logprobs.is_empty() {
+                    Value::Null
+                } else {
+                    let mut m = Map::new();
+                    for name in TEXT_LOGPROBS {
+                        m.insert((*name).to_owned(), Value::Array(c.logprobs.get(name).cloned().unwrap_or_default()));
+                    }
+                    Value::Object(m)
+                };
+                ch.insert("logprobs".to_owned(), lp);
+            }
+        }
+        ch.insert("finish_reason".to_owned(), c.finish_reason.clone().unwrap_or(Value::Null));
+        if let Some(s) = &c.stop_reason {
+            ch.insert("stop_reason".to_owned(), s.clone());
+        }
+        if self.keep_token_ids {
+            ch.insert("token_ids".to_owned(), Value::from(c.token_ids.clone()));
+            if self.kind == Kind::Completion {
+                if let Some(p) = &c.prompt_token_ids {
+                    ch.insert("prompt_token_ids".to_owned(), Value::from(p.clone()));
+                }
+            }
+        }
+        Ok(Value::Object(ch))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn assemble(kind: Kind, frames: &[&str]) -> Result<Value, AssembleError> {
+        let mut a = Assembler::new(kind, false, false);
+        for f in frames {
+            a.feed(f)?;
+        }
+        Ok(serde_json::from_slice(&a.finish(Some(5))?).unwrap())
+    }
+
+    #[test]
+    fn chat_fields_concatenate_and_finish_survives_usage_frame() {
+        let v = assemble(
+            Kind::Chat,
+            &[
+                r#"{"id":"c1","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,"delta":{"role":"assistant","reasoning_content":"th"}}]}"#,
+                r#"{"id":"c1","choices":[{"index":0,"delta":{"reasoning_content":"ink","content":"he"}}]}"#,
+                r#"{"id":"c1","choices":[{"index":0,"delta":{"content":"llo"},"finish_reason":"stop","stop_reason":7}]}"#,
+                r#"{"id":"c1","choices":[],"usage":{"prompt_tokens":5,"completion_tokens":3,"total_tokens":8}}"#,
+                "[DONE]",
+            ],
+        )
+        .unwrap();
+        assert_eq!(v["object"], "chat.completion");
+        assert_eq!(v["choices"][0]["message"]["content"], "hello");
+        assert_eq!(v["choices"][0]["message"]["reasoning_content"], "think");
+        assert_eq!(v["choices"][0]["finish_reason"], "stop");
+        assert_eq!(v["choices"][0]["stop_reason"], 7);
+        assert_eq!(v["usage"]["total_tokens"], 8);
+    }
+
+    #[test]
+    fn tool_calls_grouped_by_index_in_order() {
+        let v = assemble(
+            Kind::Chat,
+            &[
+                r#"{"choices":[{"delta":{"tool_calls":[{"index":1,"id":"b","type":"function","function":{"name":"g","arguments":""}}]}}]}"#,
+                r#"{"choices":[{"delta":{"tool_calls":[{"index":0,"id":"a","function":{"name":"f","arguments":"{\"x\""}}]}}]}"#,
+                r#"{"choices":[{"delta":{"tool_calls":[{"index":0,"function":{"arguments":":1}"}},{"index":1,"function":{"arguments":"{}"}}]}}]}"#,
+            ],
+        )
+        .unwrap();
+        let calls = &v["choices"][0]["message"]["tool_calls"];
+        assert_eq!(calls[0]["id"], "a");
+        assert_eq!(calls[0]["function"]["arguments"], "{\"x\":1}");
+        assert_eq!(calls[1]["function"]["name"], "g");
+        assert_eq!(v["choices"][0]["message"]["content"], Value::Null);
+    }
+
+    #[test]
+    fn tool_call_without_id_is_an_error() {
+        let e = assemble(Kind::Chat, &[r#"{"choices":[{"delta":{"tool_calls":[{"index":0,"function":{"name":"f"}}]}}]}"#]).unwrap_err();
+        assert_eq!(e.field, "choices[0].message.tool_calls[0].id");
+    }
+
+    #[test]
+    fn unsupported_fields_with_values_are_named() {
+        let e = assemble(Kind::Chat, &[r#"{"choices":[{"delta":{"audio":{"data":"x"}}}]}"#]).unwrap_err();
+        assert_eq!(e.field, "choices[0].delta.audio");
+        let ok = assemble(Kind::Chat, &[r#"{"choices":[{"delta":{"content":"x","audio":null,"annotations":[]}}]}"#]);
+        assert!(ok.is_ok());
+        let e = assemble(Kind::Chat, &[r#"{"choices":[{"delta":{"content":5}}]}"#]).unwrap_err();
+        assert_eq!(e.field, "choices[0].delta.content");
+        let e = assemble(Kind::Chat, &[r#"{"choices":[{"delta":{"tool_calls":[{"id":"a","type":"custom","custom":{"input":"x"}}]}}]}"#]).unwrap_err();
+        assert_eq!(e.field, "choices[0].delta.tool_calls[0].type");
+    }
+
+    #[test]
+    fn completion_logprobs_concatenate_and_usage_is_computed() {
+        let v = assemble(
+            Kind::Completion,
+            &[
+                r#"{"id":"t","choices":[{"index":0,"text":"a","logprobs":{"tokens":["a"],"token_logprobs":[-0.1],"text_offset":[0],"top_logprobs":[{"a":-0.1}]}}]}"#,
+                r#"{"id":"t","choices":[{"index":0,"text":"b","logprobs":{"tokens":["b"],"token_logprobs":[-0.2],"text_offset":[1],"top_logprobs":[{"b":-0.2}]},"finish_reason":"length"}]}"#,
+            ],
+        )
+        .unwrap();
+        assert_eq!(v["object"], "text_completion");
+        assert_eq!(v["choices"][0]["text"], "ab");
+        assert_eq!(v["choices"][0]["logprobs"]["tokens"], serde_json::json!(["a", "b"]));
+        assert_eq!(v["choices"][0]["logprobs"]["text_offset"], serde_json::json!([0, 1]));
+        assert_eq!(v["usage"], serde_json::json!({"prompt_tokens":5,"completion_tokens":2,"total_tokens":7}));
+    }
+
+    #[test]
+    fn token_ids_kept_when_asked_and_required_when_configured() {
+        let mut a = Assembler::new(Kind::Chat, true, true);
+        a.feed(r#"{"prompt_token_ids":[1,2],"choices":[{"delta":{"role":"assistant"}}]}"#).unwrap();
+        a.feed(r#"{"choices":[{"delta":{"content":"x"},"token_ids":[9,10]}]}"#).unwrap();
+        let v: Value = serde_json::from_slice(&a.finish(None).unwrap()).unwrap();
+        assert_eq!(v["choices"][0]["token_ids"], serde_json::json!([9, 10]));
+        assert_eq!(v["prompt_token_ids"], serde_json::json!([1, 2]));
+        assert_eq!(v["usage"]["completion_tokens"], 2);
+        let e = a.feed(r#"{"choices":[{"delta":{"content":"y"}}]}"#).unwrap_err();
+        assert_eq!(e.field, "choices[0].token_ids");
+        let e = a.feed(r#"{"choices":[{"delta":{"content":"y"},"token_ids":[true]}]}"#).unwrap_err();
+        assert_eq!(e.message, "token_ids[0] is a Boolean");
+    }
+}

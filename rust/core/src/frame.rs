@@ -1,0 +1,249 @@
+//! One OpenAI-shaped stream frame (chat or text completion): what it carries and whether
+//! its token IDs hold up. Parsed with borrowed fields: nothing that is only looked at is
+//! copied.
+
+use serde::Deserialize;
+use serde_json::value::RawValue;
+
+use crate::json_scan::{scan_id_list, IdListError};
+
+/// Bit flags for what a frame carries (across all its choices).
+pub mod kind {
+    pub const TEXT: u16 = 1;
+    pub const REASONING: u16 = 1 << 1;
+    pub const REASONING_CONTENT: u16 = 1 << 2;
+    pub const TOOL_CALLS: u16 = 1 << 3;
+    pub const REFUSAL: u16 = 1 << 4;
+    pub const USAGE: u16 = 1 << 5;
+    pub const ROLE: u16 = 1 << 6;
+    pub const FINISH: u16 = 1 << 7;
+    pub const ERROR: u16 = 1 << 8;
+    /// Any kind that is generated output and so must carry token IDs.
+    pub const GENERATED: u16 = TEXT | REASONING | REASONING_CONTENT | TOOL_CALLS | REFUSAL;
+}
+
+#[derive(Deserialize)]
+struct RawFrame<'a> {
+    #[serde(borrow, default)]
+    choices: Option<Vec<RawChoice<'a>>>,
+    #[serde(default)]
+    usage: Option<RawUsage>,
+    #[serde(borrow, default)]
+    prompt_token_ids: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    error: Option<&'a RawValue>,
+}
+
+#[derive(Deserialize)]
+struct RawUsage {
+    #[serde(default)]
+    prompt_tokens: Option<u64>,
+    #[serde(default)]
+    completion_tokens: Option<u64>,
+}
+
+#[derive(Deserialize)]
+struct RawChoice<'a> {
+    #[serde(default)]
+    index: Option<u32>,
+    #[serde(borrow, default)]
+    delta: Option<RawDelta<'a>>,
+    #[serde(borrow, default)]
+    text: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    finish_reason: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    token_ids: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    prompt_token_ids: Option<&'a RawValue>,
+}
+
+#[derive(Deserialize)]
+struct RawDelta<'a> {
+    #[serde(borrow, default)]
+    role: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    content: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    reasoning: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    reasoning_content: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    refusal: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    tool_calls: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    function_call: Option<&'a RawValue>,
+}
+
+/// A non-empty string, or a value of another non-null type (which the assembler rejects).
+fn carries(v: Option<&RawValue>) -> bool {
+    match v {
+        None => false,
+        Some(raw) => {
+            let s = raw.get();
+            s != "null" && s != "\"\"" && s != "[]"
+        }
+    }
+}
+
+/// What one frame said.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct FrameInfo {
+    pub kinds: u16,
+    /// Validated output token IDs in this frame, over all choices.
+    pub output_ids: u64,
+    /// Prompt token IDs count, top level (chat) or on a choice (completions).
+    pub prompt_ids: Option<u64>,
+    pub prompt_tokens: Option<u64>,
+    pub completion_tokens: Option<u64>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum FrameError {
+    /// Not a JSON object of the expected shape.
+    Json(String),
+    /// A generation frame without `token_ids` on a choice.
+    MissingTokenIds { choice: u32 },
+    BadTokenIds { choice: u32, err: IdListError },
+    BadPromptTokenIds(IdListError),
+}
+
+impl std::fmt::Display for FrameError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            FrameError::Json(m) => write!(f, "malformed stream frame: {m}"),
+            FrameError::MissingTokenIds { choice } => {
+                write!(f, "choices[{choice}] carries output but no token_ids")
+            }
+            FrameError::BadTokenIds { choice, err } => write!(f, "choices[{choice}].{err}"),
+            FrameError::BadPromptTokenIds(err) => write!(f, "prompt_{err}"),
+        }
+    }
+}
+
+impl std::error::Error for FrameError {}
+
+impl FrameError {
+    /// A short, stable label for counters.
+    pub fn reason(&self) -> &'static str {
+        match self {
+            FrameError::Json(_) => "malformed_frame",
+            FrameError::MissingTokenIds { .. } => "missing_token_ids",
+            FrameError::BadTokenIds { err, .. } | FrameError::BadPromptTokenIds(err) => match err {
+                IdListError::NotAList => "token_ids_not_a_list",
+                IdListError::Boolean(_) => "boolean_token_id",
+                IdListError::Negative(_) => "negative_token_id",
+                IdListError::NotAnInteger(_) => "non_integer_token_id",
+            },
+        }
+    }
+}
+
+/// Classify `data` and, when `require_ids`, check token IDs on every generation choice.
+/// IDs present on any choice are validated and counted either way; `ids_sink` collects
+/// them (all choices, in order) when given.
+pub fn inspect(data: &str, require_ids: bool, mut ids_sink: Option<&mut Vec<u64>>) -> Result<FrameInfo, FrameError> {
+    let frame: RawFrame = serde_json::from_str(data).map_err(|e| FrameError::Json(e.to_string()))?;
+    let mut info = FrameInfo::default();
+    if frame.error.is_some() {
+        info.kinds |= kind::ERROR;
+    }
+    if let Some(u) = &frame.usage {
+        info.kinds |= kind::USAGE;
+        info.prompt_tokens = u.prompt_tokens;
+        info.completion_tokens = u.completion_tokens;
+    }
+    if let Some(p) = frame.prompt_token_ids {
+        if p.get() != "null" {
+            let n = scan_id_list(p.get().as_bytes(), None).map_err(FrameError::BadPromptTokenIds)?;
+            info.prompt_ids = Some(n as u64);
+        }
+    }
+    for (pos, c) in frame.choices.iter().flatten().enumerate() {
+        let idx = c.index.unwrap_or(pos as u32);
+        let mut k = 0u16;
+        if let Some(d) = &c.delta {
+            if carries(d.content) {
+                k |= kind::TEXT;
+            }
+            if carries(d.reasoning) {
+                k |= kind::REASONING;
+            }
+            if carries(d.reasoning_content) {
+                k |= kind::REASONING_CONTENT;
+            }
+            if carries(d.refusal) {
+                k |= kind::REFUSAL;
+            }
+            if carries(d.tool_calls) || carries(d.function_call) {
+                k |= kind::TOOL_CALLS;
+            }
+            if carries(d.role) {
+                k |= kind::ROLE;
+            }
+        }
+        if carries(c.text) {
+            k |= kind::TEXT;
+        }
+        if carries(c.finish_reason) {
+            k |= kind::FINISH;
+        }
+        if let Some(p) = c.prompt_token_ids {
+            if p.get() != "null" {
+                let n = scan_id_list(p.get().as_bytes(), None).map_err(FrameError::BadPromptTokenIds)?;
+                info.prompt_ids = Some(n as u64);
+            }
+        }
+        match c.token_ids {
+            Some(raw) if raw.get() != "null" || k & kind::GENERATED != 0 => {
+                let n = scan_id_list(raw.get().as_bytes(), ids_sink.as_deref_mut())
+                    .map_err(|err| FrameError::BadTokenIds { choice: idx, err })?;
+                info.output_ids += n as u64;
+            }
+            _ if require_ids && k & kind::GENERATED != 0 => {
+                return Err(FrameError::MissingTokenIds { choice: idx });
+            }
+            _ => {}
+        }
+        info.kinds |= k;
+    }
+    Ok(info)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn content_frame_with_ids() {
+        let i = inspect(r#"{"choices":[{"index":0,"delta":{"content":"hi"},"token_ids":[1,2]}]}"#, true, None).unwrap();
+        assert_eq!(i.kinds, kind::TEXT);
+        assert_eq!(i.output_ids, 2);
+    }
+
+    #[test]
+    fn role_only_frame_needs_no_ids() {
+        let i = inspect(r#"{"choices":[{"index":0,"delta":{"role":"assistant","content":""}}],"prompt_token_ids":[1,2,3]}"#, true, None).unwrap();
+        assert_eq!(i.kinds, kind::ROLE);
+        assert_eq!(i.prompt_ids, Some(3));
+    }
+
+    #[test]
+    fn missing_boolean_and_null_ids_fail() {
+        let f = |s: &str| inspect(s, true, None).unwrap_err().reason();
+        assert_eq!(f(r#"{"choices":[{"delta":{"content":"x"}}]}"#), "missing_token_ids");
+        assert_eq!(f(r#"{"choices":[{"delta":{"content":"x"},"token_ids":[false]}]}"#), "boolean_token_id");
+        assert_eq!(f(r#"{"choices":[{"delta":{"content":"x"},"token_ids":null}]}"#), "missing_token_ids");
+        assert_eq!(f(r#"{"choices":[{"delta":{"reasoning_content":"x"},"token_ids":7}]}"#), "token_ids_not_a_list");
+        assert_eq!(f(r#"[1]"#), "malformed_frame");
+    }
+
+    #[test]
+    fn ids_not_required_for_other_dialects() {
+        let i = inspect(r#"{"choices":[{"text":"x","finish_reason":"stop"}],"usage":{"prompt_tokens":3,"completion_tokens":1,"total_tokens":4}}"#, false, None).unwrap();
+        assert_eq!(i.kinds, kind::TEXT | kind::FINISH | kind::USAGE);
+        assert_eq!(i.prompt_tokens, Some(3));
+        assert_eq!(i.completion_tokens, Some(1));
+    }
+}

@@ -1,0 +1,15 @@
+//! Narwhal's byte-level hot paths, free of any Python types.
+//!
+//! - [`sse`]: incremental `text/event-stream` decoding;
+//! - [`frame`]: classification and token-ID validation of one OpenAI stream frame;
+//! - [`json_scan`]: pass-through edits of frames (token-ID stripping) without re-serializing;
+//! - [`assemble`]: one non-streaming response from a stream's frames;
+//! - [`think`]: streaming reasoning/content separation with delimiter holdback;
+//! - [`relay`]: per-chunk pipelines combining the above for the router.
+
+pub mod assemble;
+pub mod frame;
+pub mod json_scan;
+pub mod relay;
+pub mod sse;
+pub mod think;
