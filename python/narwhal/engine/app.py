@@ -1,0 +1,231 @@
+"""LexiEngine's ASGI application: routes, auth, slots, and the generation hand-off."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from narwhal import asgi
+from narwhal.asgi import Receive, Scope, Send
+from narwhal.engine import protocol
+from narwhal.engine.config import EngineConfig
+from narwhal.engine.generation import Finish, Generation, Piece
+from narwhal.engine.model import Model
+from narwhal.engine.render import Output, writer_for
+from narwhal.engine.slots import Busy, Slots
+from narwhal.errors import ApiError
+
+log = logging.getLogger("lexi_engine")
+
+MAX_BODY = 16 * 1024 * 1024
+ROUTES = {
+    "/v1/chat/completions": protocol.chat_job,
+    "/v1/completions": protocol.completion_job,
+    "/v1/responses": protocol.responses_job,
+}
+
+
+class Metrics:
+    def __init__(self, slots: int) -> None:
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("lexi_requests", "Requests by route and status",
+                                ["route", "status"], registry=r)
+        self.prompt_tokens = Counter("lexi_prompt_tokens", "Prompt tokens processed", registry=r)
+        self.output_tokens = Counter("lexi_output_tokens", "Tokens generated", registry=r)
+        self.queue_depth = Gauge("lexi_queue_depth", "Requests waiting for a slot", registry=r)
+        self.slots_busy = Gauge("lexi_slots_busy", "Slots generating", registry=r)
+        self.slots_total = Gauge("lexi_slots_total", "Slots", registry=r)
+        self.slots_total.set(slots)
+        self.ttft = Histogram("lexi_time_to_first_token_seconds", "Time to first token",
+                              registry=r, buckets=(.01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10))
+        self.tpot = Histogram("lexi_time_per_output_token_seconds", "Time per output token",
+                              registry=r, buckets=(.002, .005, .01, .02, .05, .1, .25, .5, 1))
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, model: Model) -> None:
+        self.config = config
+        self.model = model
+        self.slots = Slots(config.parallel, config.queue_wait)
+        self.metrics = Metrics(config.parallel)
+        # One llama context: decoding is serialized on one thread (the batching work
+        # replaces this with one decode loop over all slots).
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lexi-decode")
+        self.keys = tuple(k.encode() for k in config.api_keys)
+
+    # -- ASGI ---------------------------------------------------------------------------
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await self._lifespan(receive, send)
+            return
+        if scope["type"] != "http":
+            return
+        path, method = scope["path"], scope["method"]
+        try:
+            if path == "/health" and method == "GET":
+                await asgi.send_json(send, 200, {"status": "ok"})
+                return
+            self._authorize(scope)
+            if path == "/v1/models" and method == "GET":
+                await asgi.send_json(send, 200, self._models())
+            elif path == "/metrics" and method == "GET":
+                self._refresh_gauges()
+                await asgi.send_bytes(send, 200, generate_latest(self.metrics.registry),
+                                      b"text/plain; version=0.0.4")
+            elif path in ROUTES:
+                if method != "POST":
+                    raise ApiError(405, "use POST", code="method_not_allowed")
+                await self._generate(path, scope, receive, send)
+            else:
+                raise ApiError(404, f"no route {method} {path}", code="not_found")
+        except ApiError as e:
+            await asgi.send_error(send, e)
+        except asgi.ClientGone:
+            pass
+
+    async def _lifespan(self, receive: Receive, send: Send) -> None:
+        while True:
+            msg = await receive()
+            if msg["type"] == "lifespan.startup":
+                await send({"type": "lifespan.startup.complete"})
+            elif msg["type"] == "lifespan.shutdown":
+                self.executor.shutdown(wait=False, cancel_futures=True)
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+    def _authorize(self, scope: Scope) -> None:
+        if not self.keys:
+            return
+        auth = asgi.header(scope, b"authorization") or ""
+        token = auth[7:].encode() if auth[:7].lower() == "bearer " else b""
+        if not any(hmac.compare_digest(token, k) for k in self.keys):
+            raise ApiError(401, "invalid or missing API key", type="authentication_error",
+                           code="invalid_api_key")
+
+    def _models(self) -> dict[str, Any]:
+        created = int(os.path.getmtime(self.config.model))
+        data = [{"id": n, "object": "model", "created": created, "owned_by": "lexi-engine",
+                 **({"root": self.model.id} if i else {"meta": {"n_ctx": self.model.n_ctx}})}
+                for i, n in enumerate(self.model.names)]
+        return {"object": "list", "data": data}
+
+    def _refresh_gauges(self) -> None:
+        self.metrics.queue_depth.set(self.slots.waiting)
+        self.metrics.slots_busy.set(self.slots.busy)
+
+    # -- generation ---------------------------------------------------------------------
+    async def _generate(self, path: str, scope: Scope, receive: Receive, send: Send) -> None:
+        route = path.rsplit("/", 1)[-1]
+        status = 200
+        try:
+            raw = await asgi.read_body(receive, MAX_BODY)
+        except asgi.BodyTooLarge:
+            raise ApiError(413, "request body too large", code="request_too_large") from None
+        try:
+            body = protocol.parse_json(raw)
+            job = ROUTES[path](body, self.config, self.model)
+        except ApiError as e:
+            self.metrics.requests.labels(route, str(e.status)).inc()
+            raise
+        task = asyncio.current_task()
+        assert task is not None
+        watcher = asyncio.create_task(_watch_disconnect(receive, task))
+        try:
+            try:
+                await self.slots.acquire()
+            except Busy:
+                status = 429
+                raise ApiError(429, "all slots are busy", type="server_error",
+                               code="inference_busy", headers={"retry-after": "1"}) from None
+            try:
+                await self._run(job, send)
+            finally:
+                self.slots.release()
+        except asyncio.CancelledError:
+            status = 499  # the client went away; nothing is left to answer
+            if not watcher.done():
+                raise
+        except ApiError as e:
+            status = e.status
+            raise
+        finally:
+            watcher.cancel()
+            self.metrics.requests.labels(route, str(status)).inc()
+
+    async def _run(self, job: protocol.Job, send: Send) -> None:
+        gen = Generation(self.model, job.prompt_ids, job.sampling)
+        loop = asyncio.get_running_loop()
+        future = loop.run_in_executor(self.executor, gen.run, loop)
+        out = Output(job)
+        writer = writer_for(job, self.model.id)
+        self.metrics.prompt_tokens.inc(len(job.prompt_ids))
+        finish: Finish | None = None
+        try:
+            if job.stream:
+                await asgi.start_stream(send)
+                first = writer.first()
+                if first:
+                    await asgi.stream_chunk(send, first)
+            while True:
+                item = await gen.queue.get()
+                if isinstance(item, Piece):
+                    d = out.piece(item)
+                    if d is not None and job.stream:
+                        await asgi.stream_chunk(send, writer.delta(d))
+                    continue
+                finish = item
+                break
+            d = out.finish()
+            if finish.error:
+                log.error("%s", finish.error)
+                if not job.stream:
+                    raise ApiError(500, finish.error, type="server_error", code="generation_failed")
+                await asgi.stream_chunk(send, b'data: {"error":{"message":"generation failed",'
+                                        b'"type":"server_error"}}\n\n', more=False)
+                return
+            if job.stream:
+                tail = writer.delta(d) if d is not None else b""
+                await asgi.stream_chunk(send, tail + writer.last(finish), more=False)
+            else:
+                await asgi.send_json(send, 200, writer.whole(out, finish))
+        finally:
+            gen.cancel()
+            await asyncio.shield(future)  # the slot is free only once decoding stopped
+            self._observe(gen, finish)
+
+    def _observe(self, gen: Generation, finish: Finish | None) -> None:
+        if finish is None or gen.first_token_at is None:
+            return
+        m = self.metrics
+        m.output_tokens.inc(finish.completion_tokens)
+        m.ttft.observe(gen.first_token_at - gen.started_at)
+        if finish.completion_tokens > 1:
+            m.tpot.observe((time.monotonic() - gen.first_token_at) / (finish.completion_tokens - 1))
+
+
+async def _watch_disconnect(receive: Receive, task: asyncio.Task[Any]) -> None:
+    """Cancel the request's task when its client disconnects."""
+    while True:
+        msg = await receive()
+        if msg["type"] == "http.disconnect":
+            task.cancel()
+            return
+
+
+def create_app() -> Engine:
+    """Granian factory: reads the validated config the CLI left in the environment."""
+    from narwhal.engine.cli import CONFIG_ENV
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    config = EngineConfig.from_json(os.environ[CONFIG_ENV])
+    model = Model(config)
+    log.info("serving %s as %s (%d slots, ctx %d)", config.model, ", ".join(model.names),
+             config.parallel, model.n_ctx)
+    return Engine(config, model)

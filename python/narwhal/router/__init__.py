@@ -1,0 +1,1 @@
+"""The Narwhal router: intake -> admission -> placement -> relay."""

@@ -1,0 +1,233 @@
+"""The router's ASGI application: routes, the request lifecycle, and start-up/shut-down."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from typing import Any
+
+import aiohttp
+from prometheus_client import generate_latest
+
+from narwhal import asgi
+from narwhal.asgi import Receive, Scope, Send
+from narwhal.errors import ApiError
+from narwhal.router import intake
+from narwhal.router.admission import Admission, Expired
+from narwhal.router.config import RouterConfig
+from narwhal.router.engines import Engine, Pool
+from narwhal.router.metrics import RouterMetrics
+from narwhal.router.relay import EngineFailed, Placed, Relayer
+from narwhal.router.supervisor import ManagedEngine
+
+log = logging.getLogger("narwhal.router")
+
+COMPLETION_ROUTES = (intake.CHAT, intake.COMPLETION)
+
+
+class Router:
+    def __init__(self, config: RouterConfig) -> None:
+        self.config = config
+        self.metrics = RouterMetrics()
+        self.managed: list[ManagedEngine] = []
+        engines = []
+        for spec in config.engines:
+            if spec.launch is not None:
+                me = ManagedEngine(spec, config.model)
+                self.managed.append(me)
+                engines.append(Engine(spec, me.url))
+            else:
+                assert spec.url is not None
+                engines.append(Engine(spec, spec.url.rstrip("/")))
+        self.pool = Pool(engines, config.prefill_concurrency, config.decode_concurrency)
+        self.admission = Admission(self.pool, config.http_retention_limit, config.queue_size,
+                                   config.queue_wait_s)
+        self._tasks: list[asyncio.Task[None]] = []
+        self.session: aiohttp.ClientSession | None = None
+        self.relayer: Relayer | None = None
+
+    # -- lifecycle ----------------------------------------------------------------------
+    async def startup(self) -> None:
+        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=60, ttl_dns_cache=300)
+        self.session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
+        self.relayer = Relayer(self.session, self.pool, self.admission, self.metrics)
+        for me in self.managed:
+            await me.start()
+        c = self.config
+        self._tasks.append(asyncio.create_task(
+            self.pool.probe_forever(self.session, c.health_interval_s, c.health_timeout_s)))
+        self._tasks.append(asyncio.create_task(self.admission.drain_forever()))
+        if c.admission == "predictive":
+            log.warning("admission: predictive is not implemented yet; admitting as 'open'")
+
+    async def shutdown(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+        await asyncio.gather(*(me.stop() for me in self.managed))
+        if self.session is not None:
+            await self.session.close()
+
+    # -- ASGI ---------------------------------------------------------------------------
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await self._lifespan(receive, send)
+            return
+        if scope["type"] != "http":
+            return
+        path, method = scope["path"], scope["method"]
+        try:
+            if path in COMPLETION_ROUTES:
+                if method != "POST":
+                    raise ApiError(405, "use POST", code="method_not_allowed")
+                await self._completion(path, scope, receive, send)
+            elif method != "GET":
+                raise ApiError(405, "use GET", code="method_not_allowed")
+            elif path == "/health":
+                await asgi.send_json(send, 200, {"status": "ok"})
+            elif path == "/ready":
+                await self._ready(send)
+            elif path == "/v1/models":
+                await asgi.send_json(send, 200, {"object": "list", "data": [
+                    {"id": self.config.model, "object": "model", "created": 0,
+                     "owned_by": "narwhal"}]})
+            elif path == "/engines":
+                await asgi.send_json(send, 200, {"engines": [e.describe()
+                                                             for e in self.pool.engines]})
+            elif path == "/metrics":
+                self._refresh_gauges()
+                await asgi.send_bytes(send, 200, generate_latest(self.metrics.registry),
+                                      b"text/plain; version=0.0.4")
+            else:
+                raise ApiError(404, f"no route {method} {path}", code="not_found")
+        except ApiError as e:
+            await asgi.send_error(send, e)
+        except asgi.ClientGone:
+            pass
+
+    async def _lifespan(self, receive: Receive, send: Send) -> None:
+        while True:
+            msg = await receive()
+            if msg["type"] == "lifespan.startup":
+                await self.startup()
+                await send({"type": "lifespan.startup.complete"})
+            elif msg["type"] == "lifespan.shutdown":
+                await self.shutdown()
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+    async def _ready(self, send: Send) -> None:
+        engines = [e.describe() for e in self.pool.engines]
+        ok = bool(self.pool.eligible())
+        body: dict[str, Any] = {"ready": ok, "admission": "open", "engines": engines}
+        if not ok:
+            body["reason"] = "no placement-eligible engine"
+        await asgi.send_json(send, 200 if ok else 503, body)
+
+    def _refresh_gauges(self) -> None:
+        m = self.metrics
+        m.retained.set(self.admission.retained)
+        m.queued.set(self.admission.queued)
+        for e in self.pool.engines:
+            m.inflight.labels(e.name, "prefill").set(e.prefill)
+            m.inflight.labels(e.name, "decode").set(e.decode)
+
+    # -- a completion request's way through --------------------------------------------
+    def _deadline(self, scope: Scope, arrived: float) -> float:
+        raw = asgi.header(scope, b"x-narwhal-timeout-ms")
+        timeout = self.config.request_timeout_s
+        if raw is not None:
+            try:
+                ms = int(raw)
+            except ValueError:
+                ms = 0
+            if ms <= 0:
+                raise ApiError(400, "x-narwhal-timeout-ms must be a positive integer",
+                               param="x-narwhal-timeout-ms")
+            timeout = min(timeout, ms / 1000)
+        return arrived + timeout
+
+    async def _completion(self, path: str, scope: Scope, receive: Receive, send: Send) -> None:
+        m = self.metrics
+        arrived = time.monotonic()
+        m.offered.inc()
+        try:
+            self.admission.retain()
+        except ApiError:
+            m.rejected.labels("retention").inc()
+            raise
+        try:
+            try:
+                raw = await asgi.read_body(receive, self.config.max_request_bytes)
+            except asgi.BodyTooLarge:
+                m.invalid_requests.inc()
+                raise ApiError(413, f"request body exceeds {self.config.max_request_bytes} "
+                               "bytes", code="request_too_large") from None
+            except asgi.ClientGone:
+                m.unsized_offered.inc()
+                raise
+            try:
+                deadline = self._deadline(scope, arrived)
+                req = intake.check(path, raw, self.config.model)
+            except ApiError as e:
+                if e.status == 400:
+                    m.invalid_requests.inc()
+                raise
+            await self._serve(req, scope, receive, send, arrived, deadline)
+        finally:
+            self.admission.release_retention()
+
+    async def _serve(self, req: intake.Intake, scope: Scope, receive: Receive, send: Send,
+                     arrived: float, deadline: float) -> None:
+        task = asyncio.current_task()
+        assert task is not None and self.relayer is not None
+        watcher = asyncio.create_task(_watch_disconnect(receive, task))
+        placed: Placed | None = None
+        try:
+            try:
+                engine = await self.admission.place(deadline)
+            except Expired:
+                self.metrics.rejected.labels("wait_expired").inc()
+                raise ApiError(504, "no engine had room before the wait or deadline ran out",
+                               type="timeout_error", code="admission_timeout") from None
+            except ApiError as e:
+                self.metrics.rejected.labels(e.code or "capacity").inc()
+                raise
+            placed = Placed(req, engine, arrived, deadline)
+            try:
+                await self.relayer.run(placed, send)
+            except EngineFailed as e:
+                raise ApiError(502, f"engine {engine.name} failed: {e}", type="server_error",
+                               code="engine_failed") from None
+        except asyncio.CancelledError:
+            if not watcher.done():
+                raise  # not the client's doing: shutting down
+        finally:
+            watcher.cancel()
+            if placed is not None:
+                self.relayer.release(placed)
+
+
+async def _watch_disconnect(receive: Receive, task: asyncio.Task[Any]) -> None:
+    while True:
+        msg = await receive()
+        if msg["type"] == "http.disconnect":
+            task.cancel()
+            return
+
+
+CONFIG_ENV = "NARWHAL_ROUTER_CONFIG"
+
+
+def create_app() -> Router:
+    """Granian factory: the CLI validated the config and left it in the environment."""
+    import pickle
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    config: RouterConfig = pickle.loads(bytes.fromhex(os.environ[CONFIG_ENV]))
+    return Router(config)

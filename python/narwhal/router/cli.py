@@ -1,0 +1,65 @@
+"""`narwhal`: the router's command line (`serve`, `up`)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pickle
+import sys
+
+from narwhal import __version__
+from narwhal.router.config import ConfigError, EngineSpec, Launch, RouterConfig, load
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="narwhal", description="Narwhal: an LLM-serving front door.")
+    p.add_argument("--version", action="version", version=f"narwhal {__version__}")
+    sub = p.add_subparsers(dest="command", required=True)
+    s = sub.add_parser("serve", help="run the router from a YAML config")
+    s.add_argument("--config", required=True, metavar="PATH", help="narwhal.yaml")
+    u = sub.add_parser("up", help="one machine: the router plus one managed LexiEngine")
+    u.add_argument("--model", metavar="PATH", help="GGUF model (default: the SmolLM2 test model)")
+    u.add_argument("--host", default="127.0.0.1")
+    u.add_argument("--port", type=int, default=8000)
+    u.add_argument("--parallel", type=int, default=4, help="engine slots")
+    return p
+
+
+def _up_config(args: argparse.Namespace) -> RouterConfig:
+    model = args.model
+    if model is None:
+        from narwhal.bundled_model import ModelNotInstalled, smollm2_path
+
+        try:
+            model = str(smollm2_path())
+        except ModelNotInstalled as e:
+            raise ConfigError(str(e)) from e
+    launch = Launch(model=model, parallel=args.parallel)
+    return RouterConfig(engines=(EngineSpec("local", "lexi", None, launch),), host=args.host,
+                        port=args.port, admission="open")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        config = load(args.config) if args.command == "serve" else _up_config(args)
+    except ConfigError as e:
+        print(f"narwhal: config error: {e}", file=sys.stderr)
+        return 2
+    from granian import Granian
+    from granian.constants import Interfaces
+
+    from narwhal.router.app import CONFIG_ENV
+
+    os.environ[CONFIG_ENV] = pickle.dumps(config).hex()
+    engines = ", ".join(e.name + (f" ({e.url})" if e.url else " (managed)")
+                        for e in config.engines)
+    print(f"narwhal {__version__}: model '{config.model}' on http://{config.host}:{config.port} "
+          f"-> engines: {engines}", file=sys.stderr)
+    Granian("narwhal.router.app:create_app", factory=True, address=config.host,
+            port=config.port, interface=Interfaces.ASGI, workers=1, log_access=False).serve()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

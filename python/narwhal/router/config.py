@@ -1,0 +1,174 @@
+"""Router configuration: YAML checked against a JSON Schema before anything listens."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import jsonschema_rs
+import yaml
+
+DIALECTS = ("lexi", "vllm", "sglang", "llamacpp", "openai")
+TOKEN_ID_DIALECTS = frozenset({"lexi", "vllm"})
+
+_pos_int = {"type": "integer", "minimum": 1}
+_pos_num = {"type": "number", "exclusiveMinimum": 0}
+
+SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["engines"],
+    "properties": {
+        "model": {"type": "string", "minLength": 1},
+        "listen": {
+            "type": "object", "additionalProperties": False,
+            "properties": {"host": {"type": "string", "minLength": 1},
+                           "port": {"type": "integer", "minimum": 0, "maximum": 65535}},
+        },
+        "admission": {"enum": ["predictive", "open"]},
+        "serving": {
+            "type": "object", "additionalProperties": False,
+            "properties": {"max_request_bytes": _pos_int, "http_retention_limit": _pos_int,
+                           "request_timeout_s": _pos_num},
+        },
+        "queue": {
+            "type": "object", "additionalProperties": False,
+            "properties": {"size": {"type": "integer", "minimum": 0}, "wait_s": _pos_num},
+        },
+        "phases": {
+            "type": "object", "additionalProperties": False,
+            "properties": {"prefill_concurrency": _pos_int, "decode_concurrency": _pos_int},
+        },
+        "predictive": {
+            "type": "object", "additionalProperties": False,
+            "properties": {"ttft_budget_s": _pos_num},
+        },
+        "health": {
+            "type": "object", "additionalProperties": False,
+            "properties": {"interval_s": _pos_num, "timeout_s": _pos_num},
+        },
+        "engines": {
+            "type": "array", "minItems": 1,
+            "items": {
+                "type": "object", "additionalProperties": False, "required": ["name"],
+                "properties": {
+                    "name": {"type": "string", "pattern": "^[A-Za-z0-9_.-]+$"},
+                    "url": {"type": "string", "pattern": "^https?://"},
+                    "dialect": {"enum": list(DIALECTS)},
+                    "launch": {
+                        "type": "object", "additionalProperties": False, "required": ["model"],
+                        "properties": {
+                            "model": {"type": "string", "minLength": 1},
+                            "parallel": _pos_int,
+                            "port": {"type": "integer", "minimum": 1, "maximum": 65535},
+                            "args": {"type": "array", "items": {"type": "string"}},
+                        },
+                    },
+                },
+                "oneOf": [{"required": ["url"]}, {"required": ["launch"]}],
+            },
+        },
+    },
+}
+
+_VALIDATOR = jsonschema_rs.validator_for(SCHEMA)
+
+
+class ConfigError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class Launch:
+    model: str
+    parallel: int = 4
+    port: int | None = None
+    args: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    name: str
+    dialect: str = "lexi"
+    url: str | None = None
+    launch: Launch | None = None
+
+    @property
+    def token_ids(self) -> bool:
+        return self.dialect in TOKEN_ID_DIALECTS
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    engines: tuple[EngineSpec, ...]
+    model: str = "main"
+    host: str = "127.0.0.1"
+    port: int = 8000
+    admission: str = "predictive"
+    max_request_bytes: int = 1048576
+    http_retention_limit: int = 1024
+    request_timeout_s: float = 600.0
+    queue_size: int = 256
+    queue_wait_s: float = 30.0
+    prefill_concurrency: int = 4
+    decode_concurrency: int = 64
+    ttft_budget_s: float = 2.0
+    health_interval_s: float = 2.0
+    health_timeout_s: float = 2.0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _path(err: Any) -> str:
+    parts = [str(p) for p in getattr(err, "instance_path", [])]
+    return ".".join(parts) or "<root>"
+
+
+def parse(data: Any) -> RouterConfig:
+    if not isinstance(data, dict):
+        raise ConfigError("<root>: the config must be a mapping")
+    errors = sorted(_VALIDATOR.iter_errors(data), key=lambda e: list(map(str, e.instance_path)))
+    if errors:
+        raise ConfigError("; ".join(f"{_path(e)}: {e.message}" for e in errors))
+    names = [e["name"] for e in data["engines"]]
+    dupes = {n for n in names if names.count(n) > 1}
+    if dupes:
+        raise ConfigError(f"engines: duplicate engine name {sorted(dupes)[0]!r}")
+    engines = []
+    for e in data["engines"]:
+        launch = None
+        if "launch" in e:
+            la = e["launch"]
+            launch = Launch(la["model"], la.get("parallel", 4), la.get("port"),
+                            tuple(la.get("args", ())))
+        engines.append(EngineSpec(e["name"], e.get("dialect", "lexi"), e.get("url"), launch))
+    g = lambda section, key, default: data.get(section, {}).get(key, default)  # noqa: E731
+    return RouterConfig(
+        engines=tuple(engines),
+        model=data.get("model", "main"),
+        host=g("listen", "host", "127.0.0.1"),
+        port=g("listen", "port", 8000),
+        admission=data.get("admission", "predictive"),
+        max_request_bytes=g("serving", "max_request_bytes", 1048576),
+        http_retention_limit=g("serving", "http_retention_limit", 1024),
+        request_timeout_s=float(g("serving", "request_timeout_s", 600)),
+        queue_size=g("queue", "size", 256),
+        queue_wait_s=float(g("queue", "wait_s", 30)),
+        prefill_concurrency=g("phases", "prefill_concurrency", 4),
+        decode_concurrency=g("phases", "decode_concurrency", 64),
+        ttft_budget_s=float(g("predictive", "ttft_budget_s", 2.0)),
+        health_interval_s=float(g("health", "interval_s", 2.0)),
+        health_timeout_s=float(g("health", "timeout_s", 2.0)),
+    )
+
+
+def load(path: str | Path) -> RouterConfig:
+    try:
+        text = Path(path).read_text()
+    except OSError as e:
+        raise ConfigError(f"cannot read {path}: {e.strerror}") from e
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from e
+    return parse(data)

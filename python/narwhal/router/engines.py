@@ -1,0 +1,94 @@
+"""The engine pool: per-engine state, health probing and least-loaded placement."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+
+import aiohttp
+
+from narwhal.router.config import EngineSpec
+
+log = logging.getLogger("narwhal.engines")
+
+
+@dataclass
+class Engine:
+    spec: EngineSpec
+    url: str
+    healthy: bool = False
+    reason: str = "not probed yet"
+    prefill: int = 0  # placed requests before their first token
+    decode: int = 0  # requests streaming tokens
+    failures: int = 0
+    extra: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def token_accounting(self) -> str:
+        return "token_ids" if self.spec.token_ids else "unavailable"
+
+    @property
+    def inflight(self) -> int:
+        return self.prefill + self.decode
+
+    def describe(self) -> dict[str, object]:
+        return {"name": self.name, "url": self.url, "dialect": self.spec.dialect,
+                "healthy": self.healthy, "reason": None if self.healthy else self.reason,
+                "token_accounting": self.token_accounting, "prefill": self.prefill,
+                "decode": self.decode}
+
+
+class Pool:
+    def __init__(self, engines: list[Engine], prefill_limit: int, decode_limit: int) -> None:
+        self.engines = engines
+        self.prefill_limit = prefill_limit
+        self.decode_limit = decode_limit
+        self.changed = asyncio.Event()  # set whenever capacity may have freed up
+
+    def eligible(self) -> list[Engine]:
+        return [e for e in self.engines if e.healthy]
+
+    def pick(self) -> Engine | None:
+        """The least-loaded healthy engine with phase room: prefill count first."""
+        room = [e for e in self.eligible()
+                if e.prefill < self.prefill_limit and e.decode < self.decode_limit]
+        if not room:
+            return None
+        return min(room, key=lambda e: (e.prefill, e.inflight))
+
+    def notify(self) -> None:
+        self.changed.set()
+
+    async def probe_forever(self, session: aiohttp.ClientSession, interval: float,
+                            timeout: float) -> None:
+        while True:
+            await asyncio.gather(*(self.probe(session, e, timeout) for e in self.engines))
+            await asyncio.sleep(interval)
+
+    async def probe(self, session: aiohttp.ClientSession, e: Engine, timeout: float) -> None:
+        was = e.healthy
+        try:
+            async with session.get(e.url + "/health",
+                                   timeout=aiohttp.ClientTimeout(total=timeout)) as r:
+                ok = r.status == 200
+                e.reason = "ok" if ok else f"/health answered {r.status}"
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+            ok = False
+            e.reason = f"/health failed: {type(exc).__name__}"
+        e.healthy = ok
+        e.failures = 0 if ok else e.failures + 1
+        if ok != was:
+            log.info("engine %s is %s (%s)", e.name, "healthy" if ok else "unhealthy", e.reason)
+            self.notify()
+
+    def mark_failed(self, e: Engine, reason: str) -> None:
+        """A request saw the engine fail: stop placing on it until a probe says otherwise."""
+        if e.healthy:
+            log.warning("engine %s marked unhealthy: %s", e.name, reason)
+        e.healthy = False
+        e.reason = reason

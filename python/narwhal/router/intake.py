@@ -1,0 +1,136 @@
+"""Intake: the body's JSON and shape, the refusal rows that need no engine, and sizing."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from narwhal.errors import ApiError, invalid
+
+CHAT = "/v1/chat/completions"
+COMPLETION = "/v1/completions"
+
+
+@dataclass
+class Intake:
+    route: str  # CHAT | COMPLETION
+    body: dict[str, Any]
+    stream: bool
+    wants_token_ids: bool
+    include_usage: bool
+    prompt_bytes: int
+
+    @property
+    def kind(self) -> str:
+        return "chat" if self.route == CHAT else "completion"
+
+    def estimated_prompt_tokens(self) -> int:
+        # ~4 bytes a token for English BPE vocabularies; used only when an engine omits usage.
+        return max(1, self.prompt_bytes // 4)
+
+
+def _type(body: dict[str, Any], name: str, kind: type | tuple[type, ...], label: str) -> Any:
+    v = body.get(name)
+    if v is None:
+        return None
+    if isinstance(v, bool) and bool not in (kind if isinstance(kind, tuple) else (kind,)):
+        raise invalid(f"'{name}' must be {label}", name)
+    if not isinstance(v, kind):
+        raise invalid(f"'{name}' must be {label}", name)
+    return v
+
+
+def _text_bytes(content: Any) -> int:
+    if isinstance(content, str):
+        return len(content.encode())
+    if isinstance(content, list):
+        return sum(_text_bytes(p.get("text")) for p in content if isinstance(p, dict))
+    return 0
+
+
+def check(route: str, raw: bytes, model: str) -> Intake:
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as e:
+        raise invalid(f"request body is not valid JSON: {e}") from e
+    if not isinstance(body, dict):
+        raise invalid("request body must be a JSON object")
+
+    name = body.get("model")
+    if name is not None and not isinstance(name, str):
+        raise invalid("'model' must be a string", "model")
+    if name is not None and name != model:
+        raise ApiError(404, f"The model '{name}' does not exist", param="model",
+                       code="model_not_found")
+
+    stream = bool(_type(body, "stream", bool, "a boolean"))
+    for width in ("n", "best_of"):
+        v = _type(body, width, int, "an integer")
+        if v is not None and v > 1:
+            raise invalid(f"Invalid sampling width: {width} must be 1", width)
+        if v is not None and v < 1:
+            raise invalid(f"'{width}' must be at least 1", width)
+    for limit in ("max_tokens", "max_completion_tokens"):
+        v = _type(body, limit, int, "an integer")
+        if v is not None and v < 1:
+            raise invalid(f"'{limit}' must be at least 1", limit)
+    wants_ids = bool(_type(body, "return_token_ids", bool, "a boolean"))
+    opts = _type(body, "stream_options", dict, "an object") or {}
+    include_usage = opts.get("include_usage", False)
+    if not isinstance(include_usage, bool):
+        raise invalid("'include_usage' must be a boolean", "stream_options.include_usage")
+
+    if route == CHAT:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise invalid("'messages' must be a nonempty list", "messages")
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+                raise invalid("each message must be an object with a role", f"messages[{i}]")
+        prompt_bytes = sum(_text_bytes(m.get("content")) for m in messages)
+    else:
+        prompt = body.get("prompt")
+        if isinstance(prompt, str):
+            prompt_bytes = len(prompt.encode())
+        elif isinstance(prompt, list) and prompt:
+            prompt_bytes = sum(len(p.encode()) if isinstance(p, str) else 4 for p in prompt)
+        else:
+            raise invalid("'prompt' must be a string or a nonempty list", "prompt")
+
+    if not stream:
+        _refuse_unassemblable(body)
+    tools = _type(body, "tools", list, "a list")
+    for i, t in enumerate(tools or ()):
+        if not isinstance(t, dict) or t.get("type") != "function":
+            raise invalid("only function tools are supported", f"tools[{i}].type")
+    return Intake(route, body, stream, wants_ids, include_usage, prompt_bytes)
+
+
+def _refuse_unassemblable(body: dict[str, Any]) -> None:
+    """What the non-streaming assembler could never return is refused up front."""
+    if body.get("audio") is not None:
+        raise invalid("audio output is not supported", "audio")
+    mods = body.get("modalities")
+    if mods is not None:
+        if not isinstance(mods, list) or any(m != "text" for m in mods):
+            raise invalid("only the text modality is supported", "modalities")
+    rf = body.get("response_format")
+    if isinstance(rf, dict) and rf.get("type") not in (None, "text", "json_object",
+                                                        "json_schema"):
+        raise invalid("unsupported response_format", "response_format.type")
+
+
+def upstream_body(intake: Intake, token_ids: bool) -> bytes:
+    """The body sent to the engine: always a stream; token IDs asked for where supported."""
+    body = dict(intake.body)
+    body["stream"] = True
+    if token_ids:
+        body["return_token_ids"] = True
+        body["stream_interval"] = 1
+    else:
+        body.pop("return_token_ids", None)
+    if not intake.stream:
+        body["stream_options"] = {"include_usage": True}
+    return orjson.dumps(body)

@@ -1,0 +1,37 @@
+"""The router's Prometheus counters, gauges and histograms."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_LATENCY = (.005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30)
+_TPOT = (.001, .002, .005, .01, .02, .05, .1, .25, .5, 1)
+
+
+class RouterMetrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.offered = Counter("narwhal_offered", "Arrivals at a completion route", registry=r)
+        self.unsized_offered = Counter(
+            "narwhal_unsized_offered", "Arrivals whose body ended before sizing", registry=r)
+        self.rejected = Counter("narwhal_rejected", "Capacity rejections", ["reason"], registry=r)
+        self.refused = Counter("narwhal_refused", "Predictive refusals", ["reason"], registry=r)
+        self.invalid_requests = Counter(
+            "narwhal_invalid_requests", "Malformed request bodies", registry=r)
+        self.completed = Counter("narwhal_completed", "Requests answered in full",
+                                 ["engine"], registry=r)
+        self.stream_faults = Counter(
+            "narwhal_stream_faults", "Engine streams that failed validation or broke",
+            ["engine", "reason"], registry=r)
+        self.output_tokens = Counter("narwhal_output_tokens", "Relayed output tokens",
+                                     ["engine"], registry=r)
+        self.inflight = Gauge("narwhal_inflight", "Requests placed on an engine",
+                              ["engine", "phase"], registry=r)
+        self.retained = Gauge("narwhal_retained", "Requests the router holds", registry=r)
+        self.queued = Gauge("narwhal_queued", "Requests waiting for placement", registry=r)
+        self.ttfb = Histogram("narwhal_time_to_first_byte_seconds",
+                              "Arrival to first relayed byte", ["engine"], buckets=_LATENCY,
+                              registry=r)
+        self.tpot = Histogram("narwhal_time_per_output_token_seconds",
+                              "Mean time per output token after the first", ["engine"],
+                              buckets=_TPOT, registry=r)

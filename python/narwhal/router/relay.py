@@ -1,0 +1,182 @@
+"""Relay: one placed request's upstream call, streamed through or assembled.
+
+Each network chunk from the engine crosses into Rust once (`StreamRelay.feed` or
+`Assembler.feed`); Python only moves the resulting bytes and updates counters.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+
+import aiohttp
+import orjson
+
+from narwhal import asgi
+from narwhal._native import AssemblyError, Assembler, StreamRelay
+from narwhal.asgi import Send
+from narwhal.errors import ApiError
+from narwhal.router.admission import Admission
+from narwhal.router.engines import Engine, Pool
+from narwhal.router.intake import Intake, upstream_body
+from narwhal.router.metrics import RouterMetrics
+
+
+class EngineFailed(Exception):
+    """The engine could not be reached or broke before answering."""
+
+
+@dataclass
+class Placed:
+    intake: Intake
+    engine: Engine
+    arrived: float
+    deadline: float
+    phase: str = "prefill"
+
+
+def _error_event(message: str, code: str) -> bytes:
+    return b"data: " + orjson.dumps({"error": {"message": message, "type": "server_error",
+                                                "param": None, "code": code}}) + b"\n\n"
+
+
+class Relayer:
+    def __init__(self, session: aiohttp.ClientSession, pool: Pool, admission: Admission,
+                 metrics: RouterMetrics) -> None:
+        self.session = session
+        self.pool = pool
+        self.admission = admission
+        self.metrics = metrics
+
+    def _first_output(self, p: Placed) -> None:
+        if p.phase == "prefill":
+            p.phase = "decode"
+            self.admission.to_decode(p.engine)
+
+    def release(self, p: Placed) -> None:
+        if p.phase == "prefill":
+            self.admission.leave_prefill(p.engine)
+        elif p.phase == "decode":
+            self.admission.leave_decode(p.engine)
+        p.phase = "done"
+
+    async def run(self, p: Placed, send: Send) -> None:
+        e = p.engine
+        body = upstream_body(p.intake, e.spec.token_ids)
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=5)
+        try:
+            resp_cm = self.session.post(e.url + p.intake.route, data=body, timeout=timeout,
+                                        headers={"content-type": "application/json"})
+            remaining = p.deadline - time.monotonic()
+            resp = await asyncio.wait_for(resp_cm.__aenter__(), max(remaining, 0))
+        except asyncio.TimeoutError:
+            raise ApiError(504, "the request deadline passed before the engine answered",
+                           type="timeout_error", code="deadline_exceeded") from None
+        except (aiohttp.ClientError, OSError) as exc:
+            self.pool.mark_failed(e, f"request failed: {type(exc).__name__}")
+            raise EngineFailed(str(exc)) from exc
+        try:
+            if resp.status != 200:
+                # The engine's own refusal (a bad grammar, say) reaches the client as it is.
+                data = await resp.read()
+                ctype = resp.headers.get("content-type", "application/json").encode()
+                await asgi.send_bytes(send, resp.status, data, ctype)
+                return
+            if p.intake.stream:
+                await self._stream(p, resp, send)
+            else:
+                await self._assemble(p, resp, send)
+        finally:
+            await resp_cm.__aexit__(None, None, None)
+
+    async def _read(self, p: Placed, resp: aiohttp.ClientResponse, started: bool) -> bytes:
+        """Next chunk; before headers are out, the deadline bounds the wait."""
+        if started:
+            return await resp.content.readany()
+        remaining = p.deadline - time.monotonic()
+        try:
+            return await asyncio.wait_for(resp.content.readany(), max(remaining, 0))
+        except asyncio.TimeoutError:
+            raise ApiError(504, "the request deadline passed before the first token",
+                           type="timeout_error", code="deadline_exceeded") from None
+
+    async def _stream(self, p: Placed, resp: aiohttp.ClientResponse, send: Send) -> None:
+        e, m = p.engine, self.metrics
+        relay = StreamRelay(strip_token_ids=not p.intake.wants_token_ids,
+                            require_token_ids=e.spec.token_ids)
+        started = False
+        tokens = 0
+        first_at = 0.0
+        while True:
+            try:
+                chunk = await self._read(p, resp, started)
+            except (aiohttp.ClientError, OSError):
+                chunk = b""
+            if not chunk:
+                # The engine closed the stream without `[DONE]`: it broke mid-stream.
+                m.stream_faults.labels(e.name, "engine_disconnected").inc()
+                self.pool.mark_failed(e, "stream ended early")
+                if not started:
+                    raise EngineFailed("stream ended before any output")
+                await asgi.stream_chunk(send, _error_event("the engine stream ended early",
+                                                           "engine_disconnected"), more=False)
+                return
+            rep = relay.feed(chunk)
+            if rep.first_output:
+                self._first_output(p)
+                first_at = time.monotonic()
+            tokens += rep.output_tokens or rep.generation_events
+            if rep.forward:
+                if not started:
+                    await asgi.start_stream(send)
+                    started = True
+                    m.ttfb.labels(e.name).observe(time.monotonic() - p.arrived)
+                await asgi.stream_chunk(send, rep.forward)
+            if rep.fault_reason is not None:
+                m.stream_faults.labels(e.name, rep.fault_reason).inc()
+                if not started:
+                    await asgi.start_stream(send)
+                await asgi.stream_chunk(send, _error_event(
+                    f"engine stream rejected: {rep.fault_message}", rep.fault_reason),
+                    more=False)
+                return
+            if rep.done:
+                await asgi.stream_chunk(send, b"", more=False)
+                self._done(p, tokens, first_at)
+                return
+
+    def _done(self, p: Placed, tokens: int, first_at: float) -> None:
+        m, name = self.metrics, p.engine.name
+        m.completed.labels(name).inc()
+        m.output_tokens.labels(name).inc(tokens)
+        if tokens > 1 and first_at:
+            m.tpot.labels(name).observe((time.monotonic() - first_at) / (tokens - 1))
+
+    async def _assemble(self, p: Placed, resp: aiohttp.ClientResponse, send: Send) -> None:
+        e = p.engine
+        asm = Assembler(p.intake.kind, keep_token_ids=p.intake.wants_token_ids,
+                        require_token_ids=e.spec.token_ids)
+        first_at = 0.0
+        try:
+            while not asm.done:
+                try:
+                    chunk = await self._read(p, resp, False)
+                except (aiohttp.ClientError, OSError):
+                    chunk = b""
+                if not chunk:
+                    self.metrics.stream_faults.labels(e.name, "engine_disconnected").inc()
+                    self.pool.mark_failed(e, "stream ended early")
+                    raise EngineFailed("the engine stream ended before [DONE]")
+                if asm.feed(chunk):
+                    self._first_output(p)
+                    first_at = time.monotonic()
+            body = asm.finish(p.intake.estimated_prompt_tokens())
+        except AssemblyError as exc:
+            self.metrics.stream_faults.labels(e.name, "assembly").inc()
+            raise ApiError(502, f"the engine's output cannot be assembled: {exc}",
+                           type="server_error", param=getattr(exc, "field", None),
+                           code="bad_engine_output") from None
+        self.metrics.ttfb.labels(e.name).observe(time.monotonic() - p.arrived)
+        await asgi.send_bytes(send, 200, body)
+        self._done(p, asm.measured_output_tokens, first_at)
