@@ -1,0 +1,156 @@
+"""A scripted engine speaking real HTTP/SSE in an OpenAI/vLLM/LexiEngine shape.
+
+The router tests drive it through the request itself: the last message (or the prompt)
+`script:NAME[:ARG]` picks a behaviour. `GET /stats` tells what the engine saw.
+
+    python -m tests.scripted_engine --port 9001 [--dialect lexi|openai]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+STATS: dict[str, Any] = {"requests": 0, "disconnects": 0, "last": None, "healthy": True,
+                         "active": 0}
+
+
+def _script(body: dict[str, Any]) -> tuple[str, str]:
+    if "messages" in body:
+        text = body["messages"][-1].get("content") or ""
+    else:
+        text = body.get("prompt") or ""
+    if isinstance(text, str) and text.startswith("script:"):
+        name, _, arg = text[7:].partition(":")
+        return name, arg
+    return "echo", ""
+
+
+def _frame(body: dict[str, Any], chat: bool, piece: dict[str, Any] | None, ids: list[Any] | None,
+           finish: str | None = None, **top: Any) -> bytes:
+    if chat:
+        choice: dict[str, Any] = {"index": 0, "delta": piece or {}, "logprobs": None,
+                                  "finish_reason": finish}
+    else:
+        choice = {"index": 0, "text": (piece or {}).get("content", ""), "logprobs": None,
+                  "finish_reason": finish}
+    if ids is not None and body.get("return_token_ids"):
+        choice["token_ids"] = ids
+    frame = {"id": "x-1", "object": "chat.completion.chunk" if chat else "text_completion",
+             "created": 1, "model": "scripted", "choices": [choice], **top}
+    return b"data: " + orjson.dumps(frame) + b"\n\n"
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    body = await request.json()
+    STATS["requests"] += 1
+    STATS["last"] = body
+    chat = request.path.endswith("chat/completions")
+    name, arg = _script(body)
+    if name == "status":
+        return web.json_response({"error": {"message": "engine says no", "type": "x",
+                                             "param": "grammar", "code": None}},
+                                 status=int(arg))
+    if name == "slow_first":
+        await asyncio.sleep(int(arg) / 1000)
+    resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
+    await resp.prepare(request)
+    STATS["active"] += 1
+    try:
+        await _script_body(resp, body, chat, name, arg)
+    except (ConnectionResetError, asyncio.CancelledError):
+        STATS["disconnects"] += 1
+        raise
+    finally:
+        STATS["active"] -= 1
+    return resp
+
+
+async def _script_body(resp: web.StreamResponse, body: dict[str, Any], chat: bool, name: str,
+                       arg: str) -> None:
+    w = resp.write
+    first_top = {"prompt_token_ids": [1, 2, 3]} if body.get("return_token_ids") and chat else {}
+    await w(_frame(body, chat, {"role": "assistant", "content": ""} if chat else None, [],
+                   **first_top))
+    n = int(arg) if name == "echo" and arg else 4
+    if name == "missing_ids":
+        await w(_frame(body, chat, {"content": "a"}, None))
+    elif name == "bool_ids":
+        await w(_frame(body, chat, {"content": "a"}, [True]))
+    elif name == "die":
+        await w(_frame(body, chat, {"content": "partial"}, [7]))
+        await asyncio.sleep(0.05)
+        resp.force_close()
+        assert resp._payload_writer is not None
+        resp._payload_writer.transport.close()  # type: ignore[union-attr]
+        return
+    elif name == "hang":
+        await w(_frame(body, chat, {"content": "wait"}, [7]))
+        for _ in range(600):
+            await asyncio.sleep(0.05)
+            await w(b": keepalive\n\n")
+        return
+    elif name == "audio":
+        await w(_frame(body, chat, {"content": "x", "audio": {"data": "AAAA"}}, [5]))
+    elif name == "tools":
+        for idx, fn in ((0, "f"), (1, "g")):
+            await w(_frame(body, chat, {"tool_calls": [{"index": idx, "id": f"call_{idx}",
+                                                        "type": "function",
+                                                        "function": {"name": fn,
+                                                                     "arguments": "{\"a\""}}]},
+                           [10 + idx]))
+            await w(_frame(body, chat, {"tool_calls": [{"index": idx,
+                                                        "function": {"arguments": ": 1}"}}]},
+                           [20 + idx]))
+        await w(_frame(body, chat, None, [], finish="tool_calls"))
+        await w(b"data: [DONE]\n\n")
+        return
+    elif name == "reasoning":
+        await w(_frame(body, chat, {"reasoning_content": "hmm"}, [3]))
+        await w(_frame(body, chat, {"content": "ok"}, [4]))
+    else:
+        for i in range(n):
+            await w(_frame(body, chat, {"content": f"w{i} "}, [100 + i]))
+            if name == "slow":
+                await asyncio.sleep(0.02)
+    await w(_frame(body, chat, None, [], finish="stop"))
+    if (body.get("stream_options") or {}).get("include_usage") and name != "no_usage":
+        usage = {"prompt_tokens": 3, "completion_tokens": n, "total_tokens": 3 + n}
+        frame = {"id": "x-1", "object": "chat.completion.chunk", "created": 1,
+                 "model": "scripted", "choices": [], "usage": usage}
+        await w(b"data: " + orjson.dumps(frame) + b"\n\n")
+    await w(b"data: [DONE]\n\n")
+
+
+async def health(request: web.Request) -> web.Response:
+    return web.json_response({"ok": STATS["healthy"]}, status=200 if STATS["healthy"] else 503)
+
+
+async def set_health(request: web.Request) -> web.Response:
+    STATS["healthy"] = (await request.json())["healthy"]
+    return web.json_response({})
+
+
+async def stats(request: web.Request) -> web.Response:
+    return web.json_response(STATS)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--port", type=int, required=True)
+    args = p.parse_args()
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", completions)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_get("/health", health)
+    app.router.add_post("/health", set_health)
+    app.router.add_get("/stats", stats)
+    web.run_app(app, host="127.0.0.1", port=args.port, print=None)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,176 @@
+"""The Rust hot paths against the pure-Python references, on recorded-shape and generated
+streams, under every way of splitting them into chunks."""
+
+from __future__ import annotations
+
+import orjson
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from narwhal._native import AssemblyError, Assembler, SseDecoder, SseError, StreamRelay, ThinkSplitter
+from tests.reference import RefSseDecoder, RefThinkSplitter, ref_assemble, ref_relay_event
+from tests.streams import chat_stream, completion_stream, sse, tool_stream
+
+
+def chunked(data: bytes, cuts: list[int]) -> list[bytes]:
+    points = sorted({c % (len(data) + 1) for c in cuts})
+    out, prev = [], 0
+    for p in points:
+        out.append(data[prev:p])
+        prev = p
+    out.append(data[prev:])
+    return out
+
+
+def rust_events(chunks: list[bytes]) -> list[tuple[str | None, str, str | None]]:
+    d = SseDecoder(1 << 16)
+    return [(e.event, e.data, e.id) for c in chunks for e in d.feed(c)]
+
+
+def ref_events(chunks: list[bytes]) -> list[tuple[str | None, str, str | None]]:
+    d = RefSseDecoder(1 << 16)
+    return [e for c in chunks for e in d.feed(c)]
+
+
+line_end = st.sampled_from([b"\n", b"\r", b"\r\n"])
+field_line = st.one_of(
+    st.text(min_size=0, max_size=12).map(lambda t: b"data: " + t.encode()),
+    st.text(min_size=0, max_size=6).map(lambda t: b"data:" + t.encode()),
+    st.sampled_from([b"event: delta", b"id: 42", b": keepalive", b"retry: 10", b"data"]),
+)
+
+
+@st.composite
+def raw_streams(draw: st.DrawFn) -> bytes:
+    parts = [b"\xef\xbb\xbf"] if draw(st.booleans()) else []
+    for _ in range(draw(st.integers(0, 12))):
+        parts.append(draw(field_line) + draw(line_end))
+        if draw(st.booleans()):
+            parts.append(draw(line_end))
+    return b"".join(parts)
+
+
+@settings(max_examples=300, deadline=None)
+@given(raw_streams(), st.lists(st.integers(0, 10_000), max_size=6))
+def test_sse_decoder_matches_reference_under_any_split(stream: bytes, cuts: list[int]) -> None:
+    whole = rust_events([stream])
+    assert rust_events(chunked(stream, cuts)) == whole
+    assert ref_events(chunked(stream, cuts)) == whole
+
+
+def test_sse_invalid_utf8_names_the_offset() -> None:
+    d = SseDecoder()
+    d.feed(b"data: fine\n\n")
+    with pytest.raises(SseError, match="offset 18"):
+        d.feed(b"data: \xc3\x28\n\n")
+
+
+def test_sse_event_size_is_bounded() -> None:
+    d = SseDecoder(max_event_bytes=1000)
+    with pytest.raises(SseError, match="exceeds 1000"):
+        for _ in range(100):
+            d.feed(b"data: " + b"x" * 100 + b"\n")
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 40), st.booleans(), st.booleans(), st.lists(st.integers(0, 100_000),
+                                                                   max_size=8))
+def test_relay_matches_reference(n: int, strip: bool, reasoning: bool, cuts: list[int]) -> None:
+    frames = chat_stream(n, token_ids=True, reasoning=reasoning)
+    stream = sse(frames)
+    relay = StreamRelay(strip_token_ids=strip, require_token_ids=True)
+    forwarded, tokens = b"", 0
+    for c in chunked(stream, cuts):
+        rep = relay.feed(c)
+        assert rep.fault_reason is None
+        forwarded += rep.forward
+        tokens += rep.output_tokens
+    expect = b"".join(b"data: " + ref_relay_event(f, strip, True)[0] + b"\n\n" for f in frames)
+    ref_tokens = sum(ref_relay_event(f, strip, True)[1] for f in frames)
+    assert [orjson.loads(x[6:]) if x != b"data: [DONE]" else x
+            for x in forwarded.split(b"\n\n") if x] == \
+           [orjson.loads(x[6:]) if x != b"data: [DONE]" else x
+            for x in expect.split(b"\n\n") if x]
+    assert tokens == ref_tokens == n
+    assert (b"token_ids" in forwarded) is (not strip)
+
+
+def test_relay_leaves_frames_without_ids_byte_identical() -> None:
+    frames = chat_stream(5, token_ids=False)
+    stream = sse(frames)
+    rep = StreamRelay(strip_token_ids=True, require_token_ids=False).feed(stream)
+    assert rep.forward == stream
+
+
+@pytest.mark.parametrize(("bad", "reason"), [
+    ({"delta": {"content": "x"}}, "missing_token_ids"),
+    ({"delta": {"content": "x"}, "token_ids": [True]}, "boolean_token_id"),
+    ({"delta": {"content": "x"}, "token_ids": [-3]}, "negative_token_id"),
+    ({"delta": {"content": "x"}, "token_ids": [1.5]}, "non_integer_token_id"),
+    ({"delta": {"tool_calls": [{"index": 0}]}, "token_ids": "1"}, "token_ids_not_a_list"),
+    ({"delta": {"refusal": "no"}}, "missing_token_ids"),
+])
+def test_relay_token_id_faults(bad: dict[str, object], reason: str) -> None:
+    frame = orjson.dumps({"choices": [{"index": 0, **bad}]}).decode()
+    with pytest.raises(ValueError):
+        ref_relay_event(frame, True, True)
+    rep = StreamRelay(strip_token_ids=True, require_token_ids=True).feed(sse([frame]))
+    assert rep.fault_reason == reason
+    assert rep.forward == b""
+
+
+@pytest.mark.parametrize("make", [
+    lambda: (chat_stream(30, token_ids=True, reasoning=True), "chat"),
+    lambda: (tool_stream(), "chat"),
+    lambda: (completion_stream(20, logprobs=True), "completion"),
+])
+@settings(max_examples=40, deadline=None)
+@given(cuts=st.lists(st.integers(0, 100_000), max_size=8))
+def test_assembler_matches_reference(make: object, cuts: list[int]) -> None:
+    frames, kind = make()  # type: ignore[operator]
+    asm = Assembler(kind)
+    for c in chunked(sse(frames), cuts):
+        asm.feed(c)
+    got = orjson.loads(asm.finish(0))
+    want = ref_assemble(frames, kind)
+    for ch in got["choices"]:
+        ch.pop("stop_reason", None)
+    assert got == want
+
+
+def test_assembler_refuses_unknown_fields_by_name() -> None:
+    asm = Assembler("chat")
+    with pytest.raises(AssemblyError) as e:
+        asm.feed(sse(['{"choices":[{"index":0,"delta":{"annotations":[{"x":1}]}}]}']))
+    assert e.value.field == "choices[0].delta.annotations"
+
+
+think_text = st.lists(st.sampled_from(["<think>", "</think>", "<", "</", "think", ">", "a", " ",
+                                       "\n", "é", "answer"]), max_size=14).map("".join)
+
+
+@settings(max_examples=400, deadline=None)
+@given(think_text, st.booleans(), st.lists(st.integers(0, 200), max_size=5))
+def test_think_splitter_matches_reference(text: str, start_in: bool, cuts: list[int]) -> None:
+    ref = RefThinkSplitter(start_in_reasoning=start_in)
+    ref.text = text
+    want = ref.split_all()
+    t = ThinkSplitter(start_in_reasoning=start_in)
+    pieces = [p.decode() for p in chunked(text.encode(), cuts) if _valid(p)]
+    if "".join(pieces) != text:
+        pieces = [text]
+    r = c = ""
+    for p in pieces:
+        a, b = t.feed(p)
+        r, c = r + a, c + b
+    a, b = t.finish()
+    assert (r + a, c + b) == want
+
+
+def _valid(b: bytes) -> bool:
+    try:
+        b.decode()
+        return True
+    except UnicodeDecodeError:
+        return False

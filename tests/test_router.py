@@ -1,0 +1,263 @@
+"""The router against a scripted engine over real HTTP/SSE: refusals, relay, assembly."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+
+from tests.conftest import Server, start_router
+
+pytestmark = pytest.mark.slow
+
+CONFIG = """
+model: main
+listen: {host: 127.0.0.1, port: $PORT}
+admission: open
+serving: {max_request_bytes: 4096, http_retention_limit: 64, request_timeout_s: 30}
+queue: {size: 8, wait_s: 5}
+health: {interval_s: 0.2, timeout_s: 1}
+engines:
+  - name: s
+    url: URL
+    dialect: lexi
+"""
+
+
+@pytest.fixture(scope="module")
+def router(scripted: Server, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    r = start_router(tmp_path_factory.mktemp("r"), CONFIG.replace("URL", scripted.url))
+    yield r
+    r.stop()
+
+
+def chat(content: str, **kw: Any) -> dict[str, Any]:
+    return {"model": "main", "messages": [{"role": "user", "content": content}], **kw}
+
+
+def stats(s: Server) -> dict[str, Any]:
+    return httpx.get(s.url + "/stats").json()
+
+
+def sse_frames(text: str) -> list[Any]:
+    out = []
+    for block in text.split("\n\n"):
+        if block.startswith("data: "):
+            data = block[6:]
+            out.append(data if data == "[DONE]" else orjson.loads(data))
+    return out
+
+
+@pytest.mark.parametrize(("body", "status", "param", "code"), [
+    (b"{not json", 400, None, None),
+    (b"[1,2]", 400, None, None),
+    (orjson.dumps({"model": "main"}), 400, "messages", None),
+    (orjson.dumps(chat("x", stream="yes")), 400, "stream", None),
+    (orjson.dumps(chat("x", model="other")), 404, "model", "model_not_found"),
+    (orjson.dumps(chat("x", n=2)), 400, "n", None),
+    (orjson.dumps(chat("x", audio={"voice": "a"})), 400, "audio", None),
+    (orjson.dumps(chat("x", modalities=["text", "audio"])), 400, "modalities", None),
+    (orjson.dumps(chat("x", tools=[{"type": "custom", "custom": {}}])), 400, "tools[0].type",
+     None),
+    (orjson.dumps(chat("x" * 5000)), 413, None, "request_too_large"),
+])
+def test_refusals_use_the_envelope_and_never_reach_the_engine(
+        router: Server, scripted: Server, body: bytes, status: int, param: str | None,
+        code: str | None) -> None:
+    before = stats(scripted)["requests"]
+    r = httpx.post(router.url + "/v1/chat/completions", content=body)
+    assert r.status_code == status
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["param"] == param
+    if code:
+        assert err["code"] == code
+    assert stats(scripted)["requests"] == before
+
+
+def test_best_of_is_an_invalid_sampling_width(router: Server) -> None:
+    r = httpx.post(router.url + "/v1/completions", json={"prompt": "x", "best_of": 3})
+    assert r.status_code == 400
+    assert "Invalid sampling width" in r.json()["error"]["message"]
+
+
+def test_streaming_strips_token_ids_unless_asked(router: Server, scripted: Server) -> None:
+    r = httpx.post(router.url + "/v1/chat/completions", json=chat("hi", stream=True))
+    assert r.status_code == 200
+    frames = sse_frames(r.text)
+    assert frames[-1] == "[DONE]"
+    assert "".join(f["choices"][0]["delta"].get("content", "") for f in frames[:-1]) == \
+        "w0 w1 w2 w3 "
+    assert "token_ids" not in r.text
+    last = stats(scripted)["last"]
+    assert last["return_token_ids"] is True and last["stream_interval"] == 1
+
+    r = httpx.post(router.url + "/v1/chat/completions",
+                   json=chat("hi", stream=True, return_token_ids=True))
+    frames = sse_frames(r.text)
+    assert frames[0]["prompt_token_ids"] == [1, 2, 3]
+    assert [i for f in frames[1:-1] for i in f["choices"][0]["token_ids"]] == [100, 101, 102,
+                                                                                103]
+
+
+@pytest.mark.parametrize("script", ["missing_ids", "bool_ids"])
+def test_bad_token_ids_end_the_stream_with_a_visible_error(router: Server, script: str) -> None:
+    r = httpx.post(router.url + "/v1/chat/completions", json=chat(f"script:{script}",
+                                                                 stream=True))
+    frames = sse_frames(r.text)
+    assert "error" in frames[-1]
+    assert "[DONE]" not in frames
+    metrics = httpx.get(router.url + "/metrics").text
+    reason = "missing_token_ids" if script == "missing_ids" else "boolean_token_id"
+    assert f'reason="{reason}"' in metrics
+
+
+def test_non_streaming_assembly(router: Server) -> None:
+    r = httpx.post(router.url + "/v1/chat/completions", json=chat("script:echo:6"))
+    assert r.status_code == 200
+    body = r.json()
+    assert body["object"] == "chat.completion"
+    assert body["choices"][0]["message"]["content"] == "w0 w1 w2 w3 w4 w5 "
+    assert body["choices"][0]["finish_reason"] == "stop"
+    assert body["usage"]["completion_tokens"] == 6
+    assert "token_ids" not in body["choices"][0]
+
+    r = httpx.post(router.url + "/v1/chat/completions",
+                   json=chat("script:reasoning", return_token_ids=True))
+    msg = r.json()["choices"][0]
+    assert msg["message"]["reasoning_content"] == "hmm"
+    assert msg["message"]["content"] == "ok"
+    assert msg["token_ids"] == [3, 4]
+    assert r.json()["prompt_token_ids"] == [1, 2, 3]
+
+
+def test_non_streaming_tool_calls_and_completions(router: Server) -> None:
+    r = httpx.post(router.url + "/v1/chat/completions", json=chat("script:tools"))
+    calls = r.json()["choices"][0]["message"]["tool_calls"]
+    assert [(c["id"], c["function"]["name"], c["function"]["arguments"]) for c in calls] == \
+        [("call_0", "f", '{"a": 1}'), ("call_1", "g", '{"a": 1}')]
+    assert r.json()["choices"][0]["finish_reason"] == "tool_calls"
+
+    r = httpx.post(router.url + "/v1/completions", json={"prompt": "script:echo:3"})
+    assert r.json()["object"] == "text_completion"
+    assert r.json()["choices"][0]["text"] == "w0 w1 w2 "
+
+
+def test_unassemblable_engine_output_is_502_naming_the_field(router: Server) -> None:
+    r = httpx.post(router.url + "/v1/chat/completions", json=chat("script:audio"))
+    assert r.status_code == 502
+    assert r.json()["error"]["param"] == "choices[0].delta.audio"
+
+
+def test_engine_refusal_is_passed_through(router: Server) -> None:
+    r = httpx.post(router.url + "/v1/chat/completions", json=chat("script:status:400"))
+    assert r.status_code == 400
+    assert r.json()["error"]["message"] == "engine says no"
+
+
+def test_deadline_before_headers_is_504(router: Server) -> None:
+    r = httpx.post(router.url + "/v1/chat/completions", json=chat("script:slow_first:2000",
+                                                                 stream=True),
+                   headers={"x-narwhal-timeout-ms": "300"})
+    assert r.status_code == 504
+    r = httpx.post(router.url + "/v1/chat/completions", json=chat("x"),
+                   headers={"x-narwhal-timeout-ms": "soon"})
+    assert r.status_code == 400
+
+
+def test_client_disconnect_cancels_upstream(router: Server, scripted: Server) -> None:
+    before = stats(scripted)["disconnects"]
+    with httpx.stream("POST", router.url + "/v1/chat/completions",
+                      json=chat("script:hang", stream=True), timeout=10) as r:
+        for _ in r.iter_bytes():
+            break
+    end = time.monotonic() + 5
+    while stats(scripted)["disconnects"] == before and time.monotonic() < end:
+        time.sleep(0.05)
+    assert stats(scripted)["disconnects"] == before + 1
+    _wait_idle(router)
+
+
+def _wait_idle(router: Server) -> None:
+    end = time.monotonic() + 5
+    while time.monotonic() < end:
+        m = httpx.get(router.url + "/metrics").text
+        if "narwhal_retained 0.0" in m and 'phase="prefill"} 0.0' in m and \
+                'phase="decode"} 0.0' in m:
+            return
+        time.sleep(0.05)
+    raise AssertionError("router did not return to idle:\n" + m)
+
+
+def test_engine_death_mid_stream_ends_with_an_error(router: Server) -> None:
+    r = httpx.post(router.url + "/v1/chat/completions", json=chat("script:die", stream=True))
+    frames = sse_frames(r.text)
+    assert frames[-1]["error"]["code"] == "engine_disconnected"
+    _wait_ready(router)
+    _wait_idle(router)
+
+
+def _wait_ready(router: Server) -> None:
+    end = time.monotonic() + 5
+    while httpx.get(router.url + "/ready").status_code != 200:
+        assert time.monotonic() < end
+        time.sleep(0.05)
+
+
+def test_unhealthy_engine_means_503_backend_unavailable(router: Server,
+                                                       scripted: Server) -> None:
+    httpx.post(scripted.url + "/health", json={"healthy": False})
+    try:
+        end = time.monotonic() + 5
+        while httpx.get(router.url + "/ready").status_code != 503:
+            assert time.monotonic() < end
+            time.sleep(0.05)
+        r = httpx.post(router.url + "/v1/chat/completions", json=chat("x"))
+        assert r.status_code == 503
+        assert r.headers["retry-after"] == "1"
+        assert r.json()["error"]["code"] == "backend_unavailable"
+    finally:
+        httpx.post(scripted.url + "/health", json={"healthy": True})
+    _wait_ready(router)
+
+
+def test_ready_and_models_and_counters(router: Server) -> None:
+    ready = httpx.get(router.url + "/ready").json()
+    assert ready["engines"][0]["token_accounting"] == "token_ids"
+    assert httpx.get(router.url + "/v1/models").json()["data"][0]["id"] == "main"
+    m = httpx.get(router.url + "/metrics").text
+    for name in ("narwhal_offered_total", "narwhal_invalid_requests_total",
+                 "narwhal_time_to_first_byte_seconds"):
+        assert name in m
+
+
+def test_openai_sdk_works_unchanged(router: Server) -> None:
+    import openai
+
+    client = openai.OpenAI(base_url=router.url + "/v1", api_key="unused")
+    out = client.chat.completions.create(model="main", messages=[{"role": "user",
+                                                                  "content": "hi"}])
+    assert out.choices[0].message.content == "w0 w1 w2 w3 "
+    text = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+        model="main", messages=[{"role": "user", "content": "hi"}], stream=True) if c.choices)
+    assert text == "w0 w1 w2 w3 "
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="gpt-x", messages=[{"role": "user",
+                                                                 "content": "hi"}])
+
+
+def test_bad_config_is_refused_with_its_path(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    cfg = tmp_path / "bad.yaml"
+    cfg.write_text("engines:\n  - name: a\n    url: http://x\n    dialect: nope\nqueue: {size: -1}\n")
+    p = subprocess.run([str(Path(sys.executable).parent / "narwhal"), "serve", "--config",
+                        str(cfg)], capture_output=True, text=True, timeout=30)
+    assert p.returncode == 2
+    assert "engines.0.dialect" in p.stderr and "queue.size" in p.stderr
