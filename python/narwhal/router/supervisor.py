@@ -71,6 +71,10 @@ class ManagedEngine:
                 stdout=asyncio.subprocess.DEVNULL if os.environ.get("NARWHAL_QUIET_ENGINES")
                 else None)
             code = await self.proc.wait()
+            # The engine's own workers share its process group; none may outlive it and
+            # keep the port from the next start.
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
             if self._stopping:
                 return
             self.restarts += 1

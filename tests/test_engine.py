@@ -1,0 +1,339 @@
+"""LexiEngine end to end on the real SmolLM2 model over real sockets.
+
+Exact text comes from GBNF grammars: the model is forced to emit it token by token, so the
+reasoning split, stop strings and token IDs are checked deterministically.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+
+from tests.conftest import BIN, Server, start_engine
+
+pytestmark = pytest.mark.slow
+
+THINK = 'root ::= "<think>plan it</think>\\n\\nThe answer is 4."'
+LONG = 'root ::= "' + "go " * 1500 + '"'
+THINK_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and not enable_thinking %}<think></think>{% endif %}"
+    "{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def engine(model_path: str) -> Iterator[Server]:
+    s = start_engine(model_path, "--alias", "main", "--alias", "client-main",
+                     "--queue-wait", "30", "--temp", "0")
+    yield s
+    s.stop()
+
+
+def chat(content: str = "What is 2+2?", **kw: Any) -> dict[str, Any]:
+    return {"messages": [{"role": "user", "content": content}], **kw}
+
+
+def post(s: Server, path: str, body: dict[str, Any], **kw: Any) -> httpx.Response:
+    return httpx.post(s.url + path, json=body, timeout=120, **kw)
+
+
+def frames(r: httpx.Response) -> list[Any]:
+    out = []
+    for block in r.text.split("\n\n"):
+        for line in block.splitlines():
+            if line.startswith("data: "):
+                d = line[6:]
+                out.append(d if d == "[DONE]" else orjson.loads(d))
+    return out
+
+
+def test_models_lists_aliases_and_unknown_names_are_refused(engine: Server) -> None:
+    ids = [m["id"] for m in httpx.get(engine.url + "/v1/models").json()["data"]]
+    assert ids == ["main", "client-main"]
+    for name in ("client-main", None):
+        body = chat(max_tokens=2) | ({"model": name} if name else {})
+        assert post(engine, "/v1/chat/completions", body).status_code == 200
+    r = post(engine, "/v1/chat/completions", chat(model="Main", max_tokens=2))
+    assert r.status_code == 400
+    assert "requested model is not loaded" in r.json()["error"]["message"]
+
+
+def test_reasoning_is_separated_streaming_and_not(engine: Server) -> None:
+    r = post(engine, "/v1/chat/completions", chat(grammar=THINK))
+    msg = r.json()["choices"][0]["message"]
+    assert msg["reasoning_content"] == "plan it"
+    assert msg["content"] == "The answer is 4."
+    assert r.json()["choices"][0]["finish_reason"] == "stop"
+
+    r = post(engine, "/v1/chat/completions", chat(grammar=THINK, stream=True))
+    fs = [f for f in frames(r) if f != "[DONE]"]
+    reasoning = "".join(f["choices"][0]["delta"].get("reasoning_content", "") for f in fs)
+    content = "".join(f["choices"][0]["delta"].get("content", "") for f in fs)
+    assert (reasoning, content) == ("plan it", "The answer is 4.")
+    assert "<think>" not in r.text and "</think>" not in r.text
+    assert len([f for f in fs if f["choices"][0]["delta"]]) > 3  # really streamed
+
+
+def test_unclosed_reasoning_leaves_content_empty(engine: Server) -> None:
+    g = 'root ::= "<think>still going and going and going"'
+    r = post(engine, "/v1/chat/completions", chat(grammar=g, max_tokens=12))
+    msg = r.json()["choices"][0]["message"]
+    assert msg["content"] == ""
+    assert msg["reasoning_content"].startswith("still go")
+    assert r.json()["choices"][0]["finish_reason"] == "length"
+
+
+def test_completions_keep_raw_text(engine: Server) -> None:
+    r = post(engine, "/v1/completions", {"prompt": "Q:", "grammar": THINK})
+    assert r.json()["choices"][0]["text"] == "<think>plan it</think>\n\nThe answer is 4."
+
+
+def test_token_ids_follow_the_vllm_shape(engine: Server) -> None:
+    r = post(engine, "/v1/chat/completions", chat(grammar=THINK, return_token_ids=True,
+                                                  stream=True,
+                                                  stream_options={"include_usage": True}))
+    fs = frames(r)
+    assert fs[-1] == "[DONE]"
+    assert isinstance(fs[0]["prompt_token_ids"], list) and fs[0]["prompt_token_ids"]
+    assert all("prompt_token_ids" not in f for f in fs[1:-1])
+    ids = [i for f in fs[1:-1] if f["choices"] for i in f["choices"][0]["token_ids"]]
+    usage = fs[-2]["usage"]
+    assert len(ids) == usage["completion_tokens"]
+    assert len(fs[0]["prompt_token_ids"]) == usage["prompt_tokens"]
+
+    whole = post(engine, "/v1/chat/completions", chat(grammar=THINK, return_token_ids=True))
+    assert whole.json()["choices"][0]["token_ids"] == ids
+    comp = post(engine, "/v1/completions", {"prompt": "Hello", "max_tokens": 3,
+                                             "return_token_ids": True})
+    assert comp.json()["choices"][0]["prompt_token_ids"]
+    assert len(comp.json()["choices"][0]["token_ids"]) == 3
+
+
+def test_stream_interval_groups_tokens(engine: Server) -> None:
+    r = post(engine, "/v1/completions", {"prompt": "Hello", "max_tokens": 6, "stream": True,
+                                          "stream_interval": 3, "return_token_ids": True})
+    groups = [len(f["choices"][0]["token_ids"]) for f in frames(r)
+              if f != "[DONE]" and f["choices"][0]["token_ids"]]
+    assert groups == [3, 3]
+
+
+def test_stop_strings_seed_and_length(engine: Server) -> None:
+    g = 'root ::= "alpha beta STOP gamma"'
+    r = post(engine, "/v1/completions", {"prompt": "x", "grammar": g, "stop": ["STOP"]})
+    c = r.json()["choices"][0]
+    assert (c["text"], c["finish_reason"]) == ("alpha beta ", "stop")
+    a = post(engine, "/v1/completions", {"prompt": "Once", "max_tokens": 8, "temperature": 1.0,
+                                          "seed": 7}).json()
+    b = post(engine, "/v1/completions", {"prompt": "Once", "max_tokens": 8, "temperature": 1.0,
+                                          "seed": 7}).json()
+    assert a["choices"][0]["text"] == b["choices"][0]["text"]
+    assert a["choices"][0]["finish_reason"] == "length"
+    assert a["usage"]["completion_tokens"] == 8
+
+
+def test_response_format_json_and_logprobs(engine: Server) -> None:
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    r = post(engine, "/v1/chat/completions", chat(
+        max_tokens=40, response_format={"type": "json_schema",
+                                        "json_schema": {"name": "x", "schema": schema}}))
+    assert isinstance(orjson.loads(r.json()["choices"][0]["message"]["content"])["n"], int)
+    r = post(engine, "/v1/chat/completions", chat(max_tokens=3, logprobs=True, top_logprobs=2))
+    lp = r.json()["choices"][0]["logprobs"]["content"]
+    assert len(lp) == 3 and all(e["logprob"] <= 0 and len(e["top_logprobs"]) == 2 for e in lp)
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    (chat(n=2), "n"),
+    (chat(grammar="root ::= undefined_rule"), "grammar"),
+    (chat(temperature=5), "temperature"),
+    (chat(reasoning_effort="extreme"), "reasoning_effort"),
+    (chat(chat_template_kwargs={"messages": []}), "chat_template_kwargs.messages"),
+    ({"messages": [{"role": "user", "content": "x", "reasoning_content": "no"}]},
+     "messages[0].reasoning_content"),
+    ({"messages": []}, "messages"),
+    ({"messages": [{"role": "assistant", "content": "",
+                    "tool_calls": [{"id": "c", "function": {"name": "f",
+                                                            "arguments": "{bad"}}]}]},
+     "messages[0].tool_calls[0].function.arguments"),
+])
+def test_bad_requests_are_400_with_param(engine: Server, body: dict[str, Any],
+                                         param: str) -> None:
+    r = post(engine, "/v1/chat/completions", body)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
+
+
+def test_history_reasoning_is_accepted_and_not_replayed(engine: Server) -> None:
+    body = {"messages": [{"role": "user", "content": "hi"},
+                         {"role": "assistant", "content": "hello",
+                          "reasoning_content": "SECRET-THOUGHT " * 50},
+                         {"role": "tool", "tool_call_id": "c1", "name": "f", "content": "3"},
+                         {"role": "user", "content": "again"}],
+            "max_tokens": 1, "return_token_ids": True}
+    with_rc = post(engine, "/v1/chat/completions", body).json()
+    body["messages"][1].pop("reasoning_content")
+    without = post(engine, "/v1/chat/completions", body).json()
+    assert with_rc["prompt_token_ids"] == without["prompt_token_ids"]
+
+
+def test_reasoning_effort_is_501_for_a_template_that_cannot_think(engine: Server) -> None:
+    r = post(engine, "/v1/chat/completions", chat(reasoning_effort="high", max_tokens=1))
+    assert r.status_code == 501
+    assert post(engine, "/v1/chat/completions",
+                chat(reasoning_effort="none", max_tokens=1)).status_code == 200
+
+
+def test_context_ceiling_is_400(engine: Server) -> None:
+    r = post(engine, "/v1/completions", {"prompt": "word " * 3000, "max_tokens": 1})
+    assert r.status_code == 400
+    assert r.json()["error"]["code"] == "context_length_exceeded"
+
+
+def test_two_requests_one_slot_are_both_answered(engine: Server) -> None:
+    results: list[int] = []
+
+    def go() -> None:
+        results.append(post(engine, "/v1/completions", {"prompt": "Hi", "max_tokens": 12})
+                       .status_code)
+
+    ts = [threading.Thread(target=go) for _ in range(2)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    assert results == [200, 200]
+
+
+def test_responses_api(engine: Server) -> None:
+    r = post(engine, "/v1/responses", {"input": "What is 2+2?", "grammar": THINK})
+    out = r.json()["output"]
+    assert [o["type"] for o in out] == ["reasoning", "message"]
+    assert out[0]["content"][0]["text"] == "plan it"
+    assert out[1]["content"][0]["text"] == "The answer is 4."
+    r = post(engine, "/v1/responses", {"input": "hi", "grammar": THINK, "stream": True})
+    deltas = [f["delta"] for f in frames(r) if f["type"] == "response.output_text.delta"]
+    assert "".join(deltas) == "The answer is 4."
+    assert frames(r)[-1]["type"] == "response.completed"
+
+
+def test_openai_sdk_against_the_engine(engine: Server) -> None:
+    import openai
+
+    client = openai.OpenAI(base_url=engine.url + "/v1", api_key="x")
+    out = client.chat.completions.create(model="main", messages=[{"role": "user",
+                                                                  "content": "hi"}],
+                                         extra_body={"grammar": THINK})
+    assert out.choices[0].message.content == "The answer is 4."
+    assert (out.choices[0].message.model_extra or {})["reasoning_content"] == "plan it"
+    assert out.usage is not None and out.usage.completion_tokens > 10
+
+
+def test_metrics(engine: Server) -> None:
+    m = httpx.get(engine.url + "/metrics").text
+    for name in ("lexi_requests_total", "lexi_output_tokens_total", "lexi_queue_depth",
+                 "lexi_slots_busy", "lexi_time_to_first_token_seconds",
+                 "lexi_time_per_output_token_seconds"):
+        assert name in m
+
+
+@pytest.fixture(scope="module")
+def busy_engine(model_path: str) -> Iterator[Server]:
+    s = start_engine(model_path, "--queue-wait", "0", "--api-key", "k1",
+                     "--chat-template-file", str(_template_file()),
+                     "--reasoning-format", "none")
+    yield s
+    s.stop()
+
+
+def _template_file() -> Path:
+    import tempfile
+
+    p = Path(tempfile.mkdtemp()) / "think.jinja"
+    p.write_text(THINK_TEMPLATE)
+    return p
+
+
+def test_queue_wait_zero_is_429_busy(busy_engine: Server) -> None:
+    auth = {"authorization": "Bearer k1"}
+    with httpx.stream("POST", busy_engine.url + "/v1/completions", headers=auth,
+                      json={"prompt": "Hi", "max_tokens": 1500, "stream": True,
+                            "grammar": LONG},
+                      timeout=60) as first:
+        chunks = first.iter_bytes()
+        assert next(chunks)
+        r = httpx.post(busy_engine.url + "/v1/completions", headers=auth,
+                       json={"prompt": "Hi", "max_tokens": 2}, timeout=60)
+        assert r.status_code == 429, r.text
+        assert r.json()["error"]["code"] == "inference_busy"
+    # The disconnect freed the slot.
+    for _ in range(50):
+        r = httpx.post(busy_engine.url + "/v1/completions", headers=auth,
+                       json={"prompt": "Hi", "max_tokens": 2}, timeout=60)
+        if r.status_code == 200:
+            break
+    assert r.status_code == 200
+
+
+def test_api_key_applies_to_every_alias_but_not_health(busy_engine: Server) -> None:
+    assert httpx.get(busy_engine.url + "/health").status_code == 200
+    assert httpx.get(busy_engine.url + "/v1/models").status_code == 401
+    r = httpx.post(busy_engine.url + "/v1/chat/completions", json=chat(max_tokens=1))
+    assert r.status_code == 401
+
+
+def test_template_file_thinking_switch_and_raw_format(busy_engine: Server) -> None:
+    auth = {"authorization": "Bearer k1"}
+    on = post(busy_engine, "/v1/chat/completions",
+              chat(reasoning_effort="high", max_tokens=1, return_token_ids=True), headers=auth)
+    off = post(busy_engine, "/v1/chat/completions",
+               chat(reasoning_effort="none", max_tokens=1, return_token_ids=True), headers=auth)
+    assert on.status_code == off.status_code == 200
+    assert len(off.json()["prompt_token_ids"]) > len(on.json()["prompt_token_ids"])
+    raw = post(busy_engine, "/v1/chat/completions", chat(grammar=THINK), headers=auth).json()
+    assert raw["choices"][0]["message"]["content"] == "<think>plan it</think>\n\nThe answer is 4."
+
+
+@pytest.mark.parametrize(("args", "flag"), [
+    (["--temp", "3"], "--temp"),
+    (["--top-k", "-1"], "--top-k"),
+    (["--n-predict", "0"], "--n-predict"),
+    (["--chat-template-kwargs", "{bad"], "--chat-template-kwargs"),
+    (["--chat-template-kwargs", "[1]"], "--chat-template-kwargs"),
+    (["--reasoning-format", "deepseek"], "--reasoning-format"),
+    (["--chat-template-file", "/nonexistent.jinja"], "--chat-template-file"),
+])
+def test_bad_launch_options_are_refused_before_listening(model_path: str, args: list[str],
+                                                         flag: str) -> None:
+    p = subprocess.run([str(BIN / "lexi-engine"), "serve", "-m", model_path, *args],
+                       capture_output=True, text=True, timeout=30)
+    assert p.returncode == 2
+    assert flag in p.stderr
+
+
+@pytest.mark.parametrize("content", [b"", b"\xff\xfe", b"{% for x in %}", b"x" * 300_000])
+def test_bad_template_files_are_refused(model_path: str, tmp_path: Path,
+                                        content: bytes) -> None:
+    f = tmp_path / "t.jinja"
+    f.write_bytes(content)
+    p = subprocess.run([str(BIN / "lexi-engine"), "serve", "-m", model_path,
+                        "--chat-template-file", str(f)], capture_output=True, text=True,
+                       timeout=30)
+    assert p.returncode == 2
+    assert "--chat-template-file" in p.stderr
+
+
+def test_version_flags() -> None:
+    for exe in ("lexi-engine", "narwhal"):
+        out = subprocess.run([str(BIN / exe), "--version"], capture_output=True, text=True)
+        assert out.returncode == 0 and out.stdout.startswith(exe)
+    assert sys.executable

@@ -1,0 +1,88 @@
+"""Managed engines: the router starts LexiEngine, serves through it, restarts it when it
+dies, and leaves no process behind when it stops."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.conftest import start_router
+
+pytestmark = pytest.mark.slow
+
+
+def _engine_pid(router_pid: int) -> int | None:
+    """The router's managed engine: the lexi-engine process whose parent is not one."""
+    family = _descendants(router_pid)
+    for d in sorted(Path("/proc").iterdir(), key=lambda p: p.name):
+        if not d.name.isdigit():
+            continue
+        try:
+            cmd = (d / "cmdline").read_bytes().split(b"\0")
+            stat = (d / "stat").read_text().split()
+        except OSError:
+            continue
+        if (any(c.endswith(b"lexi-engine") for c in cmd[:2]) and b"serve" in cmd
+                and int(d.name) in family and int(stat[3]) in family):
+            parent_cmd = Path(f"/proc/{stat[3]}/cmdline").read_bytes()
+            if b"lexi-engine" not in parent_cmd:
+                return int(d.name)
+    return None
+
+
+def _descendants(pid: int) -> set[int]:
+    out = {pid}
+    changed = True
+    while changed:
+        changed = False
+        for d in Path("/proc").iterdir():
+            if d.name.isdigit() and int(d.name) not in out:
+                try:
+                    ppid = int((d / "stat").read_text().split()[3])
+                except OSError:
+                    continue
+                if ppid in out:
+                    out.add(int(d.name))
+                    changed = True
+    return out
+
+
+def test_managed_engine_serves_restarts_and_stops(model_path: str, tmp_path: Path) -> None:
+    r = start_router(tmp_path, f"""
+model: main
+listen: {{port: $PORT}}
+admission: open
+health: {{interval_s: 0.2}}
+engines:
+  - name: local
+    launch: {{model: {model_path}, parallel: 2, args: ["--ctx-size", "1024"]}}
+""")
+    try:
+        body = {"model": "main", "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 3}
+        ok = httpx.post(r.url + "/v1/chat/completions", json=body, timeout=60)
+        assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] >= 1
+        pid = _engine_pid(r.proc.pid)
+        assert pid is not None
+        os.kill(pid, signal.SIGKILL)
+        end = time.monotonic() + 60
+        while True:
+            assert time.monotonic() < end, "engine was not restarted"
+            new = _engine_pid(r.proc.pid)
+            if new not in (None, pid) and httpx.get(r.url + "/ready").status_code == 200:
+                break
+            time.sleep(0.2)
+        again = httpx.post(r.url + "/v1/chat/completions", json=body, timeout=60)
+        assert again.status_code == 200
+        tree = _descendants(r.proc.pid)
+    finally:
+        r.stop()
+    time.sleep(0.5)
+    alive = [p for p in tree if Path(f"/proc/{p}").exists()
+             and "Z" not in Path(f"/proc/{p}/stat").read_text().split()[2]]
+    assert alive == []
