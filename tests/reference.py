@@ -113,7 +113,7 @@ def ref_relay_event(data: str, strip: bool, require_ids: bool) -> tuple[bytes, i
         gen = any(_carries(d.get(k)) for k in GENERATED) or _carries(c.get("text"))
         generated_any |= gen
         ids = c.get("token_ids")
-        if ids is not None or gen and "token_ids" in c:
+        if ids is not None or (gen and "token_ids" in c):
             n += check_ids(ids)
         elif gen and require_ids:
             raise ValueError("missing token_ids")

@@ -7,8 +7,15 @@ import orjson
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from narwhal._native import (
+    Assembler,
+    AssemblyError,
+    SseDecoder,
+    SseError,
+    StreamRelay,
+    ThinkSplitter,
+)
 
-from narwhal._native import AssemblyError, Assembler, SseDecoder, SseError, StreamRelay, ThinkSplitter
 from tests.reference import RefSseDecoder, RefThinkSplitter, ref_assemble, ref_relay_event
 from tests.streams import chat_stream, completion_stream, sse, tool_stream
 

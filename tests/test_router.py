@@ -256,7 +256,8 @@ def test_bad_config_is_refused_with_its_path(tmp_path: Path) -> None:
     import sys
 
     cfg = tmp_path / "bad.yaml"
-    cfg.write_text("engines:\n  - name: a\n    url: http://x\n    dialect: nope\nqueue: {size: -1}\n")
+    cfg.write_text("engines:\n  - name: a\n    url: http://x\n    dialect: nope\n"
+                   "queue: {size: -1}\n")
     p = subprocess.run([str(Path(sys.executable).parent / "narwhal"), "serve", "--config",
                         str(cfg)], capture_output=True, text=True, timeout=30)
     assert p.returncode == 2

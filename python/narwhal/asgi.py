@@ -63,7 +63,8 @@ async def send_bytes(
     ctype: bytes = JSON,
     headers: Iterable[tuple[str, str]] = (),
 ) -> None:
-    await send({"type": "http.response.start", "status": status, "headers": _headers(ctype, headers)})
+    hs = _headers(ctype, headers)
+    await send({"type": "http.response.start", "status": status, "headers": hs})
     await send({"type": "http.response.body", "body": body})
 
 

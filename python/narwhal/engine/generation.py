@@ -77,7 +77,8 @@ class Generation:
 
     def _logprobs(self, token: int, piece: str) -> dict[str, Any]:
         m = self.model
-        logits = np.ctypeslib.as_array(m.llama._ctx.get_logits(), shape=(m.n_vocab,))
+        logits = np.ctypeslib.as_array(m.llama._ctx.get_logits(),  # type: ignore[no-untyped-call]
+                                     shape=(m.n_vocab,))
         shifted = logits - logits.max()
         logz = np.log(np.exp(shifted).sum())
         lp = shifted - logz

@@ -6,7 +6,8 @@ import logging
 from pathlib import Path
 
 import llama_cpp
-from llama_cpp import Llama, LlamaGrammar
+from llama_cpp import Llama
+from llama_cpp.llama_grammar import LlamaGrammar
 
 from narwhal.engine.config import EngineConfig
 from narwhal.engine.template import CHATML, ChatTemplate

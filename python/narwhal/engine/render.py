@@ -264,7 +264,8 @@ class ResponsesWriter:
         idx = len(self.items)
         text = self.text[kind]
         item_id = self.rs_id if kind == "reasoning" else self.msg_id
-        done = "response.reasoning_text.done" if kind == "reasoning" else "response.output_text.done"
+        done = ("response.reasoning_text.done" if kind == "reasoning"
+                else "response.output_text.done")
         item = self._item(kind, text, "completed")
         self.items.append(item)
         return (self._ev(done, output_index=idx, item_id=item_id, content_index=0, text=text)

@@ -7,7 +7,7 @@ sandbox, so a template cannot reach Python internals or mutate its inputs.
 from __future__ import annotations
 
 import datetime
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jinja2
@@ -100,7 +100,7 @@ class ChatTemplate:
 
     def render(
         self,
-        messages: list[Mapping[str, Any]],
+        messages: Sequence[Mapping[str, Any]],
         *,
         tools: list[Any] | None = None,
         kwargs: Mapping[str, Any] | None = None,

@@ -142,7 +142,9 @@ def parse(data: Any) -> RouterConfig:
             launch = Launch(la["model"], la.get("parallel", 4), la.get("port"),
                             tuple(la.get("args", ())))
         engines.append(EngineSpec(e["name"], e.get("dialect", "lexi"), e.get("url"), launch))
-    g = lambda section, key, default: data.get(section, {}).get(key, default)  # noqa: E731
+    def g(section: str, key: str, default: Any) -> Any:
+        return data.get(section, {}).get(key, default)
+
     return RouterConfig(
         engines=tuple(engines),
         model=data.get("model", "main"),

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import orjson
 
@@ -23,7 +23,7 @@ class Intake:
     prompt_bytes: int
 
     @property
-    def kind(self) -> str:
+    def kind(self) -> Literal["chat", "completion"]:
         return "chat" if self.route == CHAT else "completion"
 
     def estimated_prompt_tokens(self) -> int:
@@ -113,9 +113,8 @@ def _refuse_unassemblable(body: dict[str, Any]) -> None:
     if body.get("audio") is not None:
         raise invalid("audio output is not supported", "audio")
     mods = body.get("modalities")
-    if mods is not None:
-        if not isinstance(mods, list) or any(m != "text" for m in mods):
-            raise invalid("only the text modality is supported", "modalities")
+    if mods is not None and (not isinstance(mods, list) or any(m != "text" for m in mods)):
+        raise invalid("only the text modality is supported", "modalities")
     rf = body.get("response_format")
     if isinstance(rf, dict) and rf.get("type") not in (None, "text", "json_object",
                                                         "json_schema"):

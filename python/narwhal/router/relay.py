@@ -14,7 +14,7 @@ import aiohttp
 import orjson
 
 from narwhal import asgi
-from narwhal._native import AssemblyError, Assembler, StreamRelay
+from narwhal._native import Assembler, AssemblyError, StreamRelay
 from narwhal.asgi import Send
 from narwhal.errors import ApiError
 from narwhal.router.admission import Admission
