@@ -7,6 +7,7 @@ import orjson
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from narwhal._native import (
     Assembler,
     AssemblyError,
@@ -15,7 +16,6 @@ from narwhal._native import (
     StreamRelay,
     ThinkSplitter,
 )
-
 from tests.reference import RefSseDecoder, RefThinkSplitter, ref_assemble, ref_relay_event
 from tests.streams import chat_stream, completion_stream, sse, tool_stream
 
