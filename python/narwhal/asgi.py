@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable, Iterable, MutableMapping
 from typing import Any
 
@@ -83,3 +84,25 @@ async def start_stream(send: Send, headers: Iterable[tuple[str, str]] = ()) -> N
 
 async def stream_chunk(send: Send, data: bytes, more: bool = True) -> None:
     await send({"type": "http.response.body", "body": data, "more_body": more})
+
+
+async def watch_disconnect(receive: Receive, task: asyncio.Task[Any]) -> None:
+    """Cancel a request's task when its client disconnects (run after the body is read)."""
+    while True:
+        msg = await receive()
+        if msg["type"] == "http.disconnect":
+            task.cancel()
+            return
+
+
+async def lifespan(receive: Receive, send: Send, startup: Callable[[], Awaitable[None]],
+                   shutdown: Callable[[], Awaitable[None]]) -> None:
+    while True:
+        msg = await receive()
+        if msg["type"] == "lifespan.startup":
+            await startup()
+            await send({"type": "lifespan.startup.complete"})
+        elif msg["type"] == "lifespan.shutdown":
+            await shutdown()
+            await send({"type": "lifespan.shutdown.complete"})
+            return

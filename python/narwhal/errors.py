@@ -44,3 +44,14 @@ class ApiError(Exception):
 
 def invalid(message: str, param: str | None = None, code: str | None = None) -> ApiError:
     return ApiError(400, message, param=param, code=code)
+
+
+def json_object(raw: bytes) -> dict[str, Any]:
+    """A request body parsed as a JSON object, or a 400."""
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as e:
+        raise invalid(f"request body is not valid JSON: {e}") from e
+    if not isinstance(body, dict):
+        raise invalid("request body must be a JSON object")
+    return body

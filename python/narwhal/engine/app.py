@@ -20,7 +20,7 @@ from narwhal.engine.generation import Finish, Generation, Piece
 from narwhal.engine.model import Model
 from narwhal.engine.render import Output, writer_for
 from narwhal.engine.slots import Busy, Slots
-from narwhal.errors import ApiError
+from narwhal.errors import ApiError, json_object
 
 log = logging.getLogger("lexi_engine")
 
@@ -63,7 +63,7 @@ class Engine:
     # -- ASGI ---------------------------------------------------------------------------
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
-            await self._lifespan(receive, send)
+            await asgi.lifespan(receive, send, self._startup, self._shutdown)
             return
         if scope["type"] != "http":
             return
@@ -90,15 +90,11 @@ class Engine:
         except asgi.ClientGone:
             pass
 
-    async def _lifespan(self, receive: Receive, send: Send) -> None:
-        while True:
-            msg = await receive()
-            if msg["type"] == "lifespan.startup":
-                await send({"type": "lifespan.startup.complete"})
-            elif msg["type"] == "lifespan.shutdown":
-                self.executor.shutdown(wait=False, cancel_futures=True)
-                await send({"type": "lifespan.shutdown.complete"})
-                return
+    async def _startup(self) -> None:
+        pass
+
+    async def _shutdown(self) -> None:
+        self.executor.shutdown(wait=False, cancel_futures=True)
 
     def _authorize(self, scope: Scope) -> None:
         if not self.keys:
@@ -129,14 +125,14 @@ class Engine:
         except asgi.BodyTooLarge:
             raise ApiError(413, "request body too large", code="request_too_large") from None
         try:
-            body = protocol.parse_json(raw)
+            body = json_object(raw)
             job = ROUTES[path](body, self.config, self.model)
         except ApiError as e:
             self.metrics.requests.labels(route, str(e.status)).inc()
             raise
         task = asyncio.current_task()
         assert task is not None
-        watcher = asyncio.create_task(_watch_disconnect(receive, task))
+        watcher = asyncio.create_task(asgi.watch_disconnect(receive, task))
         try:
             try:
                 await self.slots.acquire()
@@ -209,14 +205,6 @@ class Engine:
         if finish.completion_tokens > 1:
             m.tpot.observe((time.monotonic() - gen.first_token_at) / (finish.completion_tokens - 1))
 
-
-async def _watch_disconnect(receive: Receive, task: asyncio.Task[Any]) -> None:
-    """Cancel the request's task when its client disconnects."""
-    while True:
-        msg = await receive()
-        if msg["type"] == "http.disconnect":
-            task.cancel()
-            return
 
 
 def create_app() -> Engine:

@@ -36,16 +36,6 @@ class Job:
     body: dict[str, Any] = field(default_factory=dict)
 
 
-def parse_json(raw: bytes) -> dict[str, Any]:
-    try:
-        body = orjson.loads(raw)
-    except orjson.JSONDecodeError as e:
-        raise invalid(f"request body is not valid JSON: {e}") from e
-    if not isinstance(body, dict):
-        raise invalid("request body must be a JSON object")
-    return body
-
-
 def _num(body: dict[str, Any], name: str, lo: float, hi: float, integer: bool = False) -> Any:
     v = body.get(name)
     if v is None:

@@ -76,7 +76,7 @@ class Router:
     # -- ASGI ---------------------------------------------------------------------------
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
-            await self._lifespan(receive, send)
+            await asgi.lifespan(receive, send, self.startup, self.shutdown)
             return
         if scope["type"] != "http":
             return
@@ -109,17 +109,6 @@ class Router:
             await asgi.send_error(send, e)
         except asgi.ClientGone:
             pass
-
-    async def _lifespan(self, receive: Receive, send: Send) -> None:
-        while True:
-            msg = await receive()
-            if msg["type"] == "lifespan.startup":
-                await self.startup()
-                await send({"type": "lifespan.startup.complete"})
-            elif msg["type"] == "lifespan.shutdown":
-                await self.shutdown()
-                await send({"type": "lifespan.shutdown.complete"})
-                return
 
     async def _ready(self, send: Send) -> None:
         engines = [e.describe() for e in self.pool.engines]
@@ -186,7 +175,7 @@ class Router:
                      arrived: float, deadline: float) -> None:
         task = asyncio.current_task()
         assert task is not None and self.relayer is not None
-        watcher = asyncio.create_task(_watch_disconnect(receive, task))
+        watcher = asyncio.create_task(asgi.watch_disconnect(receive, task))
         placed: Placed | None = None
         try:
             try:
@@ -212,13 +201,6 @@ class Router:
             if placed is not None:
                 self.relayer.release(placed)
 
-
-async def _watch_disconnect(receive: Receive, task: asyncio.Task[Any]) -> None:
-    while True:
-        msg = await receive()
-        if msg["type"] == "http.disconnect":
-            task.cancel()
-            return
 
 
 CONFIG_ENV = "NARWHAL_ROUTER_CONFIG"

@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 import orjson
 
-from narwhal.errors import ApiError, invalid
+from narwhal.errors import ApiError, invalid, json_object
 
 CHAT = "/v1/chat/completions"
 COMPLETION = "/v1/completions"
@@ -51,12 +51,7 @@ def _text_bytes(content: Any) -> int:
 
 
 def check(route: str, raw: bytes, model: str) -> Intake:
-    try:
-        body = orjson.loads(raw)
-    except orjson.JSONDecodeError as e:
-        raise invalid(f"request body is not valid JSON: {e}") from e
-    if not isinstance(body, dict):
-        raise invalid("request body must be a JSON object")
+    body = json_object(raw)
 
     name = body.get("model")
     if name is not None and not isinstance(name, str):
