@@ -143,7 +143,24 @@ impl FrameError {
 /// Classify `data` and, when `require_ids`, check token IDs on every generation choice.
 /// IDs present on any choice are validated and counted either way; `ids_sink` collects
 /// them (all choices, in order) when given.
-pub fn inspect(data: &str, require_ids: bool, mut ids_sink: Option<&mut Vec<u64>>) -> Result<FrameInfo, FrameError> {
+pub fn inspect(data: &str, require_ids: bool, ids_sink: Option<&mut Vec<u64>>) -> Result<FrameInfo, FrameError> {
+    inspect_with_spans(data, require_ids, ids_sink, None)
+}
+
+/// Byte range of a borrowed raw value inside the frame it was parsed from.
+fn span(data: &str, raw: &RawValue) -> (usize, usize) {
+    let start = raw.get().as_ptr() as usize - data.as_ptr() as usize;
+    (start, start + raw.get().len())
+}
+
+/// [`inspect`], also recording into `spans` where each token-ID value sits in `data`
+/// (top-level `prompt_token_ids`, per-choice `token_ids` and `prompt_token_ids`).
+pub fn inspect_with_spans(
+    data: &str,
+    require_ids: bool,
+    mut ids_sink: Option<&mut Vec<u64>>,
+    mut spans: Option<&mut Vec<(usize, usize)>>,
+) -> Result<FrameInfo, FrameError> {
     let frame: RawFrame = serde_json::from_str(data).map_err(|e| FrameError::Json(e.to_string()))?;
     let mut info = FrameInfo::default();
     if frame.error.is_some() {
@@ -155,6 +172,9 @@ pub fn inspect(data: &str, require_ids: bool, mut ids_sink: Option<&mut Vec<u64>
         info.completion_tokens = u.completion_tokens;
     }
     if let Some(p) = frame.prompt_token_ids {
+        if let Some(s) = spans.as_deref_mut() {
+            s.push(span(data, p));
+        }
         if p.get() != "null" {
             let n = scan_id_list(p.get().as_bytes(), None).map_err(FrameError::BadPromptTokenIds)?;
             info.prompt_ids = Some(n as u64);
@@ -190,10 +210,16 @@ pub fn inspect(data: &str, require_ids: bool, mut ids_sink: Option<&mut Vec<u64>
             k |= kind::FINISH;
         }
         if let Some(p) = c.prompt_token_ids {
+            if let Some(s) = spans.as_deref_mut() {
+                s.push(span(data, p));
+            }
             if p.get() != "null" {
                 let n = scan_id_list(p.get().as_bytes(), None).map_err(FrameError::BadPromptTokenIds)?;
                 info.prompt_ids = Some(n as u64);
             }
+        }
+        if let (Some(raw), Some(s)) = (c.token_ids, spans.as_deref_mut()) {
+            s.push(span(data, raw));
         }
         match c.token_ids {
             Some(raw) if raw.get() != "null" || k & kind::GENERATED != 0 => {

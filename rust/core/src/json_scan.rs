@@ -176,6 +176,60 @@ pub fn strip_token_ids(frame: &[u8], out: &mut Vec<u8>) -> Result<(), Malformed>
     Ok(())
 }
 
+fn ws_back(b: &[u8], mut i: usize) -> usize {
+    while i > 0 && matches!(b[i - 1], b' ' | b'\t' | b'\n' | b'\r') {
+        i -= 1;
+    }
+    i
+}
+
+/// Copy `frame` into `out` without the members whose *values* occupy `value_spans` (as
+/// found by the parser). Only the separators around each member are looked at, so the cost
+/// is a copy. Returns `Err` when the layout is not the simple one (escaped keys, adjacent
+/// removals); the caller then falls back to [`strip_token_ids`].
+pub fn strip_value_spans(frame: &[u8], value_spans: &mut [(usize, usize)], out: &mut Vec<u8>) -> Result<(), Malformed> {
+    value_spans.sort_unstable();
+    let mark = out.len();
+    let mut cut: Vec<(usize, usize)> = Vec::with_capacity(value_spans.len());
+    for &(vs, ve) in value_spans.iter() {
+        let colon = ws_back(frame, vs);
+        if colon == 0 || frame[colon - 1] != b':' {
+            return Err(Malformed);
+        }
+        let key_end = ws_back(frame, colon - 1);
+        let key_start = if frame[..key_end].ends_with(b"\"prompt_token_ids\"") {
+            key_end - 18
+        } else if frame[..key_end].ends_with(b"\"token_ids\"") {
+            key_end - 11
+        } else {
+            return Err(Malformed);
+        };
+        let before = ws_back(frame, key_start);
+        let member = if before > 0 && frame[before - 1] == b',' {
+            (before - 1, ve)
+        } else {
+            let after = ws(frame, ve);
+            if frame.get(after) == Some(&b',') {
+                (key_start, after + 1)
+            } else {
+                (key_start, ve)
+            }
+        };
+        if cut.last().is_some_and(|&(_, e)| e > member.0) {
+            out.truncate(mark);
+            return Err(Malformed);
+        }
+        cut.push(member);
+    }
+    let mut prev = 0;
+    for (s, e) in cut {
+        out.extend_from_slice(&frame[prev..s]);
+        prev = e;
+    }
+    out.extend_from_slice(&frame[prev..]);
+    Ok(())
+}
+
 /// What a `token_ids` value failed on.
 #[derive(Debug, PartialEq, Eq, Clone)]
 pub enum IdListError {
@@ -282,5 +336,40 @@ mod tests {
         let mut ids = Vec::new();
         scan_id_list(b"[7,8]", Some(&mut ids)).unwrap();
         assert_eq!(ids, [7, 8]);
+    }
+}
+
+#[cfg(test)]
+mod span_tests {
+    use super::*;
+    use crate::frame::inspect_with_spans;
+
+    fn both(s: &str) -> (Result<String, Malformed>, String) {
+        let mut spans = Vec::new();
+        inspect_with_spans(s, false, None, Some(&mut spans)).unwrap();
+        let mut a = Vec::new();
+        let fast = strip_value_spans(s.as_bytes(), &mut spans, &mut a).map(|_| String::from_utf8(a).unwrap());
+        let mut b = Vec::new();
+        strip_token_ids(s.as_bytes(), &mut b).unwrap();
+        (fast, String::from_utf8(b).unwrap())
+    }
+
+    #[test]
+    fn span_strip_agrees_with_the_scanner_or_declines() {
+        for s in [
+            r#"{"id":"x","prompt_token_ids":[1,2],"choices":[{"index":0,"delta":{"content":"a"},"token_ids":[5]}]}"#,
+            r#"{"prompt_token_ids":[1],"choices":[{"token_ids":[5],"delta":{}}]}"#,
+            r#"{"choices":[{"token_ids":[5],"prompt_token_ids":[1],"text":"x"}]}"#,
+            r#"{"choices":[{"text":"x","token_ids":[5],"prompt_token_ids":[1]}]}"#,
+            r#"{ "choices" : [ { "text" : "x" , "token_ids" : [ 5 ] } ] }"#,
+        ] {
+            let (fast, slow) = both(s);
+            let slow_v: serde_json::Value = serde_json::from_str(&slow).unwrap();
+            if let Ok(f) = fast {
+                let fast_v: serde_json::Value = serde_json::from_str(&f).unwrap();
+                assert_eq!(fast_v, slow_v, "{s}");
+                assert!(!f.contains("token_ids"));
+            }
+        }
     }
 }

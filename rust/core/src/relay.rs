@@ -4,8 +4,8 @@
 //! [`StreamAssembler`] decodes and assembles it for a non-streaming one.
 
 use crate::assemble::{AssembleError, Assembler, Kind};
-use crate::frame::{inspect, kind};
-use crate::json_scan::strip_token_ids;
+use crate::frame::{inspect_with_spans, kind};
+use crate::json_scan::{mentions_token_ids, strip_token_ids, strip_value_spans};
 use crate::sse::{Event, SseDecoder, SseError};
 
 /// Why a stream stopped being relayable.
@@ -51,6 +51,8 @@ pub struct Relay {
     strip: bool,
     require_ids: bool,
     events: Vec<Event>,
+    spans: Vec<(usize, usize)>,
+    scratch: Vec<u8>,
     seen_output: bool,
     fault: Option<StreamFault>,
 }
@@ -84,6 +86,8 @@ impl Relay {
             strip,
             require_ids,
             events: Vec::new(),
+            spans: Vec::new(),
+            scratch: Vec::new(),
             seen_output: false,
             fault: None,
         }
@@ -108,7 +112,10 @@ impl Relay {
                 frame_event(&mut rep.forward, ev, b"[DONE]");
                 continue;
             }
-            let info = match inspect(&ev.data, self.require_ids, None) {
+            let strip = self.strip && mentions_token_ids(ev.data.as_bytes());
+            self.spans.clear();
+            let spans = if strip { Some(&mut self.spans) } else { None };
+            let info = match inspect_with_spans(&ev.data, self.require_ids, None, spans) {
                 Ok(i) => i,
                 Err(e) => {
                     self.fault = Some(StreamFault { reason: e.reason(), message: e.to_string() });
@@ -128,17 +135,24 @@ impl Relay {
             rep.prompt_ids = info.prompt_ids.or(rep.prompt_ids);
             rep.prompt_tokens = info.prompt_tokens.or(rep.prompt_tokens);
             rep.completion_tokens = info.completion_tokens.or(rep.completion_tokens);
-            if self.strip {
-                let mut body = Vec::with_capacity(ev.data.len());
-                if strip_token_ids(ev.data.as_bytes(), &mut body).is_err() {
-                    self.fault = Some(StreamFault { reason: "malformed_frame", message: "malformed stream frame".into() });
-                    break;
+            if strip {
+                let body = &mut self.scratch;
+                body.clear();
+                let data = ev.data.as_bytes();
+                let exact = strip_value_spans(data, &mut self.spans, body).is_ok() && !mentions_token_ids(body);
+                if !exact {
+                    body.clear();
+                    if strip_token_ids(data, body).is_err() {
+                        self.fault = Some(StreamFault { reason: "malformed_frame", message: "malformed stream frame".into() });
+                        break;
+                    }
                 }
-                frame_event(&mut rep.forward, ev, &body);
+                frame_event(&mut rep.forward, ev, body);
             } else {
                 frame_event(&mut rep.forward, ev, ev.data.as_bytes());
             }
         }
+        self.decoder.recycle(&mut events);
         self.events = events;
         rep.fault = self.fault.clone();
         rep
@@ -177,6 +191,7 @@ impl StreamAssembler {
         for ev in &events {
             self.assembler.feed(&ev.data)?;
         }
+        self.decoder.recycle(&mut events);
         self.events = events;
         decoded.map_err(|e| AssembleError { field: "<stream>".into(), message: e.to_string() })?;
         let first = !self.seen_output && self.assembler.measured_output_tokens() > before;

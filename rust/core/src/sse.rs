@@ -69,6 +69,8 @@ pub struct SseDecoder {
     skip_lf: bool,
     first_line: bool,
     failed: Option<SseError>,
+    /// Spent data buffers handed back by the caller, reused for the next events.
+    spare: Vec<String>,
 }
 
 impl Default for SseDecoder {
@@ -91,6 +93,7 @@ impl SseDecoder {
             skip_lf: false,
             first_line: true,
             failed: None,
+            spare: Vec::new(),
         }
     }
 
@@ -154,12 +157,29 @@ impl SseDecoder {
         Ok(())
     }
 
+    /// Hand back events the caller is done with: their buffers serve the next events, so a
+    /// steady stream decodes without allocating.
+    pub fn recycle(&mut self, events: &mut Vec<Event>) {
+        for ev in events.drain(..) {
+            if self.spare.len() < 64 {
+                let mut s = ev.data;
+                s.clear();
+                self.spare.push(s);
+            }
+        }
+    }
+
     /// Whether bytes of an unfinished line or event are buffered.
     pub fn has_pending(&self) -> bool {
         !self.partial.is_empty() || !self.data.is_empty()
     }
 
     fn line(&mut self, mut raw: &[u8], mut offset: u64, out: &mut Vec<Event>) -> Result<(), SseError> {
+        // The same bound as for a buffered partial line, so the outcome never depends on
+        // where the chunks were cut.
+        if raw.len() + self.data.len() > self.max_event_bytes {
+            return Err(SseError::EventTooLarge { limit: self.max_event_bytes });
+        }
         if self.first_line {
             self.first_line = false;
             if raw.starts_with(&[0xEF, 0xBB, 0xBF]) {
@@ -219,7 +239,7 @@ impl SseDecoder {
         };
         out.push(Event {
             event,
-            data: std::mem::take(&mut self.data),
+            data: std::mem::replace(&mut self.data, self.spare.pop().unwrap_or_default()),
             id: self.last_id.clone(),
             retry,
         });
