@@ -2,11 +2,84 @@
 //! following the spec's assembly table. Anything the table does not cover that carries a
 //! value is refused by name, so a client never gets a response silently missing a part.
 
+use std::borrow::Cow;
 use std::collections::BTreeMap;
 
+use serde::Deserialize;
+use serde_json::value::RawValue;
 use serde_json::{Map, Value};
 
-use crate::json_scan::IdListError;
+use crate::json_scan::{scan_id_list, IdListError};
+
+// The fast path: the common frame shape, borrowed, with every field known. A frame with any
+// other field (or a value of a surprising type) fails this parse and takes the general path
+// below, which accepts null-valued extras and names the offending field otherwise.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FastFrame<'a> {
+    #[serde(borrow, default)]
+    id: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    object: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    created: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    model: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    system_fingerprint: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    choices: Vec<FastChoice<'a>>,
+    #[serde(borrow, default)]
+    usage: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    prompt_token_ids: Option<&'a RawValue>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FastChoice<'a> {
+    #[serde(default)]
+    index: Option<u64>,
+    #[serde(borrow, default)]
+    delta: Option<FastDelta<'a>>,
+    #[serde(borrow, default)]
+    text: Option<Cow<'a, str>>,
+    #[serde(borrow, default)]
+    logprobs: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    finish_reason: Option<Cow<'a, str>>,
+    #[serde(borrow, default)]
+    stop_reason: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    token_ids: Option<&'a RawValue>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FastDelta<'a> {
+    #[serde(borrow, default)]
+    role: Option<Cow<'a, str>>,
+    #[serde(borrow, default)]
+    content: Option<Cow<'a, str>>,
+    #[serde(borrow, default)]
+    reasoning: Option<Cow<'a, str>>,
+    #[serde(borrow, default)]
+    reasoning_content: Option<Cow<'a, str>>,
+    #[serde(borrow, default)]
+    refusal: Option<Cow<'a, str>>,
+    #[serde(borrow, default)]
+    tool_calls: Option<&'a RawValue>,
+}
+
+fn push(slot: &mut Option<String>, s: Option<Cow<'_, str>>) -> bool {
+    match s {
+        Some(s) => {
+            slot.get_or_insert_with(String::new).push_str(&s);
+            !s.is_empty()
+        }
+        None => false,
+    }
+}
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Kind {
@@ -77,7 +150,11 @@ pub struct Assembler {
     choices: BTreeMap<u64, Choice>,
     saw_ids: bool,
     done: bool,
+    /// Raw text of the last id/created/model/system_fingerprint seen, to skip re-parsing.
+    meta_raw: [String; 4],
 }
+
+const META: [&str; 4] = ["id", "created", "model", "system_fingerprint"];
 
 const CHAT_LOGPROBS: &[&str] = &["content", "refusal"];
 const TEXT_LOGPROBS: &[&str] = &["tokens", "token_logprobs", "text_offset", "top_logprobs"];
@@ -127,6 +204,7 @@ impl Assembler {
             choices: BTreeMap::new(),
             saw_ids: false,
             done: false,
+            meta_raw: Default::default(),
         }
     }
 
@@ -149,6 +227,11 @@ impl Assembler {
         if data == "[DONE]" {
             self.done = true;
             return Ok(());
+        }
+        if let Ok(fast) = serde_json::from_str::<FastFrame>(data) {
+            if let Some(done) = self.feed_fast(fast) {
+                return done;
+            }
         }
         let frame: Value = serde_json::from_str(data).map_err(|e| err("<frame>", format!("malformed JSON: {e}")))?;
         let Value::Object(frame) = frame else {
@@ -201,6 +284,116 @@ impl Assembler {
         Ok(())
     }
 
+    /// Returns `None` when the frame needs the general path (nothing was changed then).
+    fn feed_fast(&mut self, f: FastFrame<'_>) -> Option<Result<(), AssembleError>> {
+        let needs_general = f.usage.is_some_and(|u| !u.get().starts_with('{') && u.get() != "null")
+            || f.choices.iter().any(|c| {
+                (self.kind == Kind::Chat && c.text.is_some())
+                    || (self.kind == Kind::Completion && c.delta.is_some())
+            });
+        if needs_general {
+            return None;
+        }
+        let _ = f.object;
+        for (i, raw) in [f.id, f.created, f.model, f.system_fingerprint].into_iter().enumerate() {
+            let Some(raw) = raw else { continue };
+            if raw.get() == "null" || self.meta_raw[i] == raw.get() {
+                continue;
+            }
+            let v: Value = serde_json::from_str(raw.get()).ok()?;
+            self.meta.insert(META[i].to_owned(), v);
+            self.meta_raw[i] = raw.get().to_owned();
+        }
+        if let Some(u) = f.usage.filter(|u| u.get() != "null") {
+            self.usage = Some(serde_json::from_str(u.get()).ok()?);
+        }
+        if let Some(p) = f.prompt_token_ids.filter(|p| p.get() != "null") {
+            let mut ids = Vec::new();
+            if let Err(e) = scan_id_list(p.get().as_bytes(), Some(&mut ids)) {
+                return Some(Err(err("prompt_token_ids", e.to_string())));
+            }
+            self.prompt_token_ids = Some(ids);
+        }
+        for (pos, c) in f.choices.into_iter().enumerate() {
+            if let Err(e) = self.choice_fast(pos, c) {
+                return Some(Err(e));
+            }
+        }
+        Some(Ok(()))
+    }
+
+    fn choice_fast(&mut self, pos: usize, c: FastChoice<'_>) -> Result<(), AssembleError> {
+        let index = c.index.unwrap_or(pos as u64);
+        let kind = self.kind;
+        let require = self.require_token_ids;
+        let acc = self.choices.entry(index).or_default();
+        let p = |f: &str| format!("choices[{index}].{f}");
+        let mut generated = push(&mut acc.text, c.text);
+        if let Some(d) = c.delta {
+            if let Some(r) = d.role {
+                acc.role = Some(r.into_owned());
+            }
+            generated |= push(&mut acc.text, d.content);
+            generated |= push(&mut acc.reasoning, d.reasoning);
+            generated |= push(&mut acc.reasoning_content, d.reasoning_content);
+            generated |= push(&mut acc.refusal, d.refusal);
+            if let Some(calls) = d.tool_calls.filter(|t| t.get() != "null") {
+                let calls: Value = serde_json::from_str(calls.get()).map_err(|e| err(p("delta.tool_calls"), e.to_string()))?;
+                let Value::Array(calls) = calls else {
+                    return Err(err(p("delta.tool_calls"), "must be an array"));
+                };
+                for (k, call) in calls.into_iter().enumerate() {
+                    Self::tool_call(acc, index, k, call)?;
+                    generated = true;
+                }
+            }
+        }
+        if let Some(lp) = c.logprobs.filter(|l| l.get() != "null") {
+            let lp: Value = serde_json::from_str(lp.get()).map_err(|e| err(p("logprobs"), e.to_string()))?;
+            Self::logprobs(acc, kind, index, lp)?;
+        }
+        if let Some(f) = c.finish_reason {
+            acc.finish_reason = Some(Value::from(f.into_owned()));
+        }
+        if let Some(s) = c.stop_reason.filter(|s| s.get() != "null") {
+            acc.stop_reason = serde_json::from_str(s.get()).ok();
+        }
+        if generated {
+            acc.generation_events += 1;
+        }
+        match c.token_ids {
+            Some(raw) => {
+                scan_id_list(raw.get().as_bytes(), Some(&mut acc.token_ids)).map_err(|e| err(p("token_ids"), e.to_string()))?;
+                self.saw_ids = true;
+            }
+            None if generated && require => return Err(err(p("token_ids"), "output frame carries no token_ids")),
+            None => {}
+        }
+        Ok(())
+    }
+
+    fn logprobs(acc: &mut Choice, kind: Kind, index: u64, value: Value) -> Result<(), AssembleError> {
+        let p = |f: &str| format!("choices[{index}].{f}");
+        let Value::Object(lp) = value else {
+            return Err(err(p("logprobs"), "must be an object"));
+        };
+        let names = if kind == Kind::Chat { CHAT_LOGPROBS } else { TEXT_LOGPROBS };
+        for (k, v) in lp {
+            let Some(name) = names.iter().find(|n| **n == k) else {
+                if has_value(&v) {
+                    return Err(err(p(&format!("logprobs.{k}")), "unsupported field"));
+                }
+                continue;
+            };
+            match v {
+                Value::Null => {}
+                Value::Array(items) => acc.logprobs.entry(name).or_default().extend(items),
+                _ => return Err(err(p(&format!("logprobs.{k}")), "must be an array")),
+            }
+        }
+        Ok(())
+    }
+
     fn choice(&mut self, pos: usize, c: Value) -> Result<(), AssembleError> {
         let Value::Object(c) = c else {
             return Err(err(format!("choices[{pos}]"), "must be an object"));
@@ -228,23 +421,7 @@ impl Assembler {
                 }
                 ("logprobs", _) => {
                     if has_value(&value) {
-                        let Value::Object(lp) = value else {
-                            return Err(err(p("logprobs"), "must be an object"));
-                        };
-                        let names = if kind == Kind::Chat { CHAT_LOGPROBS } else { TEXT_LOGPROBS };
-                        for (k, v) in lp {
-                            let Some(name) = names.iter().find(|n| **n == k) else {
-                                if has_value(&v) {
-                                    return Err(err(p(&format!("logprobs.{k}")), "unsupported field"));
-                                }
-                                continue;
-                            };
-                            match v {
-                                Value::Null => {}
-                                Value::Array(items) => acc.logprobs.entry(name).or_default().extend(items),
-                                _ => return Err(err(p(&format!("logprobs.{k}")), "must be an array")),
-                            }
-                        }
+                        Self::logprobs(acc, kind, index, value)?;
                     }
                 }
                 ("finish_reason", _) => {
