@@ -39,8 +39,10 @@ def chat_stream(n: int, token_ids: bool = True, reasoning: bool = False) -> list
 
 def tool_stream() -> list[str]:
     frames = [_chunk({"delta": {"role": "assistant", "content": "Checking."}})]
-    for idx, name, args in ((0, "get_weather", '{"city": "Paris"}'), (1, "get_time",
-                                                                     '{"tz": "CET"}')):
+    # Arguments arrive a few characters per token, as engines stream them; a file-editing
+    # call's arguments run to hundreds of tokens.
+    edit = orjson.dumps({"path": "src/lib.rs", "content": "fn main() {}\n" * 40}).decode()
+    for idx, name, args in ((0, "get_weather", '{"city": "Paris"}'), (1, "edit_file", edit)):
         frames.append(_chunk({"delta": {"tool_calls": [{"index": idx, "id": f"call_{idx}",
                                                         "type": "function",
                                                         "function": {"name": name,

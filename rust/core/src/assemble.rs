@@ -71,6 +71,65 @@ struct FastDelta<'a> {
     tool_calls: Option<&'a RawValue>,
 }
 
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FastCall<'a> {
+    #[serde(default)]
+    index: Option<u64>,
+    #[serde(borrow, default)]
+    id: Option<Cow<'a, str>>,
+    #[serde(borrow, default, rename = "type")]
+    kind: Option<Cow<'a, str>>,
+    #[serde(borrow, default)]
+    function: Option<FastFunction<'a>>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FastFunction<'a> {
+    #[serde(borrow, default)]
+    name: Option<Cow<'a, str>>,
+    #[serde(borrow, default)]
+    arguments: Option<Cow<'a, str>>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FastLogprobs<'a> {
+    #[serde(borrow, default)]
+    content: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    refusal: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    tokens: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    token_logprobs: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    text_offset: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    top_logprobs: Option<&'a RawValue>,
+}
+
+/// Append the items of a raw JSON array to a comma-joined buffer, without parsing them.
+fn non_null(v: Option<&RawValue>) -> Option<&RawValue> {
+    v.filter(|r| r.get() != "null")
+}
+
+fn join_array(buf: &mut String, array: &RawValue) -> bool {
+    let s = array.get();
+    let Some(inner) = s.strip_prefix('[').and_then(|r| r.strip_suffix(']')) else {
+        return false;
+    };
+    let inner = inner.trim();
+    if !inner.is_empty() {
+        if !buf.is_empty() {
+            buf.push(',');
+        }
+        buf.push_str(inner);
+    }
+    true
+}
+
 fn push(slot: &mut Option<String>, s: Option<Cow<'_, str>>) -> bool {
     match s {
         Some(s) => {
@@ -132,7 +191,9 @@ struct Choice {
     refusal: Option<String>,
     tool_calls: BTreeMap<u64, ToolCall>,
     function_call: Option<(String, String)>,
-    logprobs: BTreeMap<&'static str, Vec<Value>>,
+    /// Logprob entries kept as the engine wrote them: they are only ever passed through.
+    /// Per array name, the entries' JSON text joined by commas (never parsed).
+    logprobs: BTreeMap<&'static str, String>,
     finish_reason: Option<Value>,
     stop_reason: Option<Value>,
     token_ids: Vec<u64>,
@@ -324,8 +385,6 @@ impl Assembler {
 
     fn choice_fast(&mut self, pos: usize, c: FastChoice<'_>) -> Result<(), AssembleError> {
         let index = c.index.unwrap_or(pos as u64);
-        let kind = self.kind;
-        let require = self.require_token_ids;
         let acc = self.choices.entry(index).or_default();
         let p = |f: &str| format!("choices[{index}].{f}");
         let mut generated = push(&mut acc.text, c.text);
@@ -338,6 +397,22 @@ impl Assembler {
             generated |= push(&mut acc.reasoning_content, d.reasoning_content);
             generated |= push(&mut acc.refusal, d.refusal);
             if let Some(calls) = d.tool_calls.filter(|t| t.get() != "null") {
+                if let Ok(fast) = serde_json::from_str::<Vec<FastCall>>(calls.get()) {
+                    if fast.iter().all(|c| c.kind.as_deref().map_or(true, |k| k == "function")) {
+                        for (k, call) in fast.into_iter().enumerate() {
+                            let slot = acc.tool_calls.entry(call.index.unwrap_or(k as u64)).or_default();
+                            push(&mut slot.id, call.id);
+                            if let Some(f) = call.function {
+                                push(&mut slot.name, f.name);
+                                if let Some(a) = f.arguments {
+                                    slot.arguments.push_str(&a);
+                                }
+                            }
+                            generated = true;
+                        }
+                        return self.finish_choice_fast(index, c.logprobs, c.finish_reason, c.stop_reason, c.token_ids, generated);
+                    }
+                }
                 let calls: Value = serde_json::from_str(calls.get()).map_err(|e| err(p("delta.tool_calls"), e.to_string()))?;
                 let Value::Array(calls) = calls else {
                     return Err(err(p("delta.tool_calls"), "must be an array"));
@@ -348,20 +423,62 @@ impl Assembler {
                 }
             }
         }
-        if let Some(lp) = c.logprobs.filter(|l| l.get() != "null") {
-            let lp: Value = serde_json::from_str(lp.get()).map_err(|e| err(p("logprobs"), e.to_string()))?;
-            Self::logprobs(acc, kind, index, lp)?;
+        self.finish_choice_fast(index, c.logprobs, c.finish_reason, c.stop_reason, c.token_ids, generated)
+    }
+
+    fn finish_choice_fast(
+        &mut self,
+        index: u64,
+        logprobs: Option<&RawValue>,
+        finish_reason: Option<Cow<'_, str>>,
+        stop_reason: Option<&RawValue>,
+        token_ids: Option<&RawValue>,
+        generated: bool,
+    ) -> Result<(), AssembleError> {
+        let kind = self.kind;
+        let require = self.require_token_ids;
+        let acc = self.choices.entry(index).or_default();
+        let p = |f: &str| format!("choices[{index}].{f}");
+        if let Some(lp) = logprobs.filter(|l| l.get() != "null") {
+            let fast = serde_json::from_str::<FastLogprobs>(lp.get()).ok().filter(|f| {
+                let all = [f.content, f.refusal, f.tokens, f.token_logprobs, f.text_offset, f.top_logprobs];
+                all.iter().all(|v| non_null(*v).map_or(true, |r| r.get().starts_with('[')))
+                    && match kind {
+                        Kind::Chat => [f.tokens, f.token_logprobs, f.text_offset, f.top_logprobs].iter().all(|v| non_null(*v).is_none()),
+                        Kind::Completion => non_null(f.content).is_none() && non_null(f.refusal).is_none(),
+                    }
+            });
+            match fast {
+                Some(f) => {
+                    for (name, items) in [
+                        ("content", f.content),
+                        ("refusal", f.refusal),
+                        ("tokens", f.tokens),
+                        ("token_logprobs", f.token_logprobs),
+                        ("text_offset", f.text_offset),
+                        ("top_logprobs", f.top_logprobs),
+                    ] {
+                        if let Some(items) = non_null(items) {
+                            join_array(acc.logprobs.entry(name).or_default(), items);
+                        }
+                    }
+                }
+                None => {
+                    let lp: Value = serde_json::from_str(lp.get()).map_err(|e| err(p("logprobs"), e.to_string()))?;
+                    Self::logprobs(acc, kind, index, lp)?;
+                }
+            }
         }
-        if let Some(f) = c.finish_reason {
+        if let Some(f) = finish_reason {
             acc.finish_reason = Some(Value::from(f.into_owned()));
         }
-        if let Some(s) = c.stop_reason.filter(|s| s.get() != "null") {
+        if let Some(s) = stop_reason.filter(|s| s.get() != "null") {
             acc.stop_reason = serde_json::from_str(s.get()).ok();
         }
         if generated {
             acc.generation_events += 1;
         }
-        match c.token_ids {
+        match token_ids {
             Some(raw) => {
                 scan_id_list(raw.get().as_bytes(), Some(&mut acc.token_ids)).map_err(|e| err(p("token_ids"), e.to_string()))?;
                 self.saw_ids = true;
@@ -387,7 +504,15 @@ impl Assembler {
             };
             match v {
                 Value::Null => {}
-                Value::Array(items) => acc.logprobs.entry(name).or_default().extend(items),
+                Value::Array(items) => {
+                    let buf = acc.logprobs.entry(name).or_default();
+                    for item in items {
+                        if !buf.is_empty() {
+                            buf.push(',');
+                        }
+                        buf.push_str(&item.to_string());
+                    }
+                }
                 _ => return Err(err(p(&format!("logprobs.{k}")), "must be an array")),
             }
         }
@@ -606,7 +731,7 @@ impl Assembler {
         for (&index, c) in &self.choices {
             choices.push(self.render_choice(index, c)?);
         }
-        out.insert("choices".to_owned(), Value::Array(choices));
+        out.insert("choices".to_owned(), Value::Null); // placeholder: keeps the key's place
         let usage = match &self.usage {
             Some(u) => u.clone(),
             None => {
@@ -627,10 +752,10 @@ impl Assembler {
                 out.insert("prompt_token_ids".to_owned(), Value::from(p.clone()));
             }
         }
-        serde_json::to_vec(&Value::Object(out)).map_err(|e| err("<response>", e.to_string()))
+        serde_json::to_vec(&Response { base: out, choices }).map_err(|e| err("<response>", e.to_string()))
     }
 
-    fn render_choice(&self, index: u64, c: &Choice) -> Result<Value, AssembleError> {
+    fn render_choice<'s>(&'s self, index: u64, c: &'s Choice) -> Result<ChoiceOut<'s>, AssembleError> {
         let mut ch = Map::new();
         ch.insert("index".to_owned(), Value::from(index));
         match self.kind {
@@ -675,33 +800,12 @@ impl Assembler {
                     msg.insert("function_call".to_owned(), serde_json::json!({"name": name, "arguments": args}));
                 }
                 ch.insert("message".to_owned(), Value::Object(msg));
-                let lp = if c.logprobs.is_empty() {
-                    Value::Null
-                } else {
-                    let mut m = Map::new();
-                    for name in CHAT_LOGPROBS {
-                        if let Some(items) = c.logprobs.get(name) {
-                            m.insert((*name).to_owned(), Value::Array(items.clone()));
-                        }
-                    }
-                    Value::Object(m)
-                };
-                ch.insert("logprobs".to_owned(), lp);
             }
             Kind::Completion => {
                 ch.insert("text".to_owned(), Value::from(c.text.clone().unwrap_or_default()));
-                let lp = if c.logprobs.is_empty() {
-                    Value::Null
-                } else {
-                    let mut m = Map::new();
-                    for name in TEXT_LOGPROBS {
-                        m.insert((*name).to_owned(), Value::Array(c.logprobs.get(name).cloned().unwrap_or_default()));
-                    }
-                    Value::Object(m)
-                };
-                ch.insert("logprobs".to_owned(), lp);
             }
         }
+        ch.insert("logprobs".to_owned(), Value::Null); // placeholder: keeps the key's place
         ch.insert("finish_reason".to_owned(), c.finish_reason.clone().unwrap_or(Value::Null));
         if let Some(s) = &c.stop_reason {
             ch.insert("stop_reason".to_owned(), s.clone());
@@ -714,7 +818,79 @@ impl Assembler {
                 }
             }
         }
-        Ok(Value::Object(ch))
+        let logprobs = (!c.logprobs.is_empty()).then_some(LogprobsOut { kind: self.kind, items: &c.logprobs });
+        Ok(ChoiceOut { base: ch, logprobs })
+    }
+}
+
+/// The response, serialized with logprob entries written out raw.
+struct Response<'a> {
+    base: Map<String, Value>,
+    choices: Vec<ChoiceOut<'a>>,
+}
+
+struct ChoiceOut<'a> {
+    base: Map<String, Value>,
+    logprobs: Option<LogprobsOut<'a>>,
+}
+
+struct LogprobsOut<'a> {
+    kind: Kind,
+    items: &'a BTreeMap<&'static str, String>,
+}
+
+fn raw_array<E: serde::ser::Error>(joined: Option<&String>) -> Result<Box<RawValue>, E> {
+    RawValue::from_string(format!("[{}]", joined.map_or("", |s| s.as_str()))).map_err(E::custom)
+}
+
+impl serde::Serialize for Response<'_> {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeMap;
+        let mut m = s.serialize_map(Some(self.base.len()))?;
+        for (k, v) in &self.base {
+            if k == "choices" {
+                m.serialize_entry(k, &self.choices)?;
+            } else {
+                m.serialize_entry(k, v)?;
+            }
+        }
+        m.end()
+    }
+}
+
+impl serde::Serialize for ChoiceOut<'_> {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeMap;
+        let mut m = s.serialize_map(Some(self.base.len()))?;
+        for (k, v) in &self.base {
+            match (k.as_str(), &self.logprobs) {
+                ("logprobs", Some(lp)) => m.serialize_entry(k, lp)?,
+                _ => m.serialize_entry(k, v)?,
+            }
+        }
+        m.end()
+    }
+}
+
+impl serde::Serialize for LogprobsOut<'_> {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeMap;
+        let mut m = s.serialize_map(None)?;
+        match self.kind {
+            Kind::Chat => {
+                for name in CHAT_LOGPROBS {
+                    if let Some(items) = self.items.get(name) {
+                        m.serialize_entry(name, &raw_array::<S::Error>(Some(items))?)?;
+                    }
+                }
+            }
+            Kind::Completion => {
+                for name in TEXT_LOGPROBS {
+                    m.serialize_entry(name, &raw_array::<S::Error>(self.items.get(name))?)?;
+                }
+            }
+        }
+        m.end()
     }
 }
 
