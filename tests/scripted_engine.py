@@ -30,6 +30,11 @@ def _script(body: dict[str, Any]) -> tuple[str, str]:
     return "echo", ""
 
 
+def _prompt_tokens(body: dict[str, Any]) -> int:
+    text = body["messages"][-1]["content"] if "messages" in body else body.get("prompt", "")
+    return max(1, len(text) // 4)
+
+
 def _frame(body: dict[str, Any], chat: bool, piece: dict[str, Any] | None, ids: list[Any] | None,
            finish: str | None = None, **top: Any) -> bytes:
     if chat:
@@ -57,6 +62,9 @@ async def completions(request: web.Request) -> web.StreamResponse:
                                  status=int(arg))
     if name == "slow_first":
         await asyncio.sleep(int(arg) / 1000)
+    if name == "prefill":
+        # A prompt of N tokens (4 bytes each) takes N * ARG ms before the first token.
+        await asyncio.sleep(_prompt_tokens(body) * int(arg.split(":")[0]) / 1000)
     resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
     await resp.prepare(request)
     STATS["active"] += 1
@@ -73,7 +81,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
 async def _script_body(resp: web.StreamResponse, body: dict[str, Any], chat: bool, name: str,
                        arg: str) -> None:
     w = resp.write
-    first_top = {"prompt_token_ids": [1, 2, 3]} if body.get("return_token_ids") and chat else {}
+    prompt = list(range(_prompt_tokens(body))) if name == "prefill" else [1, 2, 3]
+    first_top = {"prompt_token_ids": prompt} if body.get("return_token_ids") and chat else {}
     await w(_frame(body, chat, {"role": "assistant", "content": ""} if chat else None, [],
                    **first_top))
     n = int(arg) if name == "echo" and arg else 4

@@ -46,13 +46,13 @@ class Admission:
     def release_retention(self) -> None:
         self.retained -= 1
 
-    async def place(self, deadline: float) -> Engine:
+    async def place(self, deadline: float, prefer: Engine | None = None) -> Engine:
         """An engine with a prefill seat taken, or `Expired`, or a refusal."""
         if not self.pool.eligible():
             raise retry_after("no engine can take work now", status=503,
                               code="backend_unavailable", type="server_error")
         if not self.queued:
-            e = self.pool.pick()
+            e = self.pool.pick(prefer)
             if e is not None:
                 e.prefill += 1
                 return e

@@ -20,6 +20,7 @@ from narwhal.router.admission import Admission, Expired
 from narwhal.router.config import RouterConfig
 from narwhal.router.engines import Engine, Pool
 from narwhal.router.metrics import RouterMetrics
+from narwhal.router.predict import Predictor
 from narwhal.router.relay import EngineFailed, Placed, Relayer
 from narwhal.router.supervisor import ManagedEngine
 
@@ -45,6 +46,7 @@ class Router:
         self.pool = Pool(engines, config.prefill_concurrency, config.decode_concurrency)
         self.admission = Admission(self.pool, config.http_retention_limit, config.queue_size,
                                    config.queue_wait_s)
+        self.predictor = Predictor(engines) if config.admission == "predictive" else None
         self._tasks: list[asyncio.Task[None]] = []
         self.session: aiohttp.ClientSession | None = None
         self.relayer: Relayer | None = None
@@ -53,15 +55,14 @@ class Router:
     async def startup(self) -> None:
         connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=60, ttl_dns_cache=300)
         self.session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
-        self.relayer = Relayer(self.session, self.pool, self.admission, self.metrics)
+        self.relayer = Relayer(self.session, self.pool, self.admission, self.metrics,
+                               self.predictor)
         for me in self.managed:
             await me.start()
         c = self.config
         self._tasks.append(asyncio.create_task(
             self.pool.probe_forever(self.session, c.health_interval_s, c.health_timeout_s)))
         self._tasks.append(asyncio.create_task(self.admission.drain_forever()))
-        if c.admission == "predictive":
-            log.warning("admission: predictive is not implemented yet; admitting as 'open'")
 
     async def shutdown(self) -> None:
         for t in self._tasks:
@@ -113,7 +114,11 @@ class Router:
     async def _ready(self, send: Send) -> None:
         engines = [e.describe() for e in self.pool.engines]
         ok = bool(self.pool.eligible())
-        body: dict[str, Any] = {"ready": ok, "admission": "open", "engines": engines}
+        body: dict[str, Any] = {"ready": ok, "admission": self.config.admission,
+                                "engines": engines}
+        if self.predictor is not None:
+            for e in engines:
+                e["profile"] = self.predictor.profiles[str(e["name"])].describe()
         if not ok:
             body["reason"] = "no placement-eligible engine"
         await asgi.send_json(send, 200 if ok else 503, body)
@@ -127,6 +132,19 @@ class Router:
             m.inflight.labels(e.name, "decode").set(e.decode)
 
     # -- a completion request's way through --------------------------------------------
+    def _budget(self, scope: Scope) -> float:
+        raw = asgi.header(scope, b"x-narwhal-ttft-target-ms")
+        if raw is None:
+            return self.config.ttft_budget_s
+        try:
+            ms = int(raw)
+        except ValueError:
+            ms = 0
+        if ms <= 0:
+            raise ApiError(400, "x-narwhal-ttft-target-ms must be a positive integer",
+                           param="x-narwhal-ttft-target-ms")
+        return ms / 1000
+
     def _deadline(self, scope: Scope, arrived: float) -> float:
         raw = asgi.header(scope, b"x-narwhal-timeout-ms")
         timeout = self.config.request_timeout_s
@@ -162,24 +180,33 @@ class Router:
                 raise
             try:
                 deadline = self._deadline(scope, arrived)
+                budget = self._budget(scope)
                 req = intake.check(path, raw, self.config.model)
             except ApiError as e:
                 if e.status == 400:
                     m.invalid_requests.inc()
                 raise
-            await self._serve(req, scope, receive, send, arrived, deadline)
+            await self._serve(req, receive, send, arrived, deadline, budget)
         finally:
             self.admission.release_retention()
 
-    async def _serve(self, req: intake.Intake, scope: Scope, receive: Receive, send: Send,
-                     arrived: float, deadline: float) -> None:
+    async def _serve(self, req: intake.Intake, receive: Receive, send: Send, arrived: float,
+                     deadline: float, budget: float) -> None:
         task = asyncio.current_task()
         assert task is not None and self.relayer is not None
         watcher = asyncio.create_task(asgi.watch_disconnect(receive, task))
         placed: Placed | None = None
         try:
+            prefer, tokens = None, 0
+            if self.predictor is not None and self.pool.eligible():
+                try:
+                    proj = self.predictor.judge(req.prompt_bytes, self.pool.eligible(), budget)
+                except ApiError as e:
+                    self.metrics.refused.labels(e.code or "predictive").inc()
+                    raise
+                prefer, tokens = proj.engine, proj.tokens
             try:
-                engine = await self.admission.place(deadline)
+                engine = await self.admission.place(deadline, prefer)
             except Expired:
                 self.metrics.rejected.labels("wait_expired").inc()
                 raise ApiError(504, "no engine had room before the wait or deadline ran out",
@@ -187,7 +214,8 @@ class Router:
             except ApiError as e:
                 self.metrics.rejected.labels(e.code or "capacity").inc()
                 raise
-            placed = Placed(req, engine, arrived, deadline)
+            placed = Placed(req, engine, arrived, deadline, tokens=tokens)
+            self.relayer.placed(placed)
             try:
                 await self.relayer.run(placed, send)
             except EngineFailed as e:

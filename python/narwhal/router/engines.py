@@ -21,6 +21,7 @@ class Engine:
     reason: str = "not probed yet"
     prefill: int = 0  # placed requests before their first token
     decode: int = 0  # requests streaming tokens
+    prefill_tokens: int = 0  # sized prompt tokens of the requests in prefill
     failures: int = 0
     extra: dict[str, str] = field(default_factory=dict)
 
@@ -53,12 +54,14 @@ class Pool:
     def eligible(self) -> list[Engine]:
         return [e for e in self.engines if e.healthy]
 
-    def pick(self) -> Engine | None:
-        """The least-loaded healthy engine with phase room: prefill count first."""
+    def pick(self, prefer: Engine | None = None) -> Engine | None:
+        """`prefer` if it has phase room, else the least-loaded healthy engine that has."""
         room = [e for e in self.eligible()
                 if e.prefill < self.prefill_limit and e.decode < self.decode_limit]
         if not room:
             return None
+        if prefer is not None and prefer in room:
+            return prefer
         return min(room, key=lambda e: (e.prefill, e.inflight))
 
     def notify(self) -> None:

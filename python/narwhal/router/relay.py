@@ -21,6 +21,7 @@ from narwhal.router.admission import Admission
 from narwhal.router.engines import Engine, Pool
 from narwhal.router.intake import Intake, upstream_body
 from narwhal.router.metrics import RouterMetrics
+from narwhal.router.predict import Predictor
 
 
 class EngineFailed(Exception):
@@ -33,6 +34,12 @@ class Placed:
     engine: Engine
     arrived: float
     deadline: float
+    tokens: int = 0  # sized prompt tokens, counted in engine.prefill_tokens while in prefill
+    alone: bool = False  # the engine's prefill was ours alone at placement
+    sent_at: float = 0.0
+    first_at: float = 0.0
+    prompt_tokens: int | None = None
+    output_tokens: int = 0
     phase: str = "prefill"
 
 
@@ -43,19 +50,27 @@ def _error_event(message: str, code: str) -> bytes:
 
 class Relayer:
     def __init__(self, session: aiohttp.ClientSession, pool: Pool, admission: Admission,
-                 metrics: RouterMetrics) -> None:
+                 metrics: RouterMetrics, predictor: Predictor | None) -> None:
         self.session = session
         self.pool = pool
         self.admission = admission
         self.metrics = metrics
+        self.predictor = predictor
+
+    def placed(self, p: Placed) -> None:
+        p.alone = p.engine.prefill == 1
+        p.engine.prefill_tokens += p.tokens
 
     def _first_output(self, p: Placed) -> None:
         if p.phase == "prefill":
             p.phase = "decode"
+            p.first_at = time.monotonic()
+            p.engine.prefill_tokens -= p.tokens
             self.admission.to_decode(p.engine)
 
     def release(self, p: Placed) -> None:
         if p.phase == "prefill":
+            p.engine.prefill_tokens -= p.tokens
             self.admission.leave_prefill(p.engine)
         elif p.phase == "decode":
             self.admission.leave_decode(p.engine)
@@ -65,6 +80,7 @@ class Relayer:
         e = p.engine
         body = upstream_body(p.intake, e.spec.token_ids)
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=5)
+        p.sent_at = time.monotonic()
         try:
             resp_cm = self.session.post(e.url + p.intake.route, data=body, timeout=timeout,
                                         headers={"content-type": "application/json"})
@@ -127,6 +143,7 @@ class Relayer:
                 self._first_output(p)
                 first_at = time.monotonic()
             tokens += rep.output_tokens or rep.generation_events
+            p.prompt_tokens = rep.prompt_ids or rep.prompt_tokens or p.prompt_tokens
             if rep.forward:
                 if not started:
                     await asgi.start_stream(send)
@@ -143,11 +160,17 @@ class Relayer:
                 return
             if rep.done:
                 await asgi.stream_chunk(send, b"", more=False)
+                p.output_tokens = tokens
                 self._done(p, tokens, first_at)
                 return
 
     def _done(self, p: Placed, tokens: int, first_at: float) -> None:
         m, name = self.metrics, p.engine.name
+        if self.predictor is not None:
+            ttft = p.first_at - p.sent_at if p.first_at else None
+            self.predictor.profiles[name].observe(
+                p.intake.prompt_bytes, p.prompt_tokens, ttft, p.alone, tokens,
+                time.monotonic() - first_at if first_at else 0.0)
         m.completed.labels(name).inc()
         m.output_tokens.labels(name).inc(tokens)
         if tokens > 1 and first_at:
@@ -172,6 +195,9 @@ class Relayer:
                     self._first_output(p)
                     first_at = time.monotonic()
             body = asm.finish(p.intake.estimated_prompt_tokens())
+            if self.predictor is not None:
+                usage = orjson.loads(body).get("usage") or {}
+                p.prompt_tokens = usage.get("prompt_tokens")
         except AssemblyError as exc:
             self.metrics.stream_faults.labels(e.name, "assembly").inc()
             raise ApiError(502, f"the engine's output cannot be assembled: {exc}",

@@ -1,0 +1,92 @@
+"""Predictive TTFT admission: per-engine profiles learned from live traffic, and the
+projection that admits, places or refuses a request against its TTFT budget.
+
+A profile learns three numbers per engine from requests it served: bytes per prompt token
+(request bytes vs the engine's own prompt count), prefill rate (prompt tokens over the time
+to the first output token, from requests that had the engine's prefill to themselves) and
+time per output token. Until an engine has a prefill measurement, its projection is unknown
+and requests are admitted (cold start).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from narwhal.errors import ApiError
+from narwhal.router.engines import Engine
+
+ALPHA = 0.3  # EWMA weight of a new measurement
+
+
+def _ewma(old: float | None, new: float) -> float:
+    return new if old is None else (1 - ALPHA) * old + ALPHA * new
+
+
+@dataclass
+class Profile:
+    bytes_per_token: float | None = None
+    prefill_tps: float | None = None
+    tpot_s: float | None = None
+    prefill_samples: int = 0
+    discarded: int = 0
+
+    def observe(self, prompt_bytes: int, prompt_tokens: int | None, ttft_s: float | None,
+                alone: bool, decode_tokens: int, decode_s: float) -> None:
+        if prompt_tokens:
+            self.bytes_per_token = _ewma(self.bytes_per_token, prompt_bytes / prompt_tokens)
+            if alone and ttft_s and ttft_s > 0:
+                self.prefill_tps = _ewma(self.prefill_tps, prompt_tokens / ttft_s)
+                self.prefill_samples += 1
+        if decode_tokens > 1 and decode_s > 0:
+            self.tpot_s = _ewma(self.tpot_s, decode_s / (decode_tokens - 1))
+
+    def describe(self) -> dict[str, float | int | None]:
+        return {"bytes_per_token": self.bytes_per_token, "prefill_tokens_per_s": self.prefill_tps,
+                "time_per_output_token_s": self.tpot_s, "prefill_samples": self.prefill_samples,
+                "discarded_measurements": self.discarded}
+
+
+@dataclass
+class Projection:
+    engine: Engine
+    tokens: int
+    own_s: float | None  # None: no profile yet
+    total_s: float | None
+
+
+class Predictor:
+    def __init__(self, engines: list[Engine]) -> None:
+        self.profiles = {e.name: Profile() for e in engines}
+
+    def size(self, prompt_bytes: int, e: Engine) -> int:
+        bpt = self.profiles[e.name].bytes_per_token or 4.0
+        return max(1, math.ceil(prompt_bytes / bpt))
+
+    def project(self, prompt_bytes: int, e: Engine) -> Projection:
+        tokens = self.size(prompt_bytes, e)
+        rate = self.profiles[e.name].prefill_tps
+        if rate is None:
+            return Projection(e, tokens, None, None)
+        own = tokens / rate
+        return Projection(e, tokens, own, own + e.prefill_tokens / rate)
+
+    def judge(self, prompt_bytes: int, engines: list[Engine], budget_s: float) -> Projection:
+        """The best projection within budget, or the spec's 429 refusals."""
+        ps = [self.project(prompt_bytes, e) for e in engines]
+        unknown = [p for p in ps if p.total_s is None]
+        if unknown:
+            return min(unknown, key=lambda p: p.engine.prefill)
+        best = min(ps, key=lambda p: p.total_s or 0.0)
+        assert best.own_s is not None and best.total_s is not None
+        if min(p.own_s or 0.0 for p in ps) > budget_s:
+            raise ApiError(429, f"the prompt alone is projected to take {best.own_s:.2f}s to "
+                           f"prefill, over the {budget_s:.2f}s TTFT budget; shorten the prompt "
+                           "or raise the target (x-narwhal-ttft-target-ms)",
+                           type="rate_limit_error", code="prompt_exceeds_ttft_budget")
+        if best.total_s > budget_s:
+            overrun = max(1, round(best.total_s - budget_s))
+            raise ApiError(429, f"projected time to first token {best.total_s:.2f}s exceeds "
+                           f"the {budget_s:.2f}s budget", type="rate_limit_error",
+                           code="ttft_budget_exceeded", headers={"retry-after": str(overrun)})
+        return best

@@ -1,0 +1,104 @@
+"""Predictive TTFT admission against a scripted engine whose prefill takes a known time
+per prompt token: the router learns the rate, then admits, places or refuses."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.conftest import Server, start_router
+
+pytestmark = pytest.mark.slow
+
+MS_PER_TOKEN = 2  # the scripted engine's prefill cost; 4 prompt bytes make a token
+
+
+def prompt(tokens: int) -> str:
+    head = f"script:prefill:{MS_PER_TOKEN}:"
+    return head + "x" * (tokens * 4 - len(head))
+
+
+def chat(content: str, **kw: Any) -> dict[str, Any]:
+    return {"model": "main", "stream": True,
+            "messages": [{"role": "user", "content": content}], **kw}
+
+
+@pytest.fixture(scope="module")
+def router(scripted: Server, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    r = start_router(tmp_path_factory.mktemp("p"), f"""
+model: main
+listen: {{port: $PORT}}
+admission: predictive
+predictive: {{ttft_budget_s: 1.0}}
+health: {{interval_s: 0.2}}
+engines:
+  - {{name: s, url: '{scripted.url}', dialect: lexi}}
+""")
+    # Cold start admits; these requests teach the router the engine's prefill rate.
+    for _ in range(4):
+        assert httpx.post(r.url + "/v1/chat/completions", json=chat(prompt(100)),
+                          timeout=30).status_code == 200
+    yield r
+    r.stop()
+
+
+def profile(router: Server) -> dict[str, Any]:
+    return httpx.get(router.url + "/ready").json()["engines"][0]["profile"]
+
+
+def test_profile_is_learned_from_live_traffic(router: Server) -> None:
+    p = profile(router)
+    assert httpx.get(router.url + "/ready").json()["admission"] == "predictive"
+    assert p["bytes_per_token"] == pytest.approx(4.0, rel=0.05)
+    # 1000/MS_PER_TOKEN tokens/s at best; HTTP and scheduling only make it slower.
+    assert 100 < p["prefill_tokens_per_s"] <= 1000 / MS_PER_TOKEN * 1.05
+
+
+def test_prompt_alone_over_budget_is_refused_without_reaching_the_engine(
+        router: Server, scripted: Server) -> None:
+    before = httpx.get(scripted.url + "/stats").json()["requests"]
+    r = httpx.post(router.url + "/v1/chat/completions", json=chat(prompt(1500)), timeout=30)
+    assert r.status_code == 429
+    assert r.json()["error"]["code"] == "prompt_exceeds_ttft_budget"
+    assert "shorten the prompt or raise the target" in r.json()["error"]["message"]
+    assert httpx.get(scripted.url + "/stats").json()["requests"] == before
+    assert 'narwhal_refused_total{reason="prompt_exceeds_ttft_budget"}' in \
+        httpx.get(router.url + "/metrics").text
+
+
+def test_a_client_target_raises_the_budget(router: Server) -> None:
+    r = httpx.post(router.url + "/v1/chat/completions", json=chat(prompt(1500)), timeout=30,
+                   headers={"x-narwhal-ttft-target-ms": "20000"})
+    assert r.status_code == 200
+
+
+def test_work_ahead_makes_the_projection_overrun_with_retry_after(router: Server) -> None:
+    blocker: list[int] = []
+    t = threading.Thread(target=lambda: blocker.append(httpx.post(
+        router.url + "/v1/chat/completions", json=chat(prompt(2000)), timeout=60,
+        headers={"x-narwhal-ttft-target-ms": "60000"}).status_code))
+    t.start()
+    try:
+        end = time.monotonic() + 5
+        while httpx.get(router.url + "/ready").json()["engines"][0]["prefill"] == 0:
+            assert time.monotonic() < end
+            time.sleep(0.02)
+        r = httpx.post(router.url + "/v1/chat/completions", json=chat(prompt(100)), timeout=30)
+        assert r.status_code == 429
+        assert r.json()["error"]["code"] == "ttft_budget_exceeded"
+        rate = profile(router)["prefill_tokens_per_s"]
+        projected = (100 + 2000) / rate
+        # The rounded overrun, give or take the sizing's rounding.
+        assert abs(int(r.headers["retry-after"]) - max(1, round(projected - 1.0))) <= 1
+        assert int(r.headers["retry-after"]) >= 2
+    finally:
+        t.join()
+    assert blocker == [200]
+    # With the engine idle again, the same request fits.
+    assert httpx.post(router.url + "/v1/chat/completions", json=chat(prompt(100)),
+                      timeout=30).status_code == 200
