@@ -15,6 +15,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
+PREFILL_LOCK = asyncio.Lock()
 STATS: dict[str, Any] = {"requests": 0, "disconnects": 0, "last": None, "healthy": True,
                          "active": 0}
 
@@ -62,6 +63,10 @@ async def completions(request: web.Request) -> web.StreamResponse:
                                  status=int(arg))
     if name == "slow_first":
         await asyncio.sleep(int(arg) / 1000)
+    if name == "prefill_serial":
+        # Compute-bound prefill: one prompt at a time, as on a busy accelerator.
+        async with PREFILL_LOCK:
+            await asyncio.sleep(_prompt_tokens(body) * int(arg.split(":")[0]) / 1000)
     if name == "prefill":
         # A prompt of N tokens (4 bytes each) takes N * ARG ms before the first token.
         await asyncio.sleep(_prompt_tokens(body) * int(arg.split(":")[0]) / 1000)
@@ -81,7 +86,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
 async def _script_body(resp: web.StreamResponse, body: dict[str, Any], chat: bool, name: str,
                        arg: str) -> None:
     w = resp.write
-    prompt = list(range(_prompt_tokens(body))) if name == "prefill" else [1, 2, 3]
+    sized = name in ("prefill", "prefill_serial")
+    prompt = list(range(_prompt_tokens(body))) if sized else [1, 2, 3]
     first_top = {"prompt_token_ids": prompt} if body.get("return_token_ids") and chat else {}
     await w(_frame(body, chat, {"role": "assistant", "content": ""} if chat else None, [],
                    **first_top))

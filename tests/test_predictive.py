@@ -102,3 +102,13 @@ def test_work_ahead_makes_the_projection_overrun_with_retry_after(router: Server
     # With the engine idle again, the same request fits.
     assert httpx.post(router.url + "/v1/chat/completions", json=chat(prompt(100)),
                       timeout=30).status_code == 200
+
+
+def test_a_stream_with_bad_token_ids_is_not_learned_from(router: Server) -> None:
+    before = profile(router)
+    r = httpx.post(router.url + "/v1/chat/completions", json=chat("script:bool_ids"),
+                   timeout=30)
+    assert "error" in r.text
+    after = profile(router)
+    assert after["discarded_measurements"] == before["discarded_measurements"] + 1
+    assert after["prefill_samples"] == before["prefill_samples"]

@@ -28,6 +28,7 @@ class Profile:
     bytes_per_token: float | None = None
     prefill_tps: float | None = None
     tpot_s: float | None = None
+    output_tokens: float | None = None  # output-length learning: typical answer length
     prefill_samples: int = 0
     discarded: int = 0
 
@@ -40,10 +41,13 @@ class Profile:
                 self.prefill_samples += 1
         if decode_tokens > 1 and decode_s > 0:
             self.tpot_s = _ewma(self.tpot_s, decode_s / (decode_tokens - 1))
+        if decode_tokens:
+            self.output_tokens = _ewma(self.output_tokens, decode_tokens)
 
     def describe(self) -> dict[str, float | int | None]:
         return {"bytes_per_token": self.bytes_per_token, "prefill_tokens_per_s": self.prefill_tps,
-                "time_per_output_token_s": self.tpot_s, "prefill_samples": self.prefill_samples,
+                "time_per_output_token_s": self.tpot_s, "output_tokens": self.output_tokens,
+                "prefill_samples": self.prefill_samples,
                 "discarded_measurements": self.discarded}
 
 

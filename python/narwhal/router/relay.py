@@ -152,6 +152,8 @@ class Relayer:
                 await asgi.stream_chunk(send, rep.forward)
             if rep.fault_reason is not None:
                 m.stream_faults.labels(e.name, rep.fault_reason).inc()
+                if self.predictor is not None:  # its timing cannot be trusted
+                    self.predictor.profiles[e.name].discarded += 1
                 if not started:
                     await asgi.start_stream(send)
                 await asgi.stream_chunk(send, _error_event(
