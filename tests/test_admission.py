@@ -1,0 +1,132 @@
+"""Admission limits in both modes: phase concurrency, the admission queue, its wait, and a
+client that leaves the queue; counters and gauges come back to zero."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.conftest import Server, start_router
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def router(scripted: Server, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    r = start_router(tmp_path_factory.mktemp("a"), f"""
+model: main
+listen: {{port: $PORT}}
+admission: open
+queue: {{size: 1, wait_s: 0.5}}
+phases: {{prefill_concurrency: 1, decode_concurrency: 4}}
+serving: {{http_retention_limit: 3}}
+health: {{interval_s: 0.2}}
+engines:
+  - {{name: s, url: '{scripted.url}', dialect: lexi}}
+""")
+    yield r
+    r.stop()
+
+
+def chat(content: str) -> dict[str, Any]:
+    return {"model": "main", "stream": True, "messages": [{"role": "user", "content": content}]}
+
+
+def engine_state(router: Server) -> dict[str, Any]:
+    return httpx.get(router.url + "/ready").json()["engines"][0]
+
+
+def background(router: Server, content: str, out: list[int]) -> threading.Thread:
+    t = threading.Thread(target=lambda: out.append(httpx.post(
+        router.url + "/v1/chat/completions", json=chat(content), timeout=30).status_code))
+    t.start()
+    return t
+
+
+def wait_for(cond: Any, timeout: float = 5) -> None:
+    end = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < end
+        time.sleep(0.02)
+
+
+def metric(router: Server, name: str) -> float:
+    for line in httpx.get(router.url + "/metrics").text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def test_prefill_limit_queues_then_the_queue_wait_expires_with_504(router: Server) -> None:
+    results: list[int] = []
+    first = background(router, "script:slow_first:1500", results)
+    wait_for(lambda: engine_state(router)["prefill"] == 1)
+    # The one prefill seat is taken: this request queues, and its 0.5 s wait runs out.
+    r = httpx.post(router.url + "/v1/chat/completions", json=chat("hi"), timeout=30)
+    assert r.status_code == 504
+    first.join()
+    assert results == [200]
+
+
+def test_full_queue_is_429_and_a_queued_request_is_placed_when_room_frees(
+        router: Server) -> None:
+    results: list[int] = []
+    first = background(router, "script:slow_first:400", results)
+    wait_for(lambda: engine_state(router)["prefill"] == 1)
+    queued = background(router, "hi", results)
+    wait_for(lambda: metric(router, "narwhal_queued") == 1)
+    r = httpx.post(router.url + "/v1/chat/completions", json=chat("hi"), timeout=30)
+    assert r.status_code == 429
+    assert r.headers["retry-after"] == "1"
+    assert r.json()["error"]["code"] == "queue_full"
+    first.join()
+    queued.join()
+    assert sorted(results) == [200, 200]
+
+
+def test_a_client_leaving_the_queue_frees_its_place(router: Server, scripted: Server) -> None:
+    seen = httpx.get(scripted.url + "/stats").json()["requests"]
+    results: list[int] = []
+    first = background(router, "script:slow_first:1000", results)
+    wait_for(lambda: engine_state(router)["prefill"] == 1)
+    with contextlib.suppress(httpx.TimeoutException):
+        httpx.post(router.url + "/v1/chat/completions", json=chat("hi"), timeout=0.2)
+    # It left while the first request still held the prefill seat ...
+    wait_for(lambda: metric(router, "narwhal_queued") == 0, timeout=0.5)
+    assert engine_state(router)["prefill"] == 1
+    first.join()
+    time.sleep(0.2)
+    # ... and so never reached the engine once the seat freed.
+    assert httpx.get(scripted.url + "/stats").json()["requests"] == seen + 1
+    assert results == [200]
+
+
+def test_retention_limit_is_429(router: Server) -> None:
+    # Two streams in decode and one request in prefill hold all three retention seats.
+    with httpx.Client(timeout=30) as c, \
+            c.stream("POST", router.url + "/v1/chat/completions", json=chat("script:hang")) as a, \
+            c.stream("POST", router.url + "/v1/chat/completions", json=chat("script:hang")) as b:
+        alive = [s.iter_raw() for s in (a, b)]  # a dropped iterator closes its stream
+        for it in alive:
+            next(it)
+        results: list[int] = []
+        slow = background(router, "script:slow_first:800", results)
+        wait_for(lambda: engine_state(router)["prefill"] == 1)
+        r = httpx.post(router.url + "/v1/chat/completions", json=chat("hi"), timeout=30)
+        assert r.status_code == 429
+        assert r.headers["retry-after"] == "1"
+        assert r.json()["error"]["code"] == "retention_full"
+        slow.join()
+    assert results == [200]
+
+
+def test_everything_returns_to_zero(router: Server) -> None:
+    wait_for(lambda: metric(router, "narwhal_retained") == 0
+             and metric(router, "narwhal_queued") == 0
+             and engine_state(router)["prefill"] == 0 and engine_state(router)["decode"] == 0)
