@@ -112,3 +112,71 @@ def test_a_stream_with_bad_token_ids_is_not_learned_from(router: Server) -> None
     after = profile(router)
     assert after["discarded_measurements"] == before["discarded_measurements"] + 1
     assert after["prefill_samples"] == before["prefill_samples"]
+
+
+@pytest.fixture(scope="module")
+def drifting(scripted: Server, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    r = start_router(tmp_path_factory.mktemp("d"), f"""
+model: main
+listen: {{port: $PORT}}
+admission: predictive
+predictive: {{ttft_budget_s: 5.0, drift_bound: 1.0, drift_min_samples: 2,
+             probe_interval_s: 30}}
+health: {{interval_s: 0.2}}
+engines:
+  - {{name: s, url: '{scripted.url}', dialect: lexi}}
+""")
+    for _ in range(3):
+        assert httpx.post(r.url + "/v1/chat/completions", json=chat(prompt(100)),
+                          timeout=30).status_code == 200
+    yield r
+    r.stop()
+
+
+def test_drift_beyond_its_bound_is_monitoring_degraded(drifting: Server) -> None:
+    assert httpx.get(drifting.url + "/ready").status_code == 200
+    # The engine turns 20x slower than the router learned: predictions miss by far.
+    slow = "script:prefill:40:" + "x" * 62  # 20 tokens, 0.8 s
+    status = 200
+    for _ in range(6):
+        status = httpx.post(drifting.url + "/v1/chat/completions", json=chat(slow),
+                            timeout=30).status_code
+        if status != 200:
+            break
+    assert status == 503
+    r = httpx.post(drifting.url + "/v1/chat/completions", json=chat("hi"), timeout=30)
+    assert r.status_code == 503
+    assert r.headers["retry-after"] == "1"
+    assert r.json()["error"]["code"] == "monitoring_degraded"
+    ready = httpx.get(drifting.url + "/ready")
+    assert ready.status_code == 503
+    assert ready.json()["reason"].startswith("monitoring-degraded")
+    assert "drift" in ready.json()["reason"]
+
+
+def test_a_profiling_probe_brings_a_degraded_router_back(
+        scripted: Server, tmp_path_factory: pytest.TempPathFactory) -> None:
+    r = start_router(tmp_path_factory.mktemp("r"), f"""
+model: main
+listen: {{port: $PORT}}
+admission: predictive
+predictive: {{ttft_budget_s: 5.0, drift_bound: 1.0, drift_min_samples: 2,
+             probe_interval_s: 1.0}}
+engines:
+  - {{name: s, url: '{scripted.url}', dialect: lexi}}
+""")
+    try:
+        for _ in range(3):
+            httpx.post(r.url + "/v1/chat/completions", json=chat(prompt(100)), timeout=30)
+        slow = "script:prefill:40:" + "x" * 62
+        statuses = [httpx.post(r.url + "/v1/chat/completions", json=chat(slow),
+                               timeout=30).status_code for _ in range(4)]
+        assert 503 in statuses
+        end = time.monotonic() + 10
+        while httpx.get(r.url + "/ready").status_code != 200:
+            assert time.monotonic() < end, "the router stayed degraded"
+            time.sleep(0.1)
+        assert httpx.post(r.url + "/v1/chat/completions", json=chat("hi"),
+                          timeout=30).status_code == 200
+    finally:
+        r.stop()

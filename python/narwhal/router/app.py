@@ -10,6 +10,7 @@ import time
 from typing import Any
 
 import aiohttp
+import orjson
 from prometheus_client import generate_latest
 
 from narwhal import asgi
@@ -46,7 +47,9 @@ class Router:
         self.pool = Pool(engines, config.prefill_concurrency, config.decode_concurrency)
         self.admission = Admission(self.pool, config.http_retention_limit, config.queue_size,
                                    config.queue_wait_s)
-        self.predictor = Predictor(engines) if config.admission == "predictive" else None
+        self.predictor = (Predictor(engines, config.drift_bound, config.drift_min_samples,
+                                    config.stale_after_s)
+                          if config.admission == "predictive" else None)
         self._tasks: list[asyncio.Task[None]] = []
         self.session: aiohttp.ClientSession | None = None
         self.relayer: Relayer | None = None
@@ -63,6 +66,8 @@ class Router:
         self._tasks.append(asyncio.create_task(
             self.pool.probe_forever(self.session, c.health_interval_s, c.health_timeout_s)))
         self._tasks.append(asyncio.create_task(self.admission.drain_forever()))
+        if self.predictor is not None:
+            self._tasks.append(asyncio.create_task(self._probe_forever()))
 
     async def shutdown(self) -> None:
         for t in self._tasks:
@@ -114,14 +119,58 @@ class Router:
     async def _ready(self, send: Send) -> None:
         engines = [e.describe() for e in self.pool.engines]
         ok = bool(self.pool.eligible())
-        body: dict[str, Any] = {"ready": ok, "admission": self.config.admission,
-                                "engines": engines}
+        degraded = self._degraded()
+        body: dict[str, Any] = {"ready": ok and degraded is None,
+                                "admission": self.config.admission, "engines": engines}
+        if ok and degraded is not None:
+            ok = False
+            body["reason"] = "monitoring-degraded: " + degraded
         if self.predictor is not None:
             for e in engines:
                 e["profile"] = self.predictor.profiles[str(e["name"])].describe()
-        if not ok:
+        elif not ok:
             body["reason"] = "no placement-eligible engine"
         await asgi.send_json(send, 200 if ok else 503, body)
+
+    def _degraded(self) -> str | None:
+        if self.predictor is None or not self.pool.eligible():
+            return None
+        return self.predictor.degraded(self.pool.eligible())
+
+    async def _probe_forever(self) -> None:
+        """Profiling measurements: an idle engine whose telemetry is getting old gets a
+        small request, so the predictor stays fresh (and recovers) without live traffic."""
+        assert self.predictor is not None and self.relayer is not None
+        body = orjson.dumps({"model": self.config.model, "max_tokens": 2,
+                             "messages": [{"role": "user", "content": "profile probe"}],
+                             "stream": True})
+        req = intake.check(intake.CHAT, body, self.config.model)
+
+        async def discard(_: Any) -> None:
+            pass
+
+        interval = self.config.probe_interval_s
+        while True:
+            await asyncio.sleep(interval)
+            now = time.monotonic()
+            degraded = self._degraded() is not None
+            for e in self.pool.eligible():
+                profile = self.predictor.profiles[e.name]
+                if e.inflight or (now - profile.measured_at < interval and not degraded):
+                    continue
+                e.prefill += 1
+                proj = self.predictor.project(req.prompt_bytes, e)
+                p = Placed(req, e, now, now + 30, tokens=proj.tokens, predicted_s=proj.total_s)
+                self.relayer.placed(p)
+                try:
+                    await self.relayer.run(p, discard)
+                    if degraded and p.first_at:
+                        # Half-open: a good measurement lets live traffic be judged again.
+                        profile.rebase()
+                except (ApiError, EngineFailed) as exc:
+                    log.info("profile probe of %s failed: %s", e.name, exc)
+                finally:
+                    self.relayer.release(p)
 
     def _refresh_gauges(self) -> None:
         m = self.metrics
@@ -197,14 +246,20 @@ class Router:
         watcher = asyncio.create_task(asgi.watch_disconnect(receive, task))
         placed: Placed | None = None
         try:
-            prefer, tokens = None, 0
+            prefer, tokens, predicted = None, 0, None
+            degraded = self._degraded()
+            if degraded is not None:
+                self.metrics.rejected.labels("monitoring_degraded").inc()
+                raise ApiError(503, "the router's predictions are not trustworthy now ("
+                               + degraded + "); retry shortly", type="server_error",
+                               code="monitoring_degraded", headers={"retry-after": "1"})
             if self.predictor is not None and self.pool.eligible():
                 try:
                     proj = self.predictor.judge(req.prompt_bytes, self.pool.eligible(), budget)
                 except ApiError as e:
                     self.metrics.refused.labels(e.code or "predictive").inc()
                     raise
-                prefer, tokens = proj.engine, proj.tokens
+                prefer, tokens, predicted = proj.engine, proj.tokens, proj.total_s
             try:
                 engine = await self.admission.place(deadline, prefer)
             except Expired:
@@ -214,7 +269,8 @@ class Router:
             except ApiError as e:
                 self.metrics.rejected.labels(e.code or "capacity").inc()
                 raise
-            placed = Placed(req, engine, arrived, deadline, tokens=tokens)
+            placed = Placed(req, engine, arrived, deadline, tokens=tokens,
+                            predicted_s=predicted if engine is prefer else None)
             self.relayer.placed(placed)
             try:
                 await self.relayer.run(placed, send)

@@ -42,7 +42,9 @@ SCHEMA: dict[str, Any] = {
         },
         "predictive": {
             "type": "object", "additionalProperties": False,
-            "properties": {"ttft_budget_s": _pos_num},
+            "properties": {"ttft_budget_s": _pos_num, "drift_bound": _pos_num,
+                           "drift_min_samples": _pos_int, "stale_after_s": _pos_num,
+                           "probe_interval_s": _pos_num},
         },
         "health": {
             "type": "object", "additionalProperties": False,
@@ -114,6 +116,10 @@ class RouterConfig:
     prefill_concurrency: int = 4
     decode_concurrency: int = 64
     ttft_budget_s: float = 2.0
+    drift_bound: float = 1.1  # |ln(observed/predicted)| EWMA: beyond ~3x off is degraded
+    drift_min_samples: int = 5
+    stale_after_s: float = 120.0
+    probe_interval_s: float = 10.0
     health_interval_s: float = 2.0
     health_timeout_s: float = 2.0
     extra: dict[str, Any] = field(default_factory=dict)
@@ -159,6 +165,10 @@ def parse(data: Any) -> RouterConfig:
         prefill_concurrency=g("phases", "prefill_concurrency", 4),
         decode_concurrency=g("phases", "decode_concurrency", 64),
         ttft_budget_s=float(g("predictive", "ttft_budget_s", 2.0)),
+        drift_bound=float(g("predictive", "drift_bound", 1.1)),
+        drift_min_samples=g("predictive", "drift_min_samples", 5),
+        stale_after_s=float(g("predictive", "stale_after_s", 120.0)),
+        probe_interval_s=float(g("predictive", "probe_interval_s", 10.0)),
         health_interval_s=float(g("health", "interval_s", 2.0)),
         health_timeout_s=float(g("health", "timeout_s", 2.0)),
     )

@@ -11,6 +11,7 @@ and requests are admitted (cold start).
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 
 from narwhal.errors import ApiError
@@ -31,9 +32,19 @@ class Profile:
     output_tokens: float | None = None  # output-length learning: typical answer length
     prefill_samples: int = 0
     discarded: int = 0
+    drift: float | None = None  # EWMA of |ln(observed TTFT / predicted TTFT)|
+    drift_samples: int = 0
+    measured_at: float = 0.0  # monotonic time of the last good measurement
 
     def observe(self, prompt_bytes: int, prompt_tokens: int | None, ttft_s: float | None,
-                alone: bool, decode_tokens: int, decode_s: float) -> None:
+                alone: bool, decode_tokens: int, decode_s: float,
+                predicted_s: float | None = None) -> None:
+        if ttft_s and ttft_s > 0:
+            self.measured_at = time.monotonic()
+            # Sub-50 ms requests are all fixed overhead: they say nothing about the model.
+            if predicted_s and predicted_s > 0 and max(ttft_s, predicted_s) >= 0.05:
+                self.drift = _ewma(self.drift, abs(math.log(ttft_s / predicted_s)))
+                self.drift_samples += 1
         if prompt_tokens:
             self.bytes_per_token = _ewma(self.bytes_per_token, prompt_bytes / prompt_tokens)
             if alone and ttft_s and ttft_s > 0:
@@ -44,10 +55,15 @@ class Profile:
         if decode_tokens:
             self.output_tokens = _ewma(self.output_tokens, decode_tokens)
 
+    def rebase(self) -> None:
+        """A fresh profiling measurement: judge drift anew from here on."""
+        self.drift = None
+        self.drift_samples = 0
+
     def describe(self) -> dict[str, float | int | None]:
         return {"bytes_per_token": self.bytes_per_token, "prefill_tokens_per_s": self.prefill_tps,
                 "time_per_output_token_s": self.tpot_s, "output_tokens": self.output_tokens,
-                "prefill_samples": self.prefill_samples,
+                "prefill_samples": self.prefill_samples, "drift": self.drift,
                 "discarded_measurements": self.discarded}
 
 
@@ -60,8 +76,31 @@ class Projection:
 
 
 class Predictor:
-    def __init__(self, engines: list[Engine]) -> None:
+    def __init__(self, engines: list[Engine], drift_bound: float = 1.1,
+                 drift_min_samples: int = 5, stale_after_s: float = 120.0) -> None:
         self.profiles = {e.name: Profile() for e in engines}
+        self.drift_bound = drift_bound
+        self.drift_min_samples = drift_min_samples
+        self.stale_after_s = stale_after_s
+
+    def degraded(self, engines: list[Engine]) -> str | None:
+        """Why the predictor cannot be trusted now, or None. Only engines with a measured
+        profile count: cold start is not degradation."""
+        now = time.monotonic()
+        reasons = []
+        for e in engines:
+            p = self.profiles[e.name]
+            if p.prefill_tps is None:
+                return None
+            if now - p.measured_at > self.stale_after_s:
+                reasons.append(f"{e.name}: telemetry is {now - p.measured_at:.0f}s old")
+            elif (p.drift is not None and p.drift_samples >= self.drift_min_samples
+                  and p.drift > self.drift_bound):
+                reasons.append(f"{e.name}: prediction drift {p.drift:.2f} is beyond "
+                               f"{self.drift_bound:.2f}")
+            else:
+                return None
+        return "; ".join(reasons) or None
 
     def size(self, prompt_bytes: int, e: Engine) -> int:
         bpt = self.profiles[e.name].bytes_per_token or 4.0

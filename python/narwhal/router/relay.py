@@ -40,6 +40,7 @@ class Placed:
     first_at: float = 0.0
     prompt_tokens: int | None = None
     output_tokens: int = 0
+    predicted_s: float | None = None  # projected TTFT at admission, for drift scoring
     phase: str = "prefill"
 
 
@@ -172,7 +173,7 @@ class Relayer:
             ttft = p.first_at - p.sent_at if p.first_at else None
             self.predictor.profiles[name].observe(
                 p.intake.prompt_bytes, p.prompt_tokens, ttft, p.alone, tokens,
-                time.monotonic() - first_at if first_at else 0.0)
+                time.monotonic() - first_at if first_at else 0.0, p.predicted_s)
         m.completed.labels(name).inc()
         m.output_tokens.labels(name).inc(tokens)
         if tokens > 1 and first_at:
