@@ -182,31 +182,13 @@ class Router:
 
     # -- a completion request's way through --------------------------------------------
     def _budget(self, scope: Scope) -> float:
-        raw = asgi.header(scope, b"x-narwhal-ttft-target-ms")
-        if raw is None:
-            return self.config.ttft_budget_s
-        try:
-            ms = int(raw)
-        except ValueError:
-            ms = 0
-        if ms <= 0:
-            raise ApiError(400, "x-narwhal-ttft-target-ms must be a positive integer",
-                           param="x-narwhal-ttft-target-ms")
-        return ms / 1000
+        ms = _ms_header(scope, b"x-narwhal-ttft-target-ms")
+        return self.config.ttft_budget_s if ms is None else ms / 1000
 
     def _deadline(self, scope: Scope, arrived: float) -> float:
-        raw = asgi.header(scope, b"x-narwhal-timeout-ms")
+        ms = _ms_header(scope, b"x-narwhal-timeout-ms")
         timeout = self.config.request_timeout_s
-        if raw is not None:
-            try:
-                ms = int(raw)
-            except ValueError:
-                ms = 0
-            if ms <= 0:
-                raise ApiError(400, "x-narwhal-timeout-ms must be a positive integer",
-                               param="x-narwhal-timeout-ms")
-            timeout = min(timeout, ms / 1000)
-        return arrived + timeout
+        return arrived + (timeout if ms is None else min(timeout, ms / 1000))
 
     async def _completion(self, path: str, scope: Scope, receive: Receive, send: Send) -> None:
         m = self.metrics
@@ -285,6 +267,21 @@ class Router:
             if placed is not None:
                 self.relayer.release(placed)
 
+
+
+def _ms_header(scope: Scope, name: bytes) -> int | None:
+    """A positive integer of milliseconds from a request header, or a 400."""
+    raw = asgi.header(scope, name)
+    if raw is None:
+        return None
+    try:
+        ms = int(raw)
+    except ValueError:
+        ms = 0
+    if ms <= 0:
+        raise ApiError(400, f"{name.decode()} must be a positive integer of milliseconds",
+                       param=name.decode())
+    return ms
 
 
 CONFIG_ENV = "NARWHAL_ROUTER_CONFIG"
