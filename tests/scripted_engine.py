@@ -16,8 +16,8 @@ import orjson
 from aiohttp import web
 
 PREFILL_LOCK = asyncio.Lock()
-STATS: dict[str, Any] = {"requests": 0, "disconnects": 0, "last": None, "healthy": True,
-                         "active": 0}
+STATS: dict[str, Any] = {"ms_per_token": 0.0, "requests": 0, "disconnects": 0, "last": None,
+                         "healthy": True, "active": 0}
 
 
 def _script(body: dict[str, Any]) -> tuple[str, str]:
@@ -70,6 +70,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
     if name == "prefill":
         # A prompt of N tokens (4 bytes each) takes N * ARG ms before the first token.
         await asyncio.sleep(_prompt_tokens(body) * int(arg.split(":")[0]) / 1000)
+    elif name != "prefill_serial" and STATS["ms_per_token"]:
+        await asyncio.sleep(_prompt_tokens(body) * STATS["ms_per_token"] / 1000)
     resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
     await resp.prepare(request)
     STATS["active"] += 1
@@ -86,8 +88,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
 async def _script_body(resp: web.StreamResponse, body: dict[str, Any], chat: bool, name: str,
                        arg: str) -> None:
     w = resp.write
-    sized = name in ("prefill", "prefill_serial")
-    prompt = list(range(_prompt_tokens(body))) if sized else [1, 2, 3]
+    prompt = list(range(_prompt_tokens(body)))
     first_top = {"prompt_token_ids": prompt} if body.get("return_token_ids") and chat else {}
     await w(_frame(body, chat, {"role": "assistant", "content": ""} if chat else None, [],
                    **first_top))
@@ -157,7 +158,10 @@ async def stats(request: web.Request) -> web.Response:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--port", type=int, required=True)
+    p.add_argument("--prefill-ms-per-token", type=float, default=0.0,
+                   help="prefill cost of every request (4 prompt bytes make a token)")
     args = p.parse_args()
+    STATS["ms_per_token"] = args.prefill_ms_per_token
     app = web.Application()
     app.router.add_post("/v1/chat/completions", completions)
     app.router.add_post("/v1/completions", completions)

@@ -86,3 +86,31 @@ engines:
     alive = [p for p in tree if Path(f"/proc/{p}").exists()
              and "Z" not in Path(f"/proc/{p}/stat").read_text().split()[2]]
     assert alive == []
+
+
+def test_predictor_learns_a_real_lexiengine(model_path: str, tmp_path: Path) -> None:
+    r = start_router(tmp_path, f"""
+model: main
+listen: {{port: $PORT}}
+admission: predictive
+predictive: {{ttft_budget_s: 30}}
+engines:
+  - name: local
+    launch: {{model: {model_path}, parallel: 1, args: ["--ctx-size", "1024"]}}
+""")
+    try:
+        text = "Tell me about the sea and the animals that live in it. " * 8
+        for _ in range(3):
+            ok = httpx.post(r.url + "/v1/chat/completions", timeout=60, json={
+                "messages": [{"role": "user", "content": text}], "max_tokens": 4,
+                "stream": True})
+            assert ok.status_code == 200
+        prof = httpx.get(r.url + "/ready").json()["engines"][0]["profile"]
+        assert prof["prefill_tokens_per_s"] > 0 and prof["prefill_samples"] >= 3
+        # SmolLM2's BPE reads English at a few bytes a token; the chat template's own
+        # tokens count against the message bytes, so it reads lower than raw text would.
+        assert 1.5 < prof["bytes_per_token"] < 8
+        assert prof["sizing_error"] is not None and prof["sizing_error"] < 0.5
+        assert prof["time_per_output_token_s"] > 0
+    finally:
+        r.stop()

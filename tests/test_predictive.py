@@ -3,6 +3,7 @@ per prompt token: the router learns the rate, then admits, places or refuses."""
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -11,7 +12,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.conftest import Server, start_router
+from tests.conftest import Server, free_port, start_router
 
 pytestmark = pytest.mark.slow
 
@@ -26,6 +27,16 @@ def prompt(tokens: int) -> str:
 def chat(content: str, **kw: Any) -> dict[str, Any]:
     return {"model": "main", "stream": True,
             "messages": [{"role": "user", "content": content}], **kw}
+
+
+@pytest.fixture(scope="module")
+def scripted() -> Iterator[Server]:
+    """This module's engine: every prompt costs MS_PER_TOKEN a token, probes included."""
+    port = free_port()
+    s = Server([sys.executable, "-m", "tests.scripted_engine", "--port", str(port),
+                "--prefill-ms-per-token", str(MS_PER_TOKEN)], "/health", port)
+    yield s
+    s.stop()
 
 
 @pytest.fixture(scope="module")

@@ -141,8 +141,11 @@ class Router:
         """Profiling measurements: an idle engine whose telemetry is getting old gets a
         small request, so the predictor stays fresh (and recovers) without live traffic."""
         assert self.predictor is not None and self.relayer is not None
-        body = orjson.dumps({"model": self.config.model, "max_tokens": 2,
-                             "messages": [{"role": "user", "content": "profile probe"}],
+        # About 250 tokens of ordinary text: enough prefill to measure a rate, not just the
+        # fixed per-request overhead a tiny prompt would show.
+        text = "Narwhal measures how fast this engine reads a prompt of ordinary text. " * 14
+        body = orjson.dumps({"model": self.config.model, "max_tokens": 1,
+                             "messages": [{"role": "user", "content": text}],
                              "stream": True})
         req = intake.check(intake.CHAT, body, self.config.model)
 
@@ -150,8 +153,8 @@ class Router:
             pass
 
         interval = self.config.probe_interval_s
+        await asyncio.sleep(0.2)  # the first measurement as soon as engines are healthy
         while True:
-            await asyncio.sleep(interval)
             now = time.monotonic()
             degraded = self._degraded() is not None
             for e in self.pool.eligible():
@@ -171,6 +174,7 @@ class Router:
                     log.info("profile probe of %s failed: %s", e.name, exc)
                 finally:
                     self.relayer.release(p)
+            await asyncio.sleep(interval)
 
     def _refresh_gauges(self) -> None:
         m = self.metrics
@@ -179,6 +183,10 @@ class Router:
         for e in self.pool.engines:
             m.inflight.labels(e.name, "prefill").set(e.prefill)
             m.inflight.labels(e.name, "decode").set(e.decode)
+            if self.predictor is not None:
+                prof = self.predictor.profiles[e.name]
+                m.prediction_drift.labels(e.name).set(prof.drift or 0.0)
+                m.sizing_error.labels(e.name).set(prof.sizing_error or 0.0)
 
     # -- a completion request's way through --------------------------------------------
     def _budget(self, scope: Scope) -> float:

@@ -32,6 +32,18 @@ class RouterMetrics:
         self.ttfb = Histogram("narwhal_time_to_first_byte_seconds",
                               "Arrival to first relayed byte", ["engine"], buckets=_LATENCY,
                               registry=r)
+        self.predicted_ttft = Histogram(
+            "narwhal_predicted_ttft_seconds", "Projected TTFT of admitted requests", ["engine"],
+            buckets=_LATENCY, registry=r)
+        self.observed_ttft = Histogram(
+            "narwhal_observed_ttft_seconds", "Engine TTFT of requests that had a projection",
+            ["engine"], buckets=_LATENCY, registry=r)
+        self.prediction_drift = Gauge(
+            "narwhal_prediction_drift", "EWMA of |ln(observed/predicted TTFT)|", ["engine"],
+            registry=r)
+        self.sizing_error = Gauge(
+            "narwhal_sizing_error", "EWMA relative error of prompt-token sizing", ["engine"],
+            registry=r)
         self.tpot = Histogram("narwhal_time_per_output_token_seconds",
                               "Mean time per output token after the first", ["engine"],
                               buckets=_TPOT, registry=r)

@@ -34,6 +34,7 @@ class Profile:
     discarded: int = 0
     drift: float | None = None  # EWMA of |ln(observed TTFT / predicted TTFT)|
     drift_samples: int = 0
+    sizing_error: float | None = None  # EWMA of |estimated - reported| / reported tokens
     measured_at: float = 0.0  # monotonic time of the last good measurement
 
     def observe(self, prompt_bytes: int, prompt_tokens: int | None, ttft_s: float | None,
@@ -46,6 +47,10 @@ class Profile:
                 self.drift = _ewma(self.drift, abs(math.log(ttft_s / predicted_s)))
                 self.drift_samples += 1
         if prompt_tokens:
+            if self.bytes_per_token is not None:
+                estimate = prompt_bytes / self.bytes_per_token
+                self.sizing_error = _ewma(self.sizing_error,
+                                          abs(estimate - prompt_tokens) / prompt_tokens)
             self.bytes_per_token = _ewma(self.bytes_per_token, prompt_bytes / prompt_tokens)
             if alone and ttft_s and ttft_s > 0:
                 self.prefill_tps = _ewma(self.prefill_tps, prompt_tokens / ttft_s)
@@ -64,6 +69,7 @@ class Profile:
         return {"bytes_per_token": self.bytes_per_token, "prefill_tokens_per_s": self.prefill_tps,
                 "time_per_output_token_s": self.tpot_s, "output_tokens": self.output_tokens,
                 "prefill_samples": self.prefill_samples, "drift": self.drift,
+                "sizing_error": self.sizing_error,
                 "discarded_measurements": self.discarded}
 
 

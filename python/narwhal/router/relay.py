@@ -171,6 +171,9 @@ class Relayer:
         m, name = self.metrics, p.engine.name
         if self.predictor is not None:
             ttft = p.first_at - p.sent_at if p.first_at else None
+            if ttft is not None and p.predicted_s is not None:
+                m.predicted_ttft.labels(name).observe(p.predicted_s)
+                m.observed_ttft.labels(name).observe(ttft)
             self.predictor.profiles[name].observe(
                 p.intake.prompt_bytes, p.prompt_tokens, ttft, p.alone, tokens,
                 time.monotonic() - first_at if first_at else 0.0, p.predicted_s)
