@@ -102,8 +102,8 @@ def test_work_ahead_makes_the_projection_overrun_with_retry_after(router: Server
         r = httpx.post(router.url + "/v1/chat/completions", json=chat(prompt(100)), timeout=30)
         assert r.status_code == 429
         assert r.json()["error"]["code"] == "ttft_budget_exceeded"
-        rate = profile(router)["prefill_tokens_per_s"]
-        projected = (100 + 2000) / rate
+        prof = profile(router)
+        projected = (100 + 2000) / (prof["prefill_tokens_per_s"] / prof["correction"])
         # The rounded overrun, give or take the sizing's rounding.
         assert abs(int(r.headers["retry-after"]) - max(1, round(projected - 1.0))) <= 1
         assert int(r.headers["retry-after"]) >= 2

@@ -18,6 +18,9 @@ from narwhal.errors import ApiError
 from narwhal.router.engines import Engine
 
 ALPHA = 0.3  # EWMA weight of a new measurement
+# A small gain: outcomes arrive a TTFT after the projection, and a large gain on a lagged
+# signal oscillates (the simulation in bench/admission_sim.py shows it).
+CORRECTION_GAIN = 0.05
 
 
 def _ewma(old: float | None, new: float) -> float:
@@ -35,6 +38,10 @@ class Profile:
     drift: float | None = None  # EWMA of |ln(observed TTFT / predicted TTFT)|
     drift_samples: int = 0
     sizing_error: float | None = None  # EWMA of |estimated - reported| / reported tokens
+    # Decode correction: observed/projected TTFT under real load (decoding beside prefill
+    # slows it), applied to every projection. Learned from every request with a projection,
+    # not only from those that had the engine to themselves.
+    correction: float = 1.0
     measured_at: float = 0.0  # monotonic time of the last good measurement
 
     def observe(self, prompt_bytes: int, prompt_tokens: int | None, ttft_s: float | None,
@@ -44,8 +51,11 @@ class Profile:
             self.measured_at = time.monotonic()
             # Sub-50 ms requests are all fixed overhead: they say nothing about the model.
             if predicted_s and predicted_s > 0 and max(ttft_s, predicted_s) >= 0.05:
-                self.drift = _ewma(self.drift, abs(math.log(ttft_s / predicted_s)))
+                miss = math.log(ttft_s / predicted_s)
+                self.drift = _ewma(self.drift, abs(miss))
                 self.drift_samples += 1
+                step = math.exp(CORRECTION_GAIN * miss)
+                self.correction = min(4.0, max(0.25, self.correction * step))
         if prompt_tokens:
             if self.bytes_per_token is not None:
                 estimate = prompt_bytes / self.bytes_per_token
@@ -61,15 +71,16 @@ class Profile:
             self.output_tokens = _ewma(self.output_tokens, decode_tokens)
 
     def rebase(self) -> None:
-        """A fresh profiling measurement: judge drift anew from here on."""
+        """A fresh profiling measurement: judge drift (and correct) anew from here on."""
         self.drift = None
         self.drift_samples = 0
+        self.correction = 1.0
 
     def describe(self) -> dict[str, float | int | None]:
         return {"bytes_per_token": self.bytes_per_token, "prefill_tokens_per_s": self.prefill_tps,
                 "time_per_output_token_s": self.tpot_s, "output_tokens": self.output_tokens,
                 "prefill_samples": self.prefill_samples, "drift": self.drift,
-                "sizing_error": self.sizing_error,
+                "sizing_error": self.sizing_error, "correction": self.correction,
                 "discarded_measurements": self.discarded}
 
 
@@ -114,9 +125,10 @@ class Predictor:
 
     def project(self, prompt_bytes: int, e: Engine) -> Projection:
         tokens = self.size(prompt_bytes, e)
-        rate = self.profiles[e.name].prefill_tps
-        if rate is None:
+        prof = self.profiles[e.name]
+        if prof.prefill_tps is None:
             return Projection(e, tokens, None, None)
+        rate = prof.prefill_tps / prof.correction
         own = tokens / rate
         return Projection(e, tokens, own, own + e.prefill_tokens / rate)
 
