@@ -102,6 +102,9 @@ class Assembler:
     def done(self) -> bool: ...
     @property
     def measured_output_tokens(self) -> int: ...
+    @property
+    def reported_prompt_tokens(self) -> int | None:
+        """The engine's own prompt count (usage, else prompt token IDs), if it sent one."""
     def finish(self, prompt_tokens: int | None = None) -> bytes:
         """The response JSON; ``prompt_tokens`` sizes usage when the engine sent none."""
 

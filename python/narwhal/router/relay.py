@@ -201,9 +201,8 @@ class Relayer:
                     self._first_output(p)
                     first_at = time.monotonic()
             body = asm.finish(p.intake.estimated_prompt_tokens())
-            if self.predictor is not None:
-                usage = orjson.loads(body).get("usage") or {}
-                p.prompt_tokens = usage.get("prompt_tokens")
+            # Only the engine's own count: the estimate must not be learned from itself.
+            p.prompt_tokens = asm.reported_prompt_tokens
         except AssemblyError as exc:
             self.metrics.stream_faults.labels(e.name, "assembly").inc()
             raise ApiError(502, f"the engine's output cannot be assembled: {exc}",

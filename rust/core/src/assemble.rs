@@ -276,6 +276,17 @@ impl Assembler {
 
     /// Output length measured from the stream: validated token IDs when the engine sent
     /// them, else one token per generation event (what `stream_interval: 1` engines send).
+    /// The prompt length the engine itself reported (usage, else prompt token IDs), if any:
+    /// what the router's sizing is checked against.
+    pub fn reported_prompt_tokens(&self) -> Option<u64> {
+        self.usage
+            .as_ref()
+            .and_then(|u| u.get("prompt_tokens"))
+            .and_then(Value::as_u64)
+            .or_else(|| self.prompt_token_ids.as_ref().map(|p| p.len() as u64))
+            .or_else(|| self.choices.values().find_map(|c| c.prompt_token_ids.as_ref().map(|p| p.len() as u64)))
+    }
+
     pub fn measured_output_tokens(&self) -> u64 {
         self.choices
             .values()
@@ -989,6 +1000,7 @@ mod tests {
         assert_eq!(v["choices"][0]["token_ids"], serde_json::json!([9, 10]));
         assert_eq!(v["prompt_token_ids"], serde_json::json!([1, 2]));
         assert_eq!(v["usage"]["completion_tokens"], 2);
+        assert_eq!(a.reported_prompt_tokens(), Some(2));
         let e = a.feed(r#"{"choices":[{"delta":{"content":"y"}}]}"#).unwrap_err();
         assert_eq!(e.field, "choices[0].token_ids");
         let e = a.feed(r#"{"choices":[{"delta":{"content":"y"},"token_ids":[true]}]}"#).unwrap_err();

@@ -203,6 +203,10 @@ impl StreamAssembler {
         self.assembler.is_done()
     }
 
+    pub fn reported_prompt_tokens(&self) -> Option<u64> {
+        self.assembler.reported_prompt_tokens()
+    }
+
     pub fn measured_output_tokens(&self) -> u64 {
         self.assembler.measured_output_tokens()
     }

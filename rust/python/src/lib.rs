@@ -179,6 +179,11 @@ impl Assembler {
     }
 
     #[getter]
+    fn reported_prompt_tokens(&self) -> Option<u64> {
+        self.inner.reported_prompt_tokens()
+    }
+
+    #[getter]
     fn measured_output_tokens(&self) -> u64 {
         self.inner.measured_output_tokens()
     }
