@@ -7,18 +7,19 @@ import hmac
 import logging
 import os
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import orjson
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from narwhal import asgi
 from narwhal.asgi import Receive, Scope, Send
 from narwhal.engine import protocol
+from narwhal.engine.batch import DecodeLoop
 from narwhal.engine.config import EngineConfig
-from narwhal.engine.generation import Finish, Generation, Piece
+from narwhal.engine.generation import Finish, Piece, Request
 from narwhal.engine.model import Model
-from narwhal.engine.render import Output, writer_for
+from narwhal.engine.render import Output, ToolCallFailed, writer_for
 from narwhal.engine.slots import Busy, Slots
 from narwhal.errors import ApiError, json_object
 
@@ -47,6 +48,10 @@ class Metrics:
                               registry=r, buckets=(.01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10))
         self.tpot = Histogram("lexi_time_per_output_token_seconds", "Time per output token",
                               registry=r, buckets=(.002, .005, .01, .02, .05, .1, .25, .5, 1))
+        self.batch = Histogram("lexi_batch_tokens", "Tokens in one decode step's batch",
+                               registry=r, buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512))
+        self.cached_tokens = Counter("lexi_cached_prompt_tokens",
+                                     "Prompt tokens reused from a slot's KV", registry=r)
 
 
 class Engine:
@@ -55,9 +60,8 @@ class Engine:
         self.model = model
         self.slots = Slots(config.parallel, config.queue_wait)
         self.metrics = Metrics(config.parallel)
-        # One llama context: decoding is serialized on one thread (the batching work
-        # replaces this with one decode loop over all slots).
-        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lexi-decode")
+        self.decoder = DecodeLoop(model, config.parallel, config.prefill_chunk, config.threads)
+        self.decoder.on_step = self.metrics.batch.observe  # prometheus metrics are thread-safe
         self.keys = tuple(k.encode() for k in config.api_keys)
 
     # -- ASGI ---------------------------------------------------------------------------
@@ -94,7 +98,7 @@ class Engine:
         pass
 
     async def _shutdown(self) -> None:
-        self.executor.shutdown(wait=False, cancel_futures=True)
+        await asyncio.to_thread(self.decoder.stop)
 
     def _authorize(self, scope: Scope) -> None:
         if not self.keys:
@@ -134,16 +138,17 @@ class Engine:
         assert task is not None
         watcher = asyncio.create_task(asgi.watch_disconnect(receive, task))
         try:
+            prompt = job.prompt_ids
             try:
-                await self.slots.acquire()
+                slot = await self.slots.acquire(lambda s: self.decoder.prefix_with(s, prompt))
             except Busy:
                 status = 429
                 raise ApiError(429, "all slots are busy", type="server_error",
                                code="inference_busy", headers={"retry-after": "1"}) from None
             try:
-                await self._run(job, send)
+                await self._run(job, slot, send)
             finally:
-                self.slots.release()
+                self.slots.release(slot)
         except asyncio.CancelledError:
             status = 499  # the client went away; nothing is left to answer
             if not watcher.done():
@@ -155,10 +160,9 @@ class Engine:
             watcher.cancel()
             self.metrics.requests.labels(route, str(status)).inc()
 
-    async def _run(self, job: protocol.Job, send: Send) -> None:
-        gen = Generation(self.model, job.prompt_ids, job.sampling)
-        loop = asyncio.get_running_loop()
-        future = loop.run_in_executor(self.executor, gen.run, loop)
+    async def _run(self, job: protocol.Job, slot: int, send: Send) -> None:
+        gen = Request(job.prompt_ids, job.sampling)
+        self.decoder.submit(slot, gen)
         out = Output(job)
         writer = writer_for(job, self.model.id)
         self.metrics.prompt_tokens.inc(len(job.prompt_ids))
@@ -169,38 +173,48 @@ class Engine:
                 first = writer.first()
                 if first:
                     await asgi.stream_chunk(send, first)
-            while True:
-                item = await gen.queue.get()
-                if isinstance(item, Piece):
-                    d = out.piece(item)
-                    if d is not None and job.stream:
-                        await asgi.stream_chunk(send, writer.delta(d))
-                    continue
-                finish = item
-                break
-            d = out.finish()
-            if finish.error:
-                log.error("%s", finish.error)
-                if not job.stream:
-                    raise ApiError(500, finish.error, type="server_error", code="generation_failed")
-                await asgi.stream_chunk(send, b'data: {"error":{"message":"generation failed",'
-                                        b'"type":"server_error"}}\n\n', more=False)
-                return
+            try:
+                while True:
+                    item = await gen.queue.get()
+                    if isinstance(item, Piece):
+                        d = out.piece(item)
+                        if d is not None and job.stream:
+                            await asgi.stream_chunk(send, writer.delta(d))
+                        continue
+                    finish = item
+                    break
+                if finish.error:
+                    raise ApiError(500, finish.error, type="server_error",
+                                   code="generation_failed")
+                d = out.finish()
+            except ToolCallFailed as e:
+                raise ApiError(422, str(e), type="invalid_response_error",
+                               code="tool_call_invalid", param="tool_choice") from None
             if job.stream:
                 tail = writer.delta(d) if d is not None else b""
-                await asgi.stream_chunk(send, tail + writer.last(finish), more=False)
+                last = writer.last(finish, out.finish_reason(finish))
+                await asgi.stream_chunk(send, tail + last, more=False)
             else:
                 await asgi.send_json(send, 200, writer.whole(out, finish))
+        except ApiError as e:  # a generation that cannot be answered
+            if e.status >= 500:
+                log.error("%s", e.message)
+            if not job.stream:
+                raise
+            # Headers are out: the stream ends with the error as its last event.
+            await asgi.stream_chunk(send, b"data: " + orjson.dumps(e.envelope()) + b"\n\n",
+                                    more=False)
         finally:
             gen.cancel()
-            await asyncio.shield(future)  # the slot is free only once decoding stopped
+            await asyncio.shield(gen.done)  # the slot is free only once decoding stopped
             self._observe(gen, finish)
 
-    def _observe(self, gen: Generation, finish: Finish | None) -> None:
+    def _observe(self, gen: Request, finish: Finish | None) -> None:
         if finish is None or gen.first_token_at is None:
             return
         m = self.metrics
         m.output_tokens.inc(finish.completion_tokens)
+        m.cached_tokens.inc(finish.cached_tokens)
         m.ttft.observe(gen.first_token_at - gen.started_at)
         if finish.completion_tokens > 1:
             m.tpot.observe((time.monotonic() - gen.first_token_at) / (finish.completion_tokens - 1))

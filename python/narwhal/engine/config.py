@@ -49,6 +49,7 @@ class EngineConfig:
     threads: int | None = None
     api_keys: tuple[str, ...] = ()
     parallel: int = 1
+    prefill_chunk: int = 256
 
     def to_json(self) -> bytes:
         return orjson.dumps(dataclasses.asdict(self))
@@ -85,7 +86,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, help="CPU threads for decoding")
     p.add_argument("--api-key", action="append", default=[], metavar="KEY",
                    help="accepted Bearer key (repeatable; @PATH reads one key per line)")
-    p.add_argument("--parallel", type=int, default=1, metavar="N", help="number of slots")
+    p.add_argument("--parallel", type=int, default=1, metavar="N",
+                   help="slots decoded together in one batch; each gets ctx-size / N tokens")
+    p.add_argument("--prefill-chunk", type=int, default=256, metavar="TOKENS",
+                   help="prompt tokens prefilled per decode step (a long prompt is split so "
+                        "streaming slots keep decoding)")
 
 
 def _read_keys(values: list[str]) -> tuple[str, ...]:
@@ -156,8 +161,13 @@ def from_args(ns: argparse.Namespace) -> EngineConfig:
         raise ConfigError("--port", "must be between 0 and 65535")
     if ns.ctx_size < 16:
         raise ConfigError("--ctx-size", "must be at least 16")
-    if ns.parallel < 1:
-        raise ConfigError("--parallel", "must be at least 1")
+    if not (1 <= ns.parallel <= 256):
+        raise ConfigError("--parallel", "must be between 1 and 256")
+    if ns.ctx_size // ns.parallel < 16:
+        raise ConfigError("--ctx-size", f"gives each of the {ns.parallel} slots fewer than 16 "
+                          "tokens (the context is split evenly over --parallel)")
+    if not (1 <= ns.prefill_chunk <= 8192):
+        raise ConfigError("--prefill-chunk", "must be between 1 and 8192")
     if ns.threads is not None and ns.threads < 1:
         raise ConfigError("--threads", "must be at least 1")
     aliases = tuple(ns.alias)
@@ -180,4 +190,5 @@ def from_args(ns: argparse.Namespace) -> EngineConfig:
         threads=ns.threads,
         api_keys=_read_keys(ns.api_key),
         parallel=ns.parallel,
+        prefill_chunk=ns.prefill_chunk,
     )

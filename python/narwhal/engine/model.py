@@ -7,7 +7,6 @@ from pathlib import Path
 
 import llama_cpp
 from llama_cpp import Llama
-from llama_cpp.llama_grammar import LlamaGrammar
 
 from narwhal.engine.config import EngineConfig
 from narwhal.engine.template import CHATML, ChatTemplate
@@ -25,9 +24,12 @@ class Model:
         if config.n_gpu_layers and not gpu:
             log.warning("--n-gpu-layers %d ignored: this llama-cpp-python build is CPU-only",
                         config.n_gpu_layers)
+        # This context only serves tokenizing and metadata; decoding runs in the decode
+        # loop's own batched context (engine.batch), so it is kept tiny.
         self.llama = Llama(
             config.model,
-            n_ctx=config.ctx_size,
+            n_ctx=64,
+            n_batch=64,
             n_threads=config.threads,
             n_threads_batch=config.threads,
             n_gpu_layers=config.n_gpu_layers if gpu else 0,
@@ -37,12 +39,15 @@ class Model:
         identity = meta.get("general.name") or Path(config.model).name
         self.names: tuple[str, ...] = config.aliases or (identity,)
         self.id = self.names[0]
-        self.n_ctx = self.llama.n_ctx()
+        # Each slot's share of --ctx-size: a request's prompt plus output must fit in it.
+        self.n_ctx = config.ctx_size // config.parallel
+        self.vocab = self.llama._model.vocab
         self.n_vocab = self.llama.n_vocab()
         self.eos = self.llama.token_eos()
         self.add_bos = meta.get("tokenizer.ggml.add_bos_token", "false") == "true"
         self.bos_text = self._piece(self.llama.token_bos())
         self.eos_text = self._piece(self.eos)
+        self._pieces: dict[int, bytes] = {}
         source = config.chat_template or meta.get("tokenizer.chat_template") or CHATML
         self.template = ChatTemplate(source, self.bos_text, self.eos_text)
 
@@ -52,31 +57,32 @@ class Model:
         return self.llama.detokenize([token], special=True).decode("utf-8", "replace")
 
     def is_eog(self, token: int) -> bool:
-        return bool(llama_cpp.llama_vocab_is_eog(self.llama._model.vocab, token))
+        return bool(llama_cpp.llama_vocab_is_eog(self.vocab, token))
 
     def tokenize(self, text: str) -> list[int]:
         add_bos = self.add_bos and not (self.bos_text and text.startswith(self.bos_text))
         return self.llama.tokenize(text.encode("utf-8"), add_bos=add_bos, special=True)
 
     def token_bytes(self, token: int) -> bytes:
-        return self.llama.detokenize([token])
+        raw = self._pieces.get(token)
+        if raw is None:
+            raw = self._pieces[token] = self.llama.detokenize([token])
+        return raw
 
-    def grammar(self, gbnf: str) -> LlamaGrammar:
-        """Compile-check a GBNF grammar against this model's vocabulary."""
-        sampler = llama_cpp.llama_sampler_init_grammar(
-            self.llama._model.vocab, gbnf.encode("utf-8"), b"root"
-        )
+    def grammar(self, gbnf: str) -> str:
+        """Compile-check a GBNF grammar against this model's vocabulary; returns it."""
+        sampler = llama_cpp.llama_sampler_init_grammar(self.vocab, gbnf.encode("utf-8"), b"root")
         if not sampler:
             raise GrammarError("grammar does not parse")
         llama_cpp.llama_sampler_free(sampler)
-        return LlamaGrammar.from_string(gbnf, verbose=False)
+        return gbnf
 
-    def json_schema_grammar(self, schema_json: str) -> LlamaGrammar:
+    def json_schema_grammar(self, schema_json: str) -> str:
         from llama_cpp.llama_grammar import json_schema_to_gbnf
 
         return self.grammar(json_schema_to_gbnf(schema_json))
 
-    def json_object_grammar(self) -> LlamaGrammar:
+    def json_object_grammar(self) -> str:
         from llama_cpp.llama_grammar import JSON_GBNF
 
         return self.grammar(JSON_GBNF)

@@ -15,6 +15,7 @@ from narwhal.engine.config import EngineConfig
 from narwhal.engine.generation import Sampling
 from narwhal.engine.model import GrammarError, Model
 from narwhal.engine.template import RESERVED, TemplateError
+from narwhal.engine.tools import TRIGGER, ToolPlan, plan_tools
 from narwhal.errors import ApiError, invalid
 
 EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
@@ -33,6 +34,7 @@ class Job:
     start_in_reasoning: bool = False
     reasoning_pairs: list[tuple[str, str]] = field(default_factory=list)
     logprobs: bool = False
+    tools: ToolPlan | None = None
     body: dict[str, Any] = field(default_factory=dict)
 
 
@@ -277,23 +279,56 @@ def chat_job(body: dict[str, Any], config: EngineConfig, model: Model) -> Job:
     messages = _messages(body.get("messages"))
     kwargs = _template_kwargs(body, config)
     _effort(body, model, kwargs)
+    template = model.template
+    plan = plan_tools(body, template.renders_tools, template.function_form)
     tools = body.get("tools")
-    if tools is not None and not isinstance(tools, list):
-        raise invalid("'tools' must be a list", "tools")
+    if plan is not None and plan.own_prompt:
+        messages = _with_tool_prompt(messages, plan)
+        tools = None
+    elif not template.renders_tools:
+        tools = None
     try:
-        prompt = model.template.render(messages, tools=tools, kwargs=kwargs)
+        prompt = template.render(messages, tools=tools, kwargs=kwargs)
     except TemplateError as e:
         raise invalid(str(e), "messages") from e
     ids = model.tokenize(prompt)
     sampling = _sampling(body, config, model, model.n_ctx)
     _fit(ids, sampling, model, "messages")
-    job = Job("chat", ids, sampling, stream=_bool(body, "stream"), body=body)
+    if plan is not None and plan.grammar and sampling.grammar is None:
+        # A client's own grammar or response_format wins; otherwise calls are constrained.
+        if plan.required:
+            sampling.grammar = model.grammar(plan.grammar)
+        else:
+            sampling.lazy_grammar = (model.grammar(plan.grammar), [TRIGGER])
+    job = Job("chat", ids, sampling, stream=_bool(body, "stream"), body=body, tools=plan)
     job.logprobs = _logprobs(body, sampling, chat=True)
     job.split_reasoning = config.reasoning_format == "auto"
     job.start_in_reasoning = model.template.opens_reasoning(prompt)
     job.reasoning_pairs = model.template.reasoning_pairs
     _stream_options(body, job)
     return job
+
+
+def _with_tool_prompt(messages: list[dict[str, Any]], plan: ToolPlan) -> list[dict[str, Any]]:
+    """The engine's own tool prompt, for templates that cannot show tools: it joins the
+    system message, and earlier calls and results are written in the form it teaches."""
+    out: list[dict[str, Any]] = []
+    for m in messages:
+        if m["role"] == "assistant" and m.get("tool_calls"):
+            calls = "\n".join(
+                "<tool_call>" + orjson.dumps({"name": c["function"]["name"],
+                                              "arguments": c["function"]["arguments"]}).decode()
+                + "</tool_call>" for c in m["tool_calls"])
+            m = {"role": "assistant", "content": (m["content"] + "\n" if m["content"] else "")
+                 + calls}
+        elif m["role"] == "tool":
+            m = {"role": "user", "content": f"<tool_response>\n{m['content']}\n</tool_response>"}
+        out.append(m)
+    if out and out[0]["role"] in ("system", "developer"):
+        out[0] = {**out[0], "content": out[0]["content"] + "\n\n" + plan.prompt()}
+    else:
+        out.insert(0, {"role": "system", "content": plan.prompt()})
+    return out
 
 
 def completion_job(body: dict[str, Any], config: EngineConfig, model: Model) -> Job:
@@ -343,6 +378,8 @@ def responses_job(body: dict[str, Any], config: EngineConfig, model: Model) -> J
                                                              f"input[{i}].content")})
     else:
         raise invalid("'input' must be a string or a nonempty list of messages", "input")
+    if body.get("tools"):
+        raise invalid("tools are served on /v1/chat/completions", "tools")
     chat_like = {k: v for k, v in body.items() if k not in ("input", "instructions")}
     chat_like["messages"] = messages
     job = chat_job(chat_like, config, model)

@@ -15,6 +15,7 @@ import orjson
 from narwhal._native import ThinkSplitter
 from narwhal.engine.generation import Finish, Piece
 from narwhal.engine.protocol import Job
+from narwhal.engine.tools import Call, CallSplitter
 
 
 def sse(obj: Any) -> bytes:
@@ -28,15 +29,20 @@ def sse_event(name: str, obj: Any) -> bytes:
 DONE = b"data: [DONE]\n\n"
 
 
+class ToolCallFailed(Exception):
+    """`tool_choice` required a call and the output held no valid one."""
+
+
 class Delta:
-    __slots__ = ("content", "logprobs", "reasoning", "token_ids")
+    __slots__ = ("calls", "content", "logprobs", "reasoning", "token_ids")
 
     def __init__(self, reasoning: str, content: str, token_ids: list[int],
-                 logprobs: list[dict[str, Any]] | None) -> None:
+                 logprobs: list[dict[str, Any]] | None, calls: list[Call] | None = None) -> None:
         self.reasoning = reasoning
         self.content = content
         self.token_ids = token_ids
         self.logprobs = logprobs
+        self.calls = calls or []
 
 
 class Output:
@@ -47,6 +53,8 @@ class Output:
         split = job.split_reasoning and job.route in ("chat", "responses")
         self.splitter = (ThinkSplitter(job.reasoning_pairs, job.start_in_reasoning)
                          if split else None)
+        self.call_splitter = CallSplitter(job.tools) if job.tools is not None else None
+        self.calls: list[Call] = []
         self.pending_ids: list[int] = []
         self.token_ids: list[int] = []
         self.content: list[str] = []
@@ -58,22 +66,44 @@ class Output:
             r, c = self.splitter.feed(p.text)
         else:
             r, c = "", p.text
-        return self._delta(r, c, p.token_ids, p.logprobs)
+        c, calls = self._calls(c, final=False)
+        return self._delta(r, c, p.token_ids, p.logprobs, calls)
 
     def finish(self) -> Delta | None:
         r, c = self.splitter.finish() if self.splitter is not None else ("", "")
-        d = self._delta(r, c, [], None)
+        c, calls = self._calls(c, final=True)
+        if self.job.tools is not None and self.job.tools.required and not self.calls:
+            raise ToolCallFailed("tool_choice requires a tool call and the model's output "
+                                 "held no valid one")
+        d = self._delta(r, c, [], None, calls)
         if d is None and self.pending_ids:
             d = Delta("", "", self.pending_ids, None)
             self.pending_ids = []
         return d
 
+    def _calls(self, c: str, final: bool) -> tuple[str, list[Call]]:
+        """Content text with verified calls taken out (look-alikes stay as text)."""
+        cs = self.call_splitter
+        if cs is None:
+            return c, []
+        text, calls = [], []
+        for kind, value in (cs.feed(c) if c else []) + (cs.finish() if final else []):
+            if kind == "call":
+                calls.append(value)
+            elif kind == "bad" and cs.plan.required:
+                raise ToolCallFailed(f"the model's output is not a valid call of the "
+                                     f"required tool: {value[:200]}")
+            else:
+                text.append(value)
+        self.calls.extend(calls)
+        return "".join(text), calls
+
     def _delta(self, r: str, c: str, ids: list[int],
-               lps: list[dict[str, Any]] | None) -> Delta | None:
+               lps: list[dict[str, Any]] | None, calls: list[Call]) -> Delta | None:
         self.token_ids.extend(ids)
         if lps:
             self.logprobs.extend(lps)
-        if not r and not c:
+        if not r and not c and not calls:
             self.pending_ids.extend(ids)
             return None
         if self.pending_ids:
@@ -83,7 +113,10 @@ class Output:
             self.reasoning.append(r)
         if c:
             self.content.append(c)
-        return Delta(r, c, ids, lps)
+        return Delta(r, c, ids, lps, calls)
+
+    def finish_reason(self, finish: Finish) -> str:
+        return "tool_calls" if self.calls and finish.reason == "stop" else finish.reason
 
     @property
     def has_reasoning(self) -> bool:
@@ -92,7 +125,8 @@ class Output:
 
 def usage(job: Job, finish: Finish) -> dict[str, Any]:
     p, c = len(job.prompt_ids), finish.completion_tokens
-    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
+            "prompt_tokens_details": {"cached_tokens": finish.cached_tokens}}
 
 
 class ChatWriter:
@@ -101,6 +135,7 @@ class ChatWriter:
         self.id = "chatcmpl-" + secrets.token_hex(12)
         self.created = int(time.time())
         self.model = model_id
+        self.n_calls = 0
 
     def _chunk(self, delta: dict[str, Any], finish: str | None = None,
                ids: list[int] | None = None, lps: Any = None) -> dict[str, Any]:
@@ -124,10 +159,26 @@ class ChatWriter:
         if d.content:
             delta["content"] = d.content
         lps = {"content": d.logprobs} if self.job.logprobs and d.logprobs else None
-        return sse(self._chunk(delta, ids=d.token_ids, lps=lps))
+        ids = d.token_ids
+        if delta or not d.calls:
+            out = sse(self._chunk(delta, ids=ids, lps=lps))
+            ids, lps = [], None
+        else:
+            out = b""
+        for call in d.calls:
+            # A verified call: its header (id, type, name), then its arguments.
+            index = self.n_calls
+            self.n_calls += 1
+            head = call.openai(index)
+            head["function"] = {"name": call.name, "arguments": ""}
+            out += sse(self._chunk({"tool_calls": [head]}, ids=ids, lps=lps))
+            ids, lps = [], None
+            out += sse(self._chunk({"tool_calls": [{"index": index, "function": {
+                "arguments": call.arguments}}]}, ids=[]))
+        return out
 
-    def last(self, finish: Finish) -> bytes:
-        out = sse(self._chunk({}, finish.reason))
+    def last(self, finish: Finish, reason: str | None = None) -> bytes:
+        out = sse(self._chunk({}, reason or finish.reason))
         if self.job.include_usage:
             out += sse({"id": self.id, "object": "chat.completion.chunk",
                         "created": self.created, "model": self.model, "choices": [],
@@ -135,13 +186,17 @@ class ChatWriter:
         return out + DONE
 
     def whole(self, o: Output, finish: Finish) -> dict[str, Any]:
-        msg: dict[str, Any] = {"role": "assistant", "content": "".join(o.content)}
+        text = "".join(o.content)
+        msg: dict[str, Any] = {"role": "assistant", "content": text}
         if o.has_reasoning:
             msg["reasoning_content"] = "".join(o.reasoning)
+        if o.calls:
+            msg["content"] = text or None  # as OpenAI answers a pure tool call
+            msg["tool_calls"] = [c.openai() for c in o.calls]
         choice: dict[str, Any] = {
             "index": 0, "message": msg,
             "logprobs": {"content": o.logprobs} if self.job.logprobs else None,
-            "finish_reason": finish.reason,
+            "finish_reason": o.finish_reason(finish),
         }
         body: dict[str, Any] = {"id": self.id, "object": "chat.completion",
                                 "created": self.created, "model": self.model,
@@ -193,7 +248,7 @@ class CompletionWriter:
         self.offset += len(d.content)
         return sse(self._chunk(d.content, None, d.token_ids, lps))
 
-    def last(self, finish: Finish) -> bytes:
+    def last(self, finish: Finish, reason: str | None = None) -> bytes:
         out = sse(self._chunk("", finish.reason, [], None))
         if self.job.include_usage:
             out += sse({"id": self.id, "object": "text_completion", "created": self.created,
@@ -295,9 +350,10 @@ class ResponsesWriter:
 
     def _usage(self, finish: Finish) -> dict[str, Any]:
         p, c = len(self.job.prompt_ids), finish.completion_tokens
-        return {"input_tokens": p, "output_tokens": c, "total_tokens": p + c}
+        return {"input_tokens": p, "output_tokens": c, "total_tokens": p + c,
+                "input_tokens_details": {"cached_tokens": finish.cached_tokens}}
 
-    def last(self, finish: Finish) -> bytes:
+    def last(self, finish: Finish, reason: str | None = None) -> bytes:
         out = self._close()
         status = "completed" if finish.reason == "stop" else "incomplete"
         body = self._response(status, self.items, self._usage(finish))

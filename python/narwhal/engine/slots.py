@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
+from collections.abc import Callable
 
 
 class Busy(Exception):
@@ -11,30 +12,41 @@ class Busy(Exception):
 
 
 class Slots:
+    """Slot indices, handed out on the event loop.
+
+    A free slot is picked by `prefer` (the prompt tokens it already holds, so prefix reuse
+    wins); a slot released while requests wait goes to the oldest waiter, whatever it holds.
+    """
+
     def __init__(self, total: int, queue_wait: float) -> None:
         self.total = total
         self.queue_wait = queue_wait
-        self.busy = 0
-        self._waiters: deque[asyncio.Future[None]] = deque()
+        self.free = list(range(total))
+        self._waiters: deque[asyncio.Future[int]] = deque()
+
+    @property
+    def busy(self) -> int:
+        return self.total - len(self.free)
 
     @property
     def waiting(self) -> int:
         return sum(1 for f in self._waiters if not f.done())
 
-    async def acquire(self) -> None:
+    async def acquire(self, prefer: Callable[[int], int]) -> int:
         """Take a slot, waiting at most `queue_wait`; raises `Busy`. Oldest waiter first."""
-        if self.busy < self.total and not self.waiting:
-            self.busy += 1
-            return
+        if self.free and not self.waiting:
+            slot = max(self.free, key=prefer)
+            self.free.remove(slot)
+            return slot
         if self.queue_wait <= 0:
             raise Busy
-        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        fut: asyncio.Future[int] = asyncio.get_running_loop().create_future()
         self._waiters.append(fut)
         try:
-            await asyncio.wait_for(asyncio.shield(fut), self.queue_wait)
+            return await asyncio.wait_for(asyncio.shield(fut), self.queue_wait)
         except (asyncio.TimeoutError, asyncio.CancelledError) as e:
             if fut.done() and not fut.cancelled():
-                self.release()  # the slot was handed over just as we gave up
+                self.release(fut.result())  # the slot was handed over just as we gave up
             else:
                 fut.cancel()
             self._prune()
@@ -42,13 +54,13 @@ class Slots:
                 raise Busy from None
             raise
 
-    def release(self) -> None:
+    def release(self, slot: int) -> None:
         while self._waiters:
             fut = self._waiters.popleft()
             if not fut.done():
-                fut.set_result(None)  # hand the slot over; `busy` is unchanged
+                fut.set_result(slot)  # hand the slot over
                 return
-        self.busy -= 1
+        self.free.append(slot)
 
     def _prune(self) -> None:
         while self._waiters and self._waiters[0].done():

@@ -93,6 +93,8 @@ class ChatTemplate:
             (v for v in ("enable_thinking", "thinking") if v in source), None
         )
         self.renders_tools = "tools" in source
+        # Templates trained on `<function=NAME><parameter=K>` calls (Qwen3-Coder and kin).
+        self.function_form = "<function=" in source
         # Pairs the template declares for reasoning output, `<think>` first.
         self.reasoning_pairs: list[tuple[str, str]] = [("<think>", "</think>")]
         if "<|channel|>" in source:

@@ -1,0 +1,290 @@
+"""The decode loop: every busy slot's work in one llama.cpp batch per step, on one thread.
+
+Each step takes the next token of every streaming slot, then fills the rest of the batch with
+prompt chunks of slots in prefill, oldest first, at most `prefill_chunk` prompt tokens a step:
+a long prompt never stalls the others' decoding for longer than one chunk. Every slot is one
+llama.cpp sequence with its own share of the KV memory (`--ctx-size` split evenly over the
+slots, as llama-server does). A finished slot keeps its KV, so a later prompt sharing a prefix
+with it skips that much prefill (`cached_tokens`).
+
+The event loop never waits on this thread: requests come in through `submit`, results go
+back with one `call_soon_threadsafe` per step.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import random
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import llama_cpp
+import numpy as np
+
+from narwhal.engine.generation import Finish, Piece, Request, TextStream
+from narwhal.engine.model import Model
+
+log = logging.getLogger("lexi_engine")
+
+
+def shared_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def _sampler_chain(model: Model, req: Request) -> Any:
+    """llama.cpp's sampler chain for one request (grammar, then the usual truncations)."""
+    s = req.sampling
+    lc = llama_cpp
+    chain = lc.llama_sampler_chain_init(lc.llama_sampler_chain_default_params())
+    vocab = model.vocab
+    if s.grammar is not None:
+        lc.llama_sampler_chain_add(
+            chain, lc.llama_sampler_init_grammar(vocab, s.grammar.encode(), b"root"))
+    elif s.lazy_grammar is not None:
+        gbnf, triggers = s.lazy_grammar
+        words = (ctypes.c_char_p * len(triggers))(*(t.encode() for t in triggers))
+        lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_grammar_lazy_patterns(
+            vocab, gbnf.encode(), b"root", words, len(triggers), None, 0))
+    if s.temp <= 0:
+        lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_greedy())
+        return chain
+    if s.top_k > 0:
+        lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_top_k(s.top_k))
+    lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_top_p(s.top_p, 1))
+    lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_min_p(s.min_p, 1))
+    lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_temp(s.temp))
+    seed = s.seed if s.seed is not None else random.getrandbits(32)
+    lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_dist(seed))
+    return chain
+
+
+class _Active:
+    """Decode-thread state of one slot's request."""
+
+    __slots__ = ("chain", "last", "n_past", "order", "req", "slot", "stream", "todo")
+
+    def __init__(self, req: Request, slot: int, order: int, chain: Any, stream: TextStream,
+                 n_past: int) -> None:
+        self.req = req
+        self.slot = slot
+        self.order = order
+        self.chain = chain
+        self.stream = stream
+        self.n_past = n_past  # tokens of this sequence in KV
+        self.todo = req.prompt[n_past:]  # prompt tokens not yet in KV
+        self.last = -1  # the sampled token to feed next (decode phase)
+
+
+class DecodeLoop:
+    def __init__(self, model: Model, n_slots: int, prefill_chunk: int,
+                 threads: int | None) -> None:
+        self.model = model
+        self.n_slots = n_slots
+        self.prefill_chunk = prefill_chunk
+        self.capacity = prefill_chunk + n_slots
+        p = llama_cpp.llama_context_default_params()
+        p.n_ctx = model.n_ctx * n_slots
+        p.n_batch = p.n_ubatch = self.capacity
+        p.n_seq_max = n_slots
+        p.kv_unified = False
+        p.no_perf = True
+        p.n_threads = threads or model.llama.n_threads
+        p.n_threads_batch = threads or model.llama.n_threads_batch
+        ctx = llama_cpp.llama_init_from_model(model.llama._model.model, p)
+        if not ctx:
+            raise RuntimeError("llama.cpp could not create the batched context")
+        self.ctx = ctx
+        self.mem = llama_cpp.llama_get_memory(ctx)
+        self.n_ctx_seq = int(llama_cpp.llama_n_ctx_seq(ctx))
+        self.batch = llama_cpp.llama_batch_init(self.capacity, 0, 1)
+        # What each sequence's KV holds, token for token: the prefix index for reuse.
+        self.cached: list[list[int]] = [[] for _ in range(n_slots)]
+        self.on_step: Callable[[int], None] | None = None  # batch size per step (metrics)
+        self._cv = threading.Condition()
+        self._incoming: list[tuple[int, Request]] = []
+        self._active: dict[int, _Active] = {}
+        self._order = 0
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="lexi-decode", daemon=True)
+        self._thread.start()
+
+    # -- event-loop side ----------------------------------------------------------------
+    def submit(self, slot: int, req: Request) -> None:
+        with self._cv:
+            self._incoming.append((slot, req))
+            self._cv.notify()
+
+    def prefix_with(self, slot: int, prompt: list[int]) -> int:
+        """Prompt tokens a free slot already holds in KV (read only while the slot is free)."""
+        return shared_prefix(self.cached[slot], prompt)
+
+    def stop(self) -> None:
+        with self._cv:
+            self._stopping = True
+            self._cv.notify()
+        self._thread.join(timeout=30)
+        if not self._thread.is_alive():
+            llama_cpp.llama_batch_free(self.batch)
+            llama_cpp.llama_free(self.ctx)
+
+    # -- decode thread ------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not (self._incoming or self._active or self._stopping):
+                    self._cv.wait()
+                if self._stopping:
+                    break
+                incoming, self._incoming = self._incoming, []
+            out: list[tuple[Request, Piece | Finish]] = []
+            for slot, req in incoming:
+                self._admit(slot, req, out)
+            try:
+                self._step(out)
+            except Exception as e:  # llama.cpp failure: every request in flight gets it
+                log.exception("decode step failed")
+                for a in list(self._active.values()):
+                    self._end(a, Finish("stop", a.stream.produced, error=f"decoding failed: {e}"),
+                              out, keep_kv=False)
+            self._deliver(out)
+        for a in list(self._active.values()):
+            out = []
+            self._end(a, Finish("cancelled", a.stream.produced), out, keep_kv=False)
+            self._deliver(out)
+
+    def _admit(self, slot: int, req: Request, out: list[tuple[Request, Piece | Finish]]) -> None:
+        prompt = req.prompt
+        n = min(shared_prefix(self.cached[slot], prompt), len(prompt) - 1)
+        if n < len(self.cached[slot]) and not llama_cpp.llama_memory_seq_rm(self.mem, slot, n, -1):
+            llama_cpp.llama_memory_seq_rm(self.mem, slot, -1, -1)
+            n = 0
+        del self.cached[slot][n:]
+        budget = min(req.sampling.max_tokens, self.n_ctx_seq - len(prompt))
+        try:
+            chain = _sampler_chain(self.model, req)
+        except Exception as e:
+            out.append((req, Finish("stop", 0, error=f"sampler setup failed: {e}")))
+            return
+        self._order += 1
+        a = _Active(req, slot, self._order, chain, TextStream(req.sampling, budget), n)
+        req.cached_tokens = n
+        self._active[slot] = a
+        if budget <= 0:
+            self._end(a, self._finish(a, "length"), out, keep_kv=True)
+
+    def _step(self, out: list[tuple[Request, Piece | Finish]]) -> None:
+        for a in [a for a in self._active.values() if a.req.cancelled.is_set()]:
+            self._end(a, Finish("cancelled", a.stream.produced), out, keep_kv=False)
+        if not self._active:
+            return
+        b = self.batch
+        n = 0
+        outputs: list[tuple[_Active, int]] = []
+
+        def add(a: _Active, token: int, logits: bool) -> None:
+            nonlocal n
+            b.token[n] = token
+            b.pos[n] = a.n_past
+            b.n_seq_id[n] = 1
+            b.seq_id[n][0] = a.slot
+            b.logits[n] = logits
+            if logits:
+                outputs.append((a, n))
+            a.n_past += 1
+            self.cached[a.slot].append(token)
+            n += 1
+
+        by_age = sorted(self._active.values(), key=lambda x: x.order)
+        for a in by_age:
+            if not a.todo:
+                add(a, a.last, True)
+        room = self.prefill_chunk
+        for a in by_age:
+            if a.todo and room > 0:
+                take, a.todo = a.todo[:room], a.todo[room:]
+                room -= len(take)
+                for i, t in enumerate(take):
+                    add(a, t, not a.todo and i == len(take) - 1)
+        b.n_tokens = n
+        rc = llama_cpp.llama_decode(self.ctx, b)
+        if rc != 0:
+            raise RuntimeError(f"llama_decode returned {rc}")
+        if self.on_step is not None:
+            self.on_step(n)
+        for a, i in outputs:
+            self._sample(a, i, out)
+
+    def _sample(self, a: _Active, i: int, out: list[tuple[Request, Piece | Finish]]) -> None:
+        m, req = self.model, a.req
+        token = llama_cpp.llama_sampler_sample(a.chain, self.ctx, i)
+        if req.first_token_at is None:
+            req.first_token_at = time.monotonic()
+        if m.is_eog(token):
+            piece = a.stream.flush()
+            if piece is not None:
+                out.append((req, piece))
+            self._end(a, self._finish(a, "stop"), out, keep_kv=True)
+            return
+        top = req.sampling.logprobs
+        lp = self._logprobs(i, token, top) if top is not None else None
+        piece, reason = a.stream.push(token, m.token_bytes(token), lp)
+        if piece is not None:
+            out.append((req, piece))
+        if reason is not None:
+            self._end(a, self._finish(a, reason), out, keep_kv=True)
+        else:
+            a.last = token
+
+    def _finish(self, a: _Active, reason: str) -> Finish:
+        return Finish(reason, a.stream.produced, stop_string=a.stream.stop_hit,
+                      cached_tokens=a.req.cached_tokens)
+
+    def _end(self, a: _Active, finish: Finish, out: list[tuple[Request, Piece | Finish]],
+             keep_kv: bool) -> None:
+        del self._active[a.slot]
+        llama_cpp.llama_sampler_free(a.chain)
+        if not keep_kv:
+            llama_cpp.llama_memory_seq_rm(self.mem, a.slot, -1, -1)
+            self.cached[a.slot] = []
+        out.append((a.req, finish))
+
+    def _logprobs(self, i: int, token: int, n: int) -> dict[str, Any]:
+        m = self.model
+        ptr = llama_cpp.llama_get_logits_ith(self.ctx, i)
+        logits = np.ctypeslib.as_array(ptr, shape=(m.n_vocab,))
+        shifted = logits - logits.max()
+        lp = shifted - np.log(np.exp(shifted).sum())
+        entry: dict[str, Any] = {"logprob": float(lp[token])}
+        if n:
+            top = np.argpartition(-lp, n)[:n]
+            top = top[np.argsort(-lp[top])]
+            entry["top_logprobs"] = [
+                {"token": (t := m.token_bytes(int(j)).decode("utf-8", "replace")),
+                 "logprob": float(lp[j]), "bytes": list(t.encode())}
+                for j in top
+            ]
+        return entry
+
+    def _deliver(self, out: list[tuple[Request, Piece | Finish]]) -> None:
+        if not out:
+            return
+        by_loop: dict[Any, list[tuple[Request, Piece | Finish]]] = {}
+        for req, item in out:
+            by_loop.setdefault(req.loop, []).append((req, item))
+        for loop, items in by_loop.items():
+            loop.call_soon_threadsafe(_hand_over, items)
+
+
+def _hand_over(items: list[tuple[Request, Piece | Finish]]) -> None:
+    """On the event loop: queue each item; a `Finish` also marks its request done."""
+    for req, item in items:
+        req.queue.put_nowait(item)
+        if isinstance(item, Finish) and not req.done.done():
+            req.done.set_result(None)
