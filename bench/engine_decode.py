@@ -3,12 +3,13 @@ same model, same prompt, same run (interleaved, best of N each). Decode rate cou
 the first generated token on both sides, so prompt processing and request set-up (which
 the TTFT metrics cover) are not in it.
 
-    .venv/bin/python -m bench.engine_decode [--tokens 256] [--rounds 3]
+    .venv/bin/python -m bench.engine_decode [--tokens 256] [--rounds 3] [--threads N]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import time
 
 import httpx
@@ -21,11 +22,11 @@ PROMPT = "Write a long story about a lighthouse keeper."
 GRAMMAR = 'root ::= [a-z ]{{{n}}}'
 
 
-def bare(model: str, n: int) -> float:
+def bare(model: str, n: int, threads: int) -> float:
     from llama_cpp import Llama
     from llama_cpp.llama_grammar import LlamaGrammar
 
-    llm = Llama(model, n_ctx=2048, verbose=False)
+    llm = Llama(model, n_ctx=2048, n_threads=threads, n_threads_batch=threads, verbose=False)
     toks = llm.tokenize(PROMPT.encode(), add_bos=False, special=True)
     g = LlamaGrammar.from_string(GRAMMAR.format(n=n), verbose=False)
     count = 0
@@ -58,19 +59,22 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--tokens", type=int, default=256)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1,
+                   help="CPU threads, the same on both sides")
     a = p.parse_args()
     model = str(smollm2_path())
-    eng = start_engine(model)
+    eng = start_engine(model, "--threads", str(a.threads))
     try:
         h, b = [], []
         for _ in range(a.rounds):
             h.append(over_http(eng.url, a.tokens))
-            b.append(bare(model, a.tokens))
+            b.append(bare(model, a.tokens, a.threads))
     finally:
         eng.stop()
-    print("| tokens | bare llama-cpp-python tok/s | LexiEngine HTTP tok/s | ratio |")
-    print("|---|---|---|---|")
-    print(f"| {a.tokens} | {max(b):.1f} | {max(h):.1f} | {max(h) / max(b):.2f}x |")
+    print("| threads | tokens | bare llama-cpp-python tok/s | LexiEngine HTTP tok/s | ratio |")
+    print("|---|---|---|---|---|")
+    print(f"| {a.threads} | {a.tokens} | {max(b):.1f} | {max(h):.1f} | "
+          f"{max(h) / max(b):.2f}x |")
 
 
 if __name__ == "__main__":

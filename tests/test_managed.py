@@ -3,6 +3,7 @@ dies, and leaves no process behind when it stops."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -79,6 +80,7 @@ engines:
             time.sleep(0.2)
         again = httpx.post(r.url + "/v1/chat/completions", json=body, timeout=60)
         assert again.status_code == 200
+        _tool_call_through_the_router(r.url)
         tree = _descendants(r.proc.pid)
     finally:
         r.stop()
@@ -86,6 +88,28 @@ engines:
     alive = [p for p in tree if Path(f"/proc/{p}").exists()
              and "Z" not in Path(f"/proc/{p}/stat").read_text().split()[2]]
     assert alive == []
+
+
+def _tool_call_through_the_router(url: str) -> None:
+    """A LexiEngine tool call survives the router's relay (token IDs checked on every
+    tool-call event) and its non-streaming assembly."""
+    call = ('<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}'
+            '</tool_call>')
+    body = {"model": "main", "messages": [{"role": "user", "content": "weather?"}],
+            "grammar": "root ::= " + json.dumps(call),
+            "tools": [{"type": "function", "function": {"name": "get_weather", "parameters": {
+                "type": "object", "properties": {"city": {"type": "string"}}}}}]}
+    whole = httpx.post(url + "/v1/chat/completions", json=body, timeout=60)
+    assert whole.status_code == 200, whole.text
+    choice = whole.json()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls"
+    (tc,) = choice["message"]["tool_calls"]
+    assert (tc["function"]["name"], json.loads(tc["function"]["arguments"])) == (
+        "get_weather", {"city": "Oslo"})
+    streamed = httpx.post(url + "/v1/chat/completions", json=body | {"stream": True},
+                          timeout=60).text
+    assert "error" not in streamed and "<tool_call>" not in streamed
+    assert '"name":"get_weather"' in streamed and streamed.rstrip().endswith("[DONE]")
 
 
 def test_predictor_learns_a_real_lexiengine(model_path: str, tmp_path: Path) -> None:

@@ -6,6 +6,7 @@ import asyncio
 import hmac
 import logging
 import os
+import sys
 import time
 from typing import Any
 
@@ -226,6 +227,9 @@ def create_app() -> Engine:
     from narwhal.engine.cli import CONFIG_ENV
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    # The decode thread hands the GIL back and forth with the event loop every step; the
+    # default 5 ms switch interval would let either side stall the other for that long.
+    sys.setswitchinterval(0.0005)
     config = EngineConfig.from_json(os.environ[CONFIG_ENV])
     model = Model(config)
     log.info("serving %s as %s (%d slots, ctx %d)", config.model, ", ".join(model.names),

@@ -48,6 +48,7 @@ class Model:
         self.bos_text = self._piece(self.llama.token_bos())
         self.eos_text = self._piece(self.eos)
         self._pieces: dict[int, bytes] = {}
+        self._eog: dict[int, bool] = {}
         source = config.chat_template or meta.get("tokenizer.chat_template") or CHATML
         self.template = ChatTemplate(source, self.bos_text, self.eos_text)
 
@@ -57,7 +58,10 @@ class Model:
         return self.llama.detokenize([token], special=True).decode("utf-8", "replace")
 
     def is_eog(self, token: int) -> bool:
-        return bool(llama_cpp.llama_vocab_is_eog(self.vocab, token))
+        eog = self._eog.get(token)
+        if eog is None:  # asked once per token ID: no ctypes call (and GIL hand-off) per token
+            eog = self._eog[token] = bool(llama_cpp.llama_vocab_is_eog(self.vocab, token))
+        return eog
 
     def tokenize(self, text: str) -> list[int]:
         add_bos = self.add_bos and not (self.bos_text and text.startswith(self.bos_text))

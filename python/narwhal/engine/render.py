@@ -15,7 +15,7 @@ import orjson
 from narwhal._native import ThinkSplitter
 from narwhal.engine.generation import Finish, Piece
 from narwhal.engine.protocol import Job
-from narwhal.engine.tools import Call, CallSplitter
+from narwhal.engine.tools import CLOSE, Call, CallSplitter
 
 
 def sse(obj: Any) -> bytes:
@@ -91,8 +91,10 @@ class Output:
             if kind == "call":
                 calls.append(value)
             elif kind == "bad" and cs.plan.required:
-                raise ToolCallFailed(f"the model's output is not a valid call of the "
-                                     f"required tool: {value[:200]}")
+                why = ("is not a valid call of the offered tools" if value.endswith(CLOSE)
+                       else "ended inside an unfinished call (max_tokens?)")
+                raise ToolCallFailed(f"tool_choice requires a call; the model's output {why}: "
+                                     f"{value[:200]}")
             else:
                 text.append(value)
         self.calls.extend(calls)

@@ -264,11 +264,17 @@ class CallSplitter:
         self.buf = ""
         self.inside = False
         self.calls = 0
+        self.after_call = False  # whitespace between calls is a separator, not content
 
     def feed(self, text: str) -> list[tuple[str, Any]]:
         self.buf += text
         out: list[tuple[str, Any]] = []
         while True:
+            if self.after_call:
+                self.buf = self.buf.lstrip()
+                if not self.buf:
+                    return out
+                self.after_call = False
             if not self.inside:
                 at = self.buf.find(OPEN)
                 if at < 0:
@@ -292,7 +298,7 @@ class CallSplitter:
             else:
                 self.calls += 1
                 out.append(("call", call))
-                self.buf = self.buf.lstrip()  # the separator between calls is not content
+                self.after_call = True
 
     def finish(self) -> list[tuple[str, Any]]:
         rest, self.buf = self.buf, ""

@@ -1,0 +1,148 @@
+"""Continuous batching: aggregate output tokens/s and time per output token at 1, 2, 4 and 8
+concurrent streams, LexiEngine `--parallel 8` vs `--parallel 1` vs llama-cpp-python's own
+server, same model, same prompts, same run (one server at a time, so none competes with
+another for the 2 cores).
+
+    .venv/bin/python -m bench.engine_batching [--tokens 96] [--threads N]
+                                              [--plot bench/engine_batching.png]
+
+Each stream is a streaming text completion of a distinct prompt at temperature 0; a token is
+one streamed chunk with text (both servers send one token a chunk). Per stream: TPOT = time
+from its first to its last token / (tokens - 1). Aggregate = all tokens / wall time of the
+whole wave.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import threading
+import time
+from dataclasses import dataclass
+
+import httpx
+import orjson
+
+from narwhal.bundled_model import smollm2_path
+from tests.conftest import Server, free_port, start_engine
+
+LEVELS = (1, 2, 4, 8)
+TOPICS = ("a lighthouse keeper", "a mountain village", "a clockmaker", "a river pilot",
+          "a desert caravan", "a lost violin", "a city garden", "a night train")
+
+
+@dataclass
+class Stream:
+    start: float
+    first: float | None = None
+    last: float | None = None
+    tokens: int = 0
+
+    @property
+    def tpot(self) -> float | None:
+        if self.tokens < 2 or self.first is None or self.last is None:
+            return None
+        return (self.last - self.first) / (self.tokens - 1)
+
+
+def one_stream(url: str, i: int, n: int, out: list[Stream]) -> None:
+    s = Stream(time.perf_counter())
+    body = {"prompt": f"Write a long story about {TOPICS[i % len(TOPICS)]}.\n\n",
+            "max_tokens": n, "temperature": 0, "stream": True}
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=600) as r:
+        for line in r.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            choices = orjson.loads(line[6:]).get("choices") or []
+            if choices and choices[0].get("text"):
+                now = time.perf_counter()
+                s.first = s.first or now
+                s.last = now
+                s.tokens += 1
+    out.append(s)
+
+
+def wave(url: str, concurrency: int, n: int) -> dict[str, float]:
+    streams: list[Stream] = []
+    ts = [threading.Thread(target=one_stream, args=(url, i, n, streams))
+          for i in range(concurrency)]
+    t0 = time.perf_counter()
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    wall = max(s.last or t0 for s in streams) - t0
+    tpots = sorted(x for s in streams if (x := s.tpot) is not None)
+    return {"agg": sum(s.tokens for s in streams) / wall,
+            "p50": statistics.median(tpots),
+            "p99": tpots[min(len(tpots) - 1, round(0.99 * (len(tpots) - 1)))],
+            "worst": tpots[-1]}
+
+
+def llama_cpp_server(model: str, n_threads: str) -> Server:
+    port = free_port()
+    return Server([sys.executable, "-m", "llama_cpp.server", "--model", model, "--port",
+                   str(port), "--n_ctx", "2048", "--n_threads", n_threads,
+                   "--n_threads_batch", n_threads, "--verbose", "false"],
+                  "/v1/models", port,
+                  timeout=120)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--tokens", type=int, default=96)
+    p.add_argument("--plot", default=None)
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    a = p.parse_args()
+    model = str(smollm2_path())
+    n_threads = str(a.threads)  # the same for every server
+    threads = ("--threads", n_threads)
+    servers = {
+        "LexiEngine --parallel 8": lambda: start_engine(model, "--parallel", "8",
+                                                        "--ctx-size", "8192", *threads),
+        "LexiEngine --parallel 1": lambda: start_engine(model, "--parallel", "1",
+                                                        "--queue-wait", "600", *threads),
+        "llama-cpp-python server": lambda: llama_cpp_server(model, n_threads),
+    }
+    results: dict[str, dict[int, dict[str, float]]] = {}
+    for name, start in servers.items():
+        s = start()
+        try:
+            wave(s.url, 1, 8)  # warm-up
+            results[name] = {c: wave(s.url, c, a.tokens) for c in LEVELS}
+        finally:
+            s.stop()
+    print("| server | streams | aggregate tok/s | scaling vs 1 stream | p50 TPOT ms "
+          "| p99 TPOT ms | worst stream TPOT / 1-stream TPOT |")
+    print("|---|---|---|---|---|---|---|")
+    for name, by in results.items():
+        for c in LEVELS:
+            r = by[c]
+            print(f"| {name} | {c} | {r['agg']:.1f} | {r['agg'] / by[1]['agg']:.2f}x "
+                  f"| {r['p50'] * 1e3:.1f} | {r['p99'] * 1e3:.1f} "
+                  f"| {r['worst'] / by[1]['p50']:.2f}x |")
+    p8, p1 = results["LexiEngine --parallel 8"][8], results["LexiEngine --parallel 1"][8]
+    print(f"\nat 8 streams: --parallel 8 / --parallel 1 aggregate = {p8['agg'] / p1['agg']:.2f}x")
+    if a.plot:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for name, by in results.items():
+            ax.plot(LEVELS, [by[c]["agg"] for c in LEVELS], marker="o", label=name)
+        ax.set_xlabel("concurrent streams")
+        ax.set_ylabel("aggregate output tokens/s")
+        ax.set_xticks(LEVELS)
+        ax.set_title("SmolLM2-135M Q4_1, 2 cores")
+        ax.legend()
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        fig.savefig(a.plot, dpi=100)
+
+
+if __name__ == "__main__":
+    main()
