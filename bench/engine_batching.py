@@ -15,14 +15,14 @@ whole wave.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
 import statistics
 import sys
-import threading
 import time
 from dataclasses import dataclass
 
-import httpx
+import aiohttp
 import orjson
 
 from narwhal.bundled_model import smollm2_path
@@ -47,13 +47,13 @@ class Stream:
         return (self.last - self.first) / (self.tokens - 1)
 
 
-def one_stream(url: str, i: int, n: int, out: list[Stream]) -> None:
+async def one_stream(session: aiohttp.ClientSession, url: str, i: int, n: int) -> Stream:
     s = Stream(time.perf_counter())
     body = {"prompt": f"Write a long story about {TOPICS[i % len(TOPICS)]}.\n\n",
             "max_tokens": n, "temperature": 0, "stream": True}
-    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=600) as r:
-        for line in r.iter_lines():
-            if not line.startswith("data: {"):
+    async with session.post(url + "/v1/completions", json=body) as r:
+        async for line in r.content:
+            if not line.startswith(b"data: {"):
                 continue
             choices = orjson.loads(line[6:]).get("choices") or []
             if choices and choices[0].get("text"):
@@ -61,24 +61,77 @@ def one_stream(url: str, i: int, n: int, out: list[Stream]) -> None:
                 s.first = s.first or now
                 s.last = now
                 s.tokens += 1
-    out.append(s)
+    return s
+
+
+async def _wave(url: str, concurrency: int, n: int) -> tuple[float, list[Stream]]:
+    timeout = aiohttp.ClientTimeout(total=600)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        t0 = time.perf_counter()
+        streams = await asyncio.gather(*(one_stream(session, url, i, n)
+                                         for i in range(concurrency)))
+    return t0, list(streams)
 
 
 def wave(url: str, concurrency: int, n: int) -> dict[str, float]:
-    streams: list[Stream] = []
-    ts = [threading.Thread(target=one_stream, args=(url, i, n, streams))
-          for i in range(concurrency)]
-    t0 = time.perf_counter()
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join()
+    """One wave of `concurrency` streams from one event loop (a light client: it shares
+    the 2 cores with the server under test)."""
+    t0, streams = asyncio.run(_wave(url, concurrency, n))
     wall = max(s.last or t0 for s in streams) - t0
     tpots = sorted(x for s in streams if (x := s.tpot) is not None)
     return {"agg": sum(s.tokens for s in streams) / wall,
             "p50": statistics.median(tpots),
             "p99": tpots[min(len(tpots) - 1, round(0.99 * (len(tpots) - 1)))],
             "worst": tpots[-1]}
+
+
+def in_process(model: str, threads: int) -> dict[int, tuple[float, float]]:
+    """The decode loop without HTTP: tokens/s and the share of wall time inside llama_decode
+    (what llama.cpp itself costs), at each level."""
+    import llama_cpp
+
+    from narwhal.engine.batch import DecodeLoop
+    from narwhal.engine.config import EngineConfig
+    from narwhal.engine.generation import Finish, Request, Sampling
+    from narwhal.engine.model import Model
+
+    m = Model(EngineConfig(model=model, parallel=8, ctx_size=8192, threads=threads))
+    loop = DecodeLoop(m, 8, 256, threads)
+    inner = llama_cpp.llama_decode
+    spent = [0.0]
+
+    def timed(ctx: object, batch: object) -> int:
+        t = time.perf_counter()
+        try:
+            return int(inner(ctx, batch))
+        finally:
+            spent[0] += time.perf_counter() - t
+
+    llama_cpp.llama_decode = timed
+    out: dict[int, tuple[float, float]] = {}
+
+    async def level(c: int) -> None:
+        reqs = [Request(m.tokenize(f"Write a long story about {TOPICS[i]}.\n\n"),
+                        Sampling(0, 1, 0, 0, 96)) for i in range(c)]
+        spent[0] = 0.0
+        t = time.perf_counter()
+        for i, r in enumerate(reqs):
+            loop.submit(i, r)
+        tokens = 0
+        for r in reqs:
+            while not isinstance(item := await r.queue.get(), Finish):
+                pass
+            tokens += item.completion_tokens
+        wall = time.perf_counter() - t
+        out[c] = (tokens / wall, spent[0] / wall)
+
+    try:
+        for c in LEVELS:
+            asyncio.run(level(c))
+    finally:
+        llama_cpp.llama_decode = inner
+        loop.stop()
+    return out
 
 
 def llama_cpp_server(model: str, n_threads: str) -> Server:
@@ -123,6 +176,12 @@ def main() -> None:
             print(f"| {name} | {c} | {r['agg']:.1f} | {r['agg'] / by[1]['agg']:.2f}x "
                   f"| {r['p50'] * 1e3:.1f} | {r['p99'] * 1e3:.1f} "
                   f"| {r['worst'] / by[1]['p50']:.2f}x |")
+    print("\n| decode loop in process (no HTTP) | streams | tok/s | scaling | time in "
+          "llama_decode |\n|---|---|---|---|---|")
+    ip = in_process(model, a.threads)
+    for c in LEVELS:
+        print(f"| DecodeLoop, 8 slots | {c} | {ip[c][0]:.1f} | {ip[c][0] / ip[1][0]:.2f}x "
+              f"| {ip[c][1]:.0%} |")
     p8, p1 = results["LexiEngine --parallel 8"][8], results["LexiEngine --parallel 1"][8]
     print(f"\nat 8 streams: --parallel 8 / --parallel 1 aggregate = {p8['agg'] / p1['agg']:.2f}x")
     if a.plot:

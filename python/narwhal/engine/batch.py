@@ -101,7 +101,7 @@ class DecodeLoop:
         p.n_ctx = model.n_ctx * n_slots
         p.n_batch = p.n_ubatch = self.capacity
         p.n_seq_max = n_slots
-        p.kv_unified = False  # each slot attends over its own share only (measured: faster)
+        p.kv_unified = False  # each slot attends over its own share only (measured: no slower)
         p.no_perf = True
         # All cores by default, for one token as for a batch, as llama-server does.
         p.n_threads = p.n_threads_batch = threads or os.cpu_count() or 1
