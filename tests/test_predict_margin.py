@@ -1,0 +1,42 @@
+"""The predictor's safety margin: a request projected just under the budget on an engine
+whose projections have been missing is refused, with the margin counted in Retry-After."""
+
+from __future__ import annotations
+
+import pytest
+
+from narwhal.errors import ApiError
+from narwhal.router.config import EngineSpec
+from narwhal.router.engines import Engine
+from narwhal.router.predict import MARGIN_SPREAD, Predictor
+
+
+def engine_with_work(tokens_ahead: int) -> tuple[Predictor, Engine]:
+    e = Engine(EngineSpec("e"), "http://e", healthy=True)
+    e.prefill, e.prefill_tokens = 1, tokens_ahead
+    p = Predictor([e])
+    prof = p.profiles["e"]
+    prof.prefill_tps, prof.bytes_per_token = 1000.0, 4.0
+    return p, e
+
+
+def test_a_steady_engine_admits_up_to_the_budget() -> None:
+    p, e = engine_with_work(900)  # 0.9 s ahead + 0.09 s own = 0.99 s of a 1 s budget
+    proj = p.judge(90 * 4, [e], 1.0)
+    assert proj.total_s == pytest.approx(0.99)
+
+
+def test_drift_widens_the_projection_and_the_retry_after() -> None:
+    p, e = engine_with_work(900)
+    p.profiles["e"].drift = 0.25  # its projections miss by about 28 % either way
+    with pytest.raises(ApiError) as err:
+        p.judge(90 * 4, [e], 1.0)
+    assert err.value.status == 429 and err.value.code == "ttft_budget_exceeded"
+    guarded = 0.99 * 2.718281828 ** (MARGIN_SPREAD * 0.25)
+    assert f"{guarded:.2f}s" in err.value.message
+    p, e = engine_with_work(3900)
+    p.profiles["e"].drift = 0.25
+    with pytest.raises(ApiError) as err:
+        p.judge(90 * 4, [e], 1.0)
+    overrun = 3.99 * 2.718281828 ** (MARGIN_SPREAD * 0.25) - 1.0
+    assert err.value.headers["retry-after"] == str(round(overrun))
