@@ -3,7 +3,7 @@ concurrent streams, LexiEngine `--parallel 8` vs `--parallel 1` vs llama-cpp-pyt
 server, same model, same prompts, same run (one server at a time, so none competes with
 another for the 2 cores).
 
-    .venv/bin/python -m bench.engine_batching [--tokens 96] [--threads N]
+    .venv/bin/python -m bench.engine_batching [--tokens 96] [--threads N] [--model GGUF]
                                               [--plot bench/engine_batching.png]
 
 Each stream is a streaming text completion of a distinct prompt at temperature 0; a token is
@@ -148,8 +148,9 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=96)
     p.add_argument("--plot", default=None)
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--model", help="GGUF model (default: the SmolLM2 test model)")
     a = p.parse_args()
-    model = str(smollm2_path())
+    model = a.model or str(smollm2_path())
     n_threads = str(a.threads)  # the same for every server
     threads = ("--threads", n_threads)
     servers = {
@@ -196,7 +197,7 @@ def main() -> None:
         ax.set_xlabel("concurrent streams")
         ax.set_ylabel("aggregate output tokens/s")
         ax.set_xticks(LEVELS)
-        ax.set_title("SmolLM2-135M Q4_1, 2 cores")
+        ax.set_title(f"{os.path.basename(model)}, {a.threads} threads")
         ax.legend()
         ax.grid(alpha=0.3)
         fig.tight_layout()
