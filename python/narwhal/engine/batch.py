@@ -39,11 +39,18 @@ _sample.restype = ctypes.c_int32
 
 
 def shared_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
+    """Length of the common prefix. Runs on the event loop for every free slot at every
+    request, so it bisects with slice comparisons (C speed) instead of a Python loop."""
+    lo, hi = 0, min(len(a), len(b))
+    if a[:hi] == b[:hi]:
+        return hi
+    while lo < hi:  # invariant: a[:lo] == b[:lo] and a[:hi + 1] != b[:hi + 1]
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 def _sampler_chain(model: Model, req: Request) -> Any:

@@ -138,7 +138,8 @@ class Predictor:
         rate = prof.prefill_tps / prof.correction
         own = tokens / rate
         total = own + e.prefill_tokens / rate
-        return Projection(e, tokens, own, total, total * math.exp(MARGIN_SPREAD * (prof.drift or 0.0)))
+        guarded = total * math.exp(MARGIN_SPREAD * (prof.drift or 0.0))
+        return Projection(e, tokens, own, total, guarded)
 
     def judge(self, prompt_bytes: int, engines: list[Engine], budget_s: float) -> Projection:
         """The best projection within budget, or the spec's 429 refusals."""

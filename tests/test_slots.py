@@ -1,0 +1,68 @@
+"""Slot hand-out: prefix-preferring pick, oldest waiter first, Busy at the wait limit."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from narwhal.engine.batch import shared_prefix
+from narwhal.engine.slots import Busy, Slots
+
+tokens = st.lists(st.integers(0, 3), max_size=40)
+
+
+@given(tokens, tokens)
+def test_shared_prefix_is_the_common_prefix(a: list[int], b: list[int]) -> None:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    assert shared_prefix(a, b) == n == shared_prefix(b, a)
+
+
+def test_the_free_slot_holding_the_longest_prefix_is_picked() -> None:
+    held = {0: [1, 2], 1: [1, 2, 3, 4], 2: [9]}
+    prompt = [1, 2, 3, 5]
+
+    async def go() -> list[int]:
+        s = Slots(3, 0)
+        first = await s.acquire(lambda i: shared_prefix(held[i], prompt))
+        second = await s.acquire(lambda i: shared_prefix(held[i], prompt))
+        return [first, second]
+
+    assert asyncio.run(go()) == [1, 0]
+
+
+def test_a_released_slot_goes_to_the_oldest_waiter_and_the_rest_time_out() -> None:
+    async def go() -> tuple[list[int], int]:
+        s = Slots(1, 0.3)
+        slot = await s.acquire(lambda i: 0)
+        order: list[int] = []
+
+        async def wait(tag: int) -> None:
+            got = await s.acquire(lambda i: 0)
+            order.append(tag)
+            await asyncio.sleep(0.01)
+            s.release(got)
+
+        a = asyncio.create_task(wait(1))
+        await asyncio.sleep(0.01)
+        b = asyncio.create_task(wait(2))
+        await asyncio.sleep(0.01)
+        s.release(slot)
+        await asyncio.gather(a, b)
+        return order, s.busy
+
+    assert asyncio.run(go()) == ([1, 2], 0)
+
+
+def test_no_wait_means_busy_at_once() -> None:
+    async def go() -> None:
+        s = Slots(1, 0)
+        await s.acquire(lambda i: 0)
+        await s.acquire(lambda i: 0)
+
+    with pytest.raises(Busy):
+        asyncio.run(go())
