@@ -337,3 +337,14 @@ def test_version_flags() -> None:
         out = subprocess.run([str(BIN / exe), "--version"], capture_output=True, text=True)
         assert out.returncode == 0 and out.stdout.startswith(exe)
     assert sys.executable
+
+
+def test_a_character_cut_by_the_token_limit_is_dropped(engine: Server) -> None:
+    text = "😉🌱🌡"
+    body = {"prompt": "x", "grammar": 'root ::= "' + text + '"', "return_token_ids": True}
+    full = post(engine, "/v1/completions", body).json()["choices"][0]
+    assert full["text"] == text
+    for k in range(1, len(full["token_ids"])):
+        part = post(engine, "/v1/completions", body | {"max_tokens": k}).json()["choices"][0]
+        assert "\ufffd" not in part["text"] and text.startswith(part["text"])
+    assert len(full["token_ids"]) > len(text)  # the emoji really span several tokens

@@ -122,6 +122,8 @@ class TextStream:
     def flush(self) -> Piece | None:
         """What is left when the generation ends (held-back text, undecoded bytes)."""
         if self.stop_hit is None:
+            # A character cut in half by the token limit is dropped, not sent as U+FFFD.
+            self.decoder.errors = "ignore"
             self.text += self.decoder.decode(b"", final=True)
         if not (self.ids or self.text):
             return None
