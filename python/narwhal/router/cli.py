@@ -22,6 +22,8 @@ def _parser() -> argparse.ArgumentParser:
     u.add_argument("--host", default="127.0.0.1")
     u.add_argument("--port", type=int, default=8000)
     u.add_argument("--parallel", type=int, default=4, help="engine slots")
+    u.add_argument("--ctx-size", type=int, default=8192,
+                   help="engine context in tokens, split evenly over the slots")
     return p
 
 
@@ -34,7 +36,10 @@ def _up_config(args: argparse.Namespace) -> RouterConfig:
             model = str(smollm2_path())
         except ModelNotInstalled as e:
             raise ConfigError(str(e)) from e
-    launch = Launch(model=model, parallel=args.parallel)
+    # The context is split over the slots: 8192 (SmolLM2's trained length) gives each of
+    # the default 4 slots 2048 tokens instead of lexi-engine's default 4096 / 4.
+    launch = Launch(model=model, parallel=args.parallel,
+                    args=("--ctx-size", str(args.ctx_size)))
     return RouterConfig(engines=(EngineSpec("local", "lexi", None, launch),), host=args.host,
                         port=args.port, admission="open")
 
