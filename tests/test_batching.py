@@ -107,6 +107,11 @@ def test_prefix_reuse_shows_in_cached_tokens(engine: Server) -> None:
     assert b["usage"]["prompt_tokens_details"]["cached_tokens"] == common
     again = ask(shared + "Second, different question?")
     assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == len(ids_b) - 1
+    fresh = httpx.post(engine.url + "/v1/completions", timeout=120, json={
+        "prompt": shared + "Second, different question?", "max_tokens": 1,
+        "cache_prompt": False}).json()  # llama-server's switch: evaluate it all
+    assert fresh["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert fresh["choices"][0]["text"] == again["choices"][0]["text"]
     chat = httpx.post(engine.url + "/v1/chat/completions",
                       json={"messages": [{"role": "user", "content": shared}],
                             "max_tokens": 1}, timeout=120).json()

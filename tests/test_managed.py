@@ -128,7 +128,7 @@ engines:
             ok = httpx.post(r.url + "/v1/chat/completions", timeout=60, json={
                 "messages": [{"role": "user", "content": text}], "max_tokens": 4,
                 "stream": True})
-            assert ok.status_code == 200
+            assert ok.status_code == 200, ok.text
         prof = httpx.get(r.url + "/ready").json()["engines"][0]["profile"]
         assert prof["prefill_tokens_per_s"] > 0 and prof["prefill_samples"] >= 3
         # SmolLM2's BPE reads English at a few bytes a token; the chat template's own

@@ -146,10 +146,15 @@ class Engine:
                 status = 429
                 raise ApiError(429, "all slots are busy", type="server_error",
                                code="inference_busy", headers={"retry-after": "1"}) from None
+            gen = Request(prompt, job.sampling, job.cache_prompt)
+            # The slot goes back when the decode loop has let go of the request, not when
+            # this task ends: a task cancelled twice must not hand on a slot still decoding.
+            gen.done.add_done_callback(lambda _: self.slots.release(slot))
+            self.decoder.submit(slot, gen)
             try:
-                await self._run(job, slot, send)
+                await self._run(job, gen, send)
             finally:
-                self.slots.release(slot)
+                gen.cancel()
         except asyncio.CancelledError:
             status = 499  # the client went away; nothing is left to answer
             if not watcher.done():
@@ -161,9 +166,7 @@ class Engine:
             watcher.cancel()
             self.metrics.requests.labels(route, str(status)).inc()
 
-    async def _run(self, job: protocol.Job, slot: int, send: Send) -> None:
-        gen = Request(job.prompt_ids, job.sampling)
-        self.decoder.submit(slot, gen)
+    async def _run(self, job: protocol.Job, gen: Request, send: Send) -> None:
         out = Output(job)
         writer = writer_for(job, self.model.id)
         self.metrics.prompt_tokens.inc(len(job.prompt_ids))
@@ -207,7 +210,7 @@ class Engine:
                                     more=False)
         finally:
             gen.cancel()
-            await asyncio.shield(gen.done)  # the slot is free only once decoding stopped
+            await asyncio.shield(gen.done)  # decoding has stopped: its numbers are final
             self._observe(gen, finish)
 
     def _observe(self, gen: Request, finish: Finish | None) -> None:

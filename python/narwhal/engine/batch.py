@@ -159,22 +159,41 @@ class DecodeLoop:
                     break
                 incoming, self._incoming = self._incoming, []
             out: list[tuple[Request, Piece | Finish]] = []
+            # Nothing may end this thread: a request it dropped would hold its slot forever.
             for slot, req in incoming:
-                self._admit(slot, req, out)
+                try:
+                    self._admit(slot, req, out)
+                except Exception as e:
+                    log.exception("admitting a request failed")
+                    self._fail(slot, req, f"generation failed: {e}", out)
             try:
                 self._step(out)
             except Exception as e:  # llama.cpp failure: every request in flight gets it
                 log.exception("decode step failed")
                 for a in list(self._active.values()):
-                    self._end(a, Finish("stop", a.stream.produced, error=f"decoding failed: {e}"),
-                              out, keep_kv=False)
+                    self._fail(a.slot, a.req, f"decoding failed: {e}", out)
             self._deliver(out)
         for a in list(self._active.values()):
             out = []
             self._end(a, Finish("cancelled", a.stream.produced), out, keep_kv=False)
             self._deliver(out)
 
+    def _fail(self, slot: int, req: Request, error: str,
+              out: list[tuple[Request, Piece | Finish]]) -> None:
+        a = self._active.get(slot)
+        if a is not None and a.req is req:
+            self._end(a, Finish("stop", a.stream.produced, error=error), out, keep_kv=False)
+            return
+        llama_cpp.llama_memory_seq_rm(self.mem, slot, -1, -1)
+        self.cached[slot] = []
+        out.append((req, Finish("stop", 0, error=error)))
+
     def _admit(self, slot: int, req: Request, out: list[tuple[Request, Piece | Finish]]) -> None:
+        if slot in self._active:  # the event loop hands a slot on only once it is let go
+            raise RuntimeError(f"slot {slot} is still decoding")
+        if not req.cache_prompt:  # llama-server's switch: this prompt is evaluated in full
+            llama_cpp.llama_memory_seq_rm(self.mem, slot, -1, -1)
+            self.cached[slot] = []
         prompt = req.prompt
         n = min(shared_prefix(self.cached[slot], prompt), len(prompt) - 1)
         if n < len(self.cached[slot]) and not llama_cpp.llama_memory_seq_rm(self.mem, slot, n, -1):
@@ -263,7 +282,8 @@ class DecodeLoop:
 
     def _end(self, a: _Active, finish: Finish, out: list[tuple[Request, Piece | Finish]],
              keep_kv: bool) -> None:
-        del self._active[a.slot]
+        if self._active.get(a.slot) is a:
+            del self._active[a.slot]
         llama_cpp.llama_sampler_free(a.chain)
         if not keep_kv:
             llama_cpp.llama_memory_seq_rm(self.mem, a.slot, -1, -1)

@@ -54,9 +54,10 @@ class Request:
     once the request has left the decode loop (its slot can then be handed on).
     """
 
-    def __init__(self, prompt: list[int], sampling: Sampling) -> None:
+    def __init__(self, prompt: list[int], sampling: Sampling, cache_prompt: bool = True) -> None:
         self.prompt = prompt
         self.sampling = sampling
+        self.cache_prompt = cache_prompt  # reuse a slot's KV for a shared prefix
         self.loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue[Piece | Finish] = asyncio.Queue()
         self.done: asyncio.Future[None] = self.loop.create_future()

@@ -35,6 +35,7 @@ class Job:
     reasoning_pairs: list[tuple[str, str]] = field(default_factory=list)
     logprobs: bool = False
     tools: ToolPlan | None = None
+    cache_prompt: bool = True
     body: dict[str, Any] = field(default_factory=dict)
 
 
@@ -398,3 +399,7 @@ def _stream_options(body: dict[str, Any], job: Job) -> None:
             raise invalid("'include_usage' must be a boolean", "stream_options.include_usage")
         job.include_usage = iu
     job.return_token_ids = _bool(body, "return_token_ids")
+    cache = body.get("cache_prompt", True)
+    if not isinstance(cache, bool):
+        raise invalid("'cache_prompt' must be a boolean", "cache_prompt")
+    job.cache_prompt = cache

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import secrets
 import time
 from typing import Any
 
@@ -144,10 +145,18 @@ class Router:
         # About 250 tokens of ordinary text: enough prefill to measure a rate, not just the
         # fixed per-request overhead a tiny prompt would show.
         text = "Narwhal measures how fast this engine reads a prompt of ordinary text. " * 14
-        body = orjson.dumps({"model": self.config.model, "max_tokens": 1,
-                             "messages": [{"role": "user", "content": text}],
-                             "stream": True})
-        req = intake.check(intake.CHAT, body, self.config.model)
+
+        def probe_request(e: Engine) -> intake.Intake:
+            # A fresh prompt each time: an engine that reuses a cached prefix (LexiEngine,
+            # vLLM, SGLang) would otherwise answer the repeat at once and teach the
+            # predictor a prefill rate no new prompt gets. LexiEngine is also told not to
+            # reuse (`cache_prompt`, llama-server's switch); others ignore what it says.
+            body: dict[str, Any] = {
+                "model": self.config.model, "max_tokens": 1, "stream": True,
+                "messages": [{"role": "user", "content": f"[{secrets.token_hex(6)}] {text}"}]}
+            if e.spec.dialect in ("lexi", "llamacpp"):
+                body["cache_prompt"] = False
+            return intake.check(intake.CHAT, orjson.dumps(body), self.config.model)
 
         async def discard(_: Any) -> None:
             pass
@@ -162,6 +171,7 @@ class Router:
                 if e.inflight or (now - profile.measured_at < interval and not degraded):
                     continue
                 e.prefill += 1
+                req = probe_request(e)
                 proj = self.predictor.project(req.prompt_bytes, e)
                 p = Placed(req, e, now, now + 30, tokens=proj.tokens, predicted_s=proj.total_s)
                 self.relayer.placed(p)

@@ -25,6 +25,9 @@ CORRECTION_GAIN = 0.05
 # projected)|): about the 99th percentile of misses when they are roughly normal. The
 # simulation (bench/admission_sim.py) took within-budget at 2x load from 86.6% to 99.9%.
 MARGIN_SPREAD = 2.0
+# Beyond doubling, the projection is too unreliable to gate on; drift past its bound makes
+# the router monitoring-degraded instead.
+MAX_MARGIN = 2.0
 
 
 def _ewma(old: float | None, new: float) -> float:
@@ -126,6 +129,12 @@ class Predictor:
                 return None
         return "; ".join(reasons) or None
 
+    def margin(self, prof: Profile) -> float:
+        """How much wider than the projection admission plays it on this engine."""
+        if prof.drift is None or prof.drift_samples < self.drift_min_samples:
+            return 1.0  # a few cold-start misses (fixed overheads) say nothing yet
+        return min(MAX_MARGIN, math.exp(MARGIN_SPREAD * prof.drift))
+
     def size(self, prompt_bytes: int, e: Engine) -> int:
         bpt = self.profiles[e.name].bytes_per_token or 4.0
         return max(1, math.ceil(prompt_bytes / bpt))
@@ -138,8 +147,7 @@ class Predictor:
         rate = prof.prefill_tps / prof.correction
         own = tokens / rate
         total = own + e.prefill_tokens / rate
-        guarded = total * math.exp(MARGIN_SPREAD * (prof.drift or 0.0))
-        return Projection(e, tokens, own, total, guarded)
+        return Projection(e, tokens, own, total, total * self.margin(prof))
 
     def judge(self, prompt_bytes: int, engines: list[Engine], budget_s: float) -> Projection:
         """The best projection within budget, or the spec's 429 refusals."""
