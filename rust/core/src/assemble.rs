@@ -67,8 +67,9 @@ struct FastDelta<'a> {
     reasoning_content: Option<Cow<'a, str>>,
     #[serde(borrow, default)]
     refusal: Option<Cow<'a, str>>,
+    // Parsed in the same pass as the frame: tool-call streams are mostly argument fragments.
     #[serde(borrow, default)]
-    tool_calls: Option<&'a RawValue>,
+    tool_calls: Option<Vec<FastCall<'a>>>,
 }
 
 #[derive(Deserialize)]
@@ -362,6 +363,9 @@ impl Assembler {
             || f.choices.iter().any(|c| {
                 (self.kind == Kind::Chat && c.text.is_some())
                     || (self.kind == Kind::Completion && c.delta.is_some())
+                    || c.delta.as_ref().and_then(|d| d.tool_calls.as_ref()).is_some_and(|calls| {
+                        calls.iter().any(|call| call.kind.as_deref().is_some_and(|k| k != "function"))
+                    })
             });
         if needs_general {
             return None;
@@ -397,7 +401,6 @@ impl Assembler {
     fn choice_fast(&mut self, pos: usize, c: FastChoice<'_>) -> Result<(), AssembleError> {
         let index = c.index.unwrap_or(pos as u64);
         let acc = self.choices.entry(index).or_default();
-        let p = |f: &str| format!("choices[{index}].{f}");
         let mut generated = push(&mut acc.text, c.text);
         if let Some(d) = c.delta {
             if let Some(r) = d.role {
@@ -407,31 +410,16 @@ impl Assembler {
             generated |= push(&mut acc.reasoning, d.reasoning);
             generated |= push(&mut acc.reasoning_content, d.reasoning_content);
             generated |= push(&mut acc.refusal, d.refusal);
-            if let Some(calls) = d.tool_calls.filter(|t| t.get() != "null") {
-                if let Ok(fast) = serde_json::from_str::<Vec<FastCall>>(calls.get()) {
-                    if fast.iter().all(|c| c.kind.as_deref().map_or(true, |k| k == "function")) {
-                        for (k, call) in fast.into_iter().enumerate() {
-                            let slot = acc.tool_calls.entry(call.index.unwrap_or(k as u64)).or_default();
-                            push(&mut slot.id, call.id);
-                            if let Some(f) = call.function {
-                                push(&mut slot.name, f.name);
-                                if let Some(a) = f.arguments {
-                                    slot.arguments.push_str(&a);
-                                }
-                            }
-                            generated = true;
-                        }
-                        return self.finish_choice_fast(index, c.logprobs, c.finish_reason, c.stop_reason, c.token_ids, generated);
+            for (k, call) in d.tool_calls.into_iter().flatten().enumerate() {
+                let slot = acc.tool_calls.entry(call.index.unwrap_or(k as u64)).or_default();
+                push(&mut slot.id, call.id);
+                if let Some(f) = call.function {
+                    push(&mut slot.name, f.name);
+                    if let Some(a) = f.arguments {
+                        slot.arguments.push_str(&a);
                     }
                 }
-                let calls: Value = serde_json::from_str(calls.get()).map_err(|e| err(p("delta.tool_calls"), e.to_string()))?;
-                let Value::Array(calls) = calls else {
-                    return Err(err(p("delta.tool_calls"), "must be an array"));
-                };
-                for (k, call) in calls.into_iter().enumerate() {
-                    Self::tool_call(acc, index, k, call)?;
-                    generated = true;
-                }
+                generated = true;
             }
         }
         self.finish_choice_fast(index, c.logprobs, c.finish_reason, c.stop_reason, c.token_ids, generated)
