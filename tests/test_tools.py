@@ -173,10 +173,27 @@ def test_grammar_enforces_what_it_can_of_the_schema(engine: Server) -> None:
     assert jsonschema_rs.validator_for(schema, validate_formats=True).is_valid(args)
 
 
-def test_auto_with_the_lazy_grammar_answers(engine: Server) -> None:
-    r = chat(engine, max_tokens=24)
-    assert r.status_code == 200
-    assert r.json()["choices"][0]["finish_reason"] in ("stop", "length", "tool_calls")
+def test_auto_the_model_calls_on_its_own(engine: Server) -> None:
+    """No forcing: earlier turns show the model the engine's call form, it writes a call
+    by itself (the lazy grammar takes over from `<tool_call>`), and the call is returned."""
+    tools = TOOLS[:1]
+    history: list[dict[str, Any]] = []
+    for i, city in enumerate(("Paris", "Berlin", "Madrid")):
+        history += [
+            {"role": "user", "content": f"Weather in {city}?"},
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": f"c{i}", "type": "function", "function": {
+                    "name": "get_weather", "arguments": orjson.dumps({"city": city}).decode()}}]},
+            {"role": "tool", "tool_call_id": f"c{i}", "content": "sunny"},
+            {"role": "assistant", "content": f"It is sunny in {city}."}]
+    history.append({"role": "user", "content": "Weather in Rome?"})
+    r = post(engine, "/v1/chat/completions", {"messages": history, "tools": tools,
+                                              "max_tokens": 60})
+    ch = r.json()["choices"][0]
+    (call,) = ch["message"]["tool_calls"]
+    assert call["function"]["name"] == "get_weather"
+    assert orjson.loads(call["function"]["arguments"]) == {"city": "Rome"}
+    assert ch["finish_reason"] == "tool_calls"
 
 
 def test_strict_tool_that_is_not_closed_is_refused(engine: Server) -> None:
