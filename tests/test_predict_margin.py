@@ -50,3 +50,16 @@ def test_no_margin_from_a_few_cold_misses_and_never_over_double() -> None:
     assert p.judge(90 * 4, [e], 1.0).guarded_s == pytest.approx(0.99)
     prof.drift_samples = 5
     assert p.project(90 * 4, e).guarded_s == pytest.approx(0.99 * MAX_MARGIN)
+
+
+def test_prefix_cache_hits_teach_the_rate_of_what_was_prefilled() -> None:
+    from narwhal.router.predict import Profile
+
+    prof = Profile()
+    prof.observe(4000, 1000, 0.5, True, 0, 0.0)  # 1000 tokens in 0.5 s: 2000 tokens/s
+    assert prof.prefill_tps == pytest.approx(2000)
+    # 900 of 1000 tokens came from the engine's cache: 100 tokens in 0.05 s is 2000/s too,
+    # and finishing 10x sooner than projected is not a misprediction.
+    prof.observe(4000, 1000, 0.05, True, 0, 0.0, predicted_s=0.5, cached_tokens=900)
+    assert prof.prefill_tps == pytest.approx(2000)
+    assert prof.drift is None and prof.correction == 1.0

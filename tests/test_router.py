@@ -105,6 +105,17 @@ def test_streaming_strips_token_ids_unless_asked(router: Server, scripted: Serve
                                                                                 103]
 
 
+def test_usage_is_streamed_only_to_clients_that_ask(router: Server, scripted: Server) -> None:
+    r = httpx.post(router.url + "/v1/chat/completions", json=chat("hi", stream=True))
+    assert '"usage"' not in r.text and sse_frames(r.text)[-1] == "[DONE]"
+    # The router asked anyway: usage carries the engine's cached-prompt count.
+    assert stats(scripted)["last"]["stream_options"] == {"include_usage": True}
+    r = httpx.post(router.url + "/v1/chat/completions",
+                   json=chat("hi", stream=True, stream_options={"include_usage": True}))
+    (usage,) = [f["usage"] for f in sse_frames(r.text)[:-1] if f.get("usage")]
+    assert usage["completion_tokens"] == 4
+
+
 @pytest.mark.parametrize("script", ["missing_ids", "bool_ids"])
 def test_bad_token_ids_end_the_stream_with_a_visible_error(router: Server, script: str) -> None:
     r = httpx.post(router.url + "/v1/chat/completions", json=chat(f"script:{script}",

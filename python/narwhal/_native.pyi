@@ -69,6 +69,9 @@ class RelayChunk:
     @property
     def prompt_tokens(self) -> int | None: ...
     @property
+    def cached_tokens(self) -> int | None:
+        """Prompt tokens the engine served from its prefix cache, when it said."""
+    @property
     def completion_tokens(self) -> int | None: ...
     @property
     def fault_reason(self) -> str | None:
@@ -80,8 +83,14 @@ class StreamRelay:
     """Decode an engine stream, validate token IDs, strip them if asked, re-frame events."""
 
     def __init__(
-        self, strip_token_ids: bool, require_token_ids: bool, max_event_bytes: int = ...
-    ) -> None: ...
+        self,
+        strip_token_ids: bool,
+        require_token_ids: bool,
+        drop_usage: bool = False,
+        max_event_bytes: int = ...,
+    ) -> None:
+        """`drop_usage`: read usage-only frames but do not forward them (the router asked
+        the engine for usage its client did not ask for)."""
     def feed(self, chunk: bytes) -> RelayChunk: ...
     @property
     def has_pending(self) -> bool: ...
@@ -105,6 +114,9 @@ class Assembler:
     @property
     def reported_prompt_tokens(self) -> int | None:
         """The engine's own prompt count (usage, else prompt token IDs), if it sent one."""
+    @property
+    def reported_cached_tokens(self) -> int | None:
+        """Prompt tokens the engine said it served from its prefix cache."""
     def finish(self, prompt_tokens: int | None = None) -> bytes:
         """The response JSON; ``prompt_tokens`` sizes usage when the engine sent none."""
 

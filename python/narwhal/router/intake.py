@@ -125,6 +125,9 @@ def upstream_body(intake: Intake, token_ids: bool) -> bytes:
         body["stream_interval"] = 1
     else:
         body.pop("return_token_ids", None)
-    if not intake.stream:
-        body["stream_options"] = {"include_usage": True}
+    # Usage always: it carries the engine's cached-prompt count, without which a prefix
+    # cache hit would teach the predictor a prefill rate no new prompt gets. The relay
+    # drops the usage frame for a streaming client that did not ask for it.
+    opts = body.get("stream_options")
+    body["stream_options"] = {**(opts if isinstance(opts, dict) else {}), "include_usage": True}
     return orjson.dumps(body)

@@ -53,11 +53,17 @@ class Profile:
 
     def observe(self, prompt_bytes: int, prompt_tokens: int | None, ttft_s: float | None,
                 alone: bool, decode_tokens: int, decode_s: float,
-                predicted_s: float | None = None) -> None:
+                predicted_s: float | None = None, cached_tokens: int = 0) -> None:
+        # A prompt the engine partly served from its prefix cache prefilled only the rest:
+        # its rate counts those tokens, and its outcome is not scored against a projection
+        # that assumed a full prefill (a cache hit is not a misprediction).
+        fresh = prompt_tokens - min(cached_tokens, prompt_tokens) if prompt_tokens else None
+        cache_hit = bool(prompt_tokens and cached_tokens > 0.1 * prompt_tokens)
         if ttft_s and ttft_s > 0:
             self.measured_at = time.monotonic()
             # Sub-50 ms requests are all fixed overhead: they say nothing about the model.
-            if predicted_s and predicted_s > 0 and max(ttft_s, predicted_s) >= 0.05:
+            if (predicted_s and predicted_s > 0 and max(ttft_s, predicted_s) >= 0.05
+                    and not cache_hit):
                 miss = math.log(ttft_s / predicted_s)
                 self.drift = _ewma(self.drift, abs(miss))
                 self.drift_samples += 1
@@ -69,8 +75,8 @@ class Profile:
                 self.sizing_error = _ewma(self.sizing_error,
                                           abs(estimate - prompt_tokens) / prompt_tokens)
             self.bytes_per_token = _ewma(self.bytes_per_token, prompt_bytes / prompt_tokens)
-            if alone and ttft_s and ttft_s > 0:
-                self.prefill_tps = _ewma(self.prefill_tps, prompt_tokens / ttft_s)
+            if alone and ttft_s and ttft_s > 0 and fresh:
+                self.prefill_tps = _ewma(self.prefill_tps, fresh / ttft_s)
                 self.prefill_samples += 1
         if decode_tokens > 1 and decode_s > 0:
             self.tpot_s = _ewma(self.tpot_s, decode_s / (decode_tokens - 1))

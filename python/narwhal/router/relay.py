@@ -39,6 +39,7 @@ class Placed:
     sent_at: float = 0.0
     first_at: float = 0.0
     prompt_tokens: int | None = None
+    cached_tokens: int | None = None  # of those, what the engine's prefix cache served
     output_tokens: int = 0
     predicted_s: float | None = None  # projected TTFT at admission, for drift scoring
     phase: str = "prefill"
@@ -121,7 +122,8 @@ class Relayer:
     async def _stream(self, p: Placed, resp: aiohttp.ClientResponse, send: Send) -> None:
         e, m = p.engine, self.metrics
         relay = StreamRelay(strip_token_ids=not p.intake.wants_token_ids,
-                            require_token_ids=e.spec.token_ids)
+                            require_token_ids=e.spec.token_ids,
+                            drop_usage=not p.intake.include_usage)
         started = False
         tokens = 0
         first_at = 0.0
@@ -145,6 +147,8 @@ class Relayer:
                 first_at = time.monotonic()
             tokens += rep.output_tokens or rep.generation_events
             p.prompt_tokens = rep.prompt_ids or rep.prompt_tokens or p.prompt_tokens
+            if rep.cached_tokens is not None:
+                p.cached_tokens = rep.cached_tokens
             if rep.forward:
                 if not started:
                     await asgi.start_stream(send)
@@ -176,7 +180,8 @@ class Relayer:
                 m.observed_ttft.labels(name).observe(ttft)
             self.predictor.profiles[name].observe(
                 p.intake.prompt_bytes, p.prompt_tokens, ttft, p.alone, tokens,
-                time.monotonic() - first_at if first_at else 0.0, p.predicted_s)
+                time.monotonic() - first_at if first_at else 0.0, p.predicted_s,
+                cached_tokens=p.cached_tokens or 0)
         m.completed.labels(name).inc()
         m.output_tokens.labels(name).inc(tokens)
         if tokens > 1 and first_at:
@@ -203,6 +208,7 @@ class Relayer:
             body = asm.finish(p.intake.estimated_prompt_tokens())
             # Only the engine's own count: the estimate must not be learned from itself.
             p.prompt_tokens = asm.reported_prompt_tokens
+            p.cached_tokens = asm.reported_cached_tokens
         except AssemblyError as exc:
             self.metrics.stream_faults.labels(e.name, "assembly").inc()
             raise ApiError(502, f"the engine's output cannot be assembled: {exc}",

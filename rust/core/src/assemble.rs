@@ -288,6 +288,15 @@ impl Assembler {
             .or_else(|| self.choices.values().find_map(|c| c.prompt_token_ids.as_ref().map(|p| p.len() as u64)))
     }
 
+    /// Prompt tokens the engine said it served from its prefix cache.
+    pub fn reported_cached_tokens(&self) -> Option<u64> {
+        self.usage
+            .as_ref()
+            .and_then(|u| u.get("prompt_tokens_details"))
+            .and_then(|d| d.get("cached_tokens"))
+            .and_then(Value::as_u64)
+    }
+
     pub fn measured_output_tokens(&self) -> u64 {
         self.choices
             .values()

@@ -40,6 +40,14 @@ struct RawUsage {
     prompt_tokens: Option<u64>,
     #[serde(default)]
     completion_tokens: Option<u64>,
+    #[serde(default)]
+    prompt_tokens_details: Option<RawPromptDetails>,
+}
+
+#[derive(Deserialize)]
+struct RawPromptDetails {
+    #[serde(default)]
+    cached_tokens: Option<u64>,
 }
 
 #[derive(Deserialize)]
@@ -97,6 +105,8 @@ pub struct FrameInfo {
     pub prompt_ids: Option<u64>,
     pub prompt_tokens: Option<u64>,
     pub completion_tokens: Option<u64>,
+    /// Prompt tokens the engine served from its prefix cache (`usage.prompt_tokens_details`).
+    pub cached_tokens: Option<u64>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -170,6 +180,7 @@ pub fn inspect_with_spans(
         info.kinds |= kind::USAGE;
         info.prompt_tokens = u.prompt_tokens;
         info.completion_tokens = u.completion_tokens;
+        info.cached_tokens = u.prompt_tokens_details.as_ref().and_then(|d| d.cached_tokens);
     }
     if let Some(p) = frame.prompt_token_ids {
         if let Some(s) = spans.as_deref_mut() {

@@ -42,6 +42,7 @@ pub struct ChunkReport {
     pub prompt_ids: Option<u64>,
     pub prompt_tokens: Option<u64>,
     pub completion_tokens: Option<u64>,
+    pub cached_tokens: Option<u64>,
     /// Set when the stream failed in this chunk (or before); nothing after it is forwarded.
     pub fault: Option<StreamFault>,
 }
@@ -50,6 +51,7 @@ pub struct Relay {
     decoder: SseDecoder,
     strip: bool,
     require_ids: bool,
+    drop_usage: bool,
     events: Vec<Event>,
     spans: Vec<(usize, usize)>,
     scratch: Vec<u8>,
@@ -85,12 +87,20 @@ impl Relay {
             decoder: SseDecoder::new(max_event_bytes),
             strip,
             require_ids,
+            drop_usage: false,
             events: Vec::new(),
             spans: Vec::new(),
             scratch: Vec::new(),
             seen_output: false,
             fault: None,
         }
+    }
+
+    /// Read usage-only frames (for the prompt and cached-token counts) but do not forward
+    /// them: the router asked the engine for usage that its client did not ask for.
+    pub fn drop_usage_frames(mut self, drop: bool) -> Self {
+        self.drop_usage = drop;
+        self
     }
 
     pub fn feed(&mut self, chunk: &[u8]) -> ChunkReport {
@@ -135,6 +145,10 @@ impl Relay {
             rep.prompt_ids = info.prompt_ids.or(rep.prompt_ids);
             rep.prompt_tokens = info.prompt_tokens.or(rep.prompt_tokens);
             rep.completion_tokens = info.completion_tokens.or(rep.completion_tokens);
+            rep.cached_tokens = info.cached_tokens.or(rep.cached_tokens);
+            if self.drop_usage && info.kinds == kind::USAGE {
+                continue;
+            }
             if strip {
                 let body = &mut self.scratch;
                 body.clear();
@@ -211,6 +225,10 @@ impl StreamAssembler {
         self.assembler.measured_output_tokens()
     }
 
+    pub fn reported_cached_tokens(&self) -> Option<u64> {
+        self.assembler.reported_cached_tokens()
+    }
+
     pub fn finish(&self, prompt_tokens: Option<u64>) -> Result<Vec<u8>, AssembleError> {
         self.assembler.finish(prompt_tokens)
     }
@@ -231,6 +249,19 @@ mod tests {
         assert!(b.first_output && b.done);
         assert_eq!(b.output_tokens, 2);
         assert_eq!(b.forward, b"data: {\"choices\":[{\"delta\":{\"content\":\"hi\"}}]}\n\ndata: [DONE]\n\n");
+    }
+
+    #[test]
+    fn usage_frames_are_read_and_dropped_when_asked() {
+        let frames = b"data: {\"choices\":[{\"delta\":{},\"finish_reason\":\"stop\"}]}\n\ndata: {\"choices\":[],\"usage\":{\"prompt_tokens\":9,\"completion_tokens\":1,\"prompt_tokens_details\":{\"cached_tokens\":7}}}\n\ndata: [DONE]\n\n";
+        let kept = Relay::new(false, false, 1 << 16).feed(frames);
+        let mut r = Relay::new(false, false, 1 << 16).drop_usage_frames(true);
+        let dropped = r.feed(frames);
+        assert_eq!((dropped.cached_tokens, dropped.prompt_tokens), (Some(7), Some(9)));
+        assert_eq!(kept.cached_tokens, Some(7));
+        assert!(kept.forward.windows(7).any(|w| w == b"\"usage\""));
+        assert_eq!(dropped.forward, b"data: {\"choices\":[{\"delta\":{},\"finish_reason\":\"stop\"}]}\n\ndata: [DONE]\n\n");
+        assert!(dropped.done && dropped.events == 3);
     }
 
     #[test]

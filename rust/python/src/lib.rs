@@ -85,6 +85,7 @@ struct RelayChunk {
     prompt_ids: Option<u64>,
     prompt_tokens: Option<u64>,
     completion_tokens: Option<u64>,
+    cached_tokens: Option<u64>,
     fault_reason: Option<&'static str>,
     fault_message: Option<String>,
 }
@@ -107,6 +108,7 @@ impl RelayChunk {
             prompt_ids: r.prompt_ids,
             prompt_tokens: r.prompt_tokens,
             completion_tokens: r.completion_tokens,
+            cached_tokens: r.cached_tokens,
             fault_reason,
             fault_message,
         }
@@ -122,9 +124,10 @@ struct StreamRelay {
 #[pymethods]
 impl StreamRelay {
     #[new]
-    #[pyo3(signature = (strip_token_ids, require_token_ids, max_event_bytes = DEFAULT_MAX_EVENT_BYTES))]
-    fn new(strip_token_ids: bool, require_token_ids: bool, max_event_bytes: usize) -> Self {
-        StreamRelay { inner: Relay::new(strip_token_ids, require_token_ids, max_event_bytes) }
+    #[pyo3(signature = (strip_token_ids, require_token_ids, drop_usage = false, max_event_bytes = DEFAULT_MAX_EVENT_BYTES))]
+    fn new(strip_token_ids: bool, require_token_ids: bool, drop_usage: bool, max_event_bytes: usize) -> Self {
+        let inner = Relay::new(strip_token_ids, require_token_ids, max_event_bytes).drop_usage_frames(drop_usage);
+        StreamRelay { inner }
     }
 
     fn feed(&mut self, py: Python<'_>, chunk: &[u8]) -> RelayChunk {
@@ -186,6 +189,11 @@ impl Assembler {
     #[getter]
     fn measured_output_tokens(&self) -> u64 {
         self.inner.measured_output_tokens()
+    }
+
+    #[getter]
+    fn reported_cached_tokens(&self) -> Option<u64> {
+        self.inner.reported_cached_tokens()
     }
 
     /// The response as JSON bytes; `prompt_tokens` sizes usage when the engine sent none.
