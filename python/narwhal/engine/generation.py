@@ -26,7 +26,7 @@ class Sampling:
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     grammar: str | None = None  # GBNF text, compile-checked at intake
-    lazy_grammar: tuple[str, list[str]] | None = None  # (GBNF, trigger words): tool calls
+    lazy_grammar: tuple[str, list[str]] | None = None  # (GBNF, trigger regexes): tool calls
     logprobs: int | None = None  # None: off; N: the sampled token's logprob plus top N
     stream_interval: int = 1
 
@@ -71,7 +71,8 @@ class Request:
 
 
 def held(text: str, stops: list[str]) -> int:
-    """Length of the longest tail of `text` that is a proper prefix of a stop string."""
+    """Length of the longest tail of `text` that is a proper prefix of one of `stops`
+    (a stop string, a tool-call marker): that much text must wait for the next piece."""
     best = 0
     for s in stops:
         for k in range(min(len(s) - 1, len(text)), best, -1):

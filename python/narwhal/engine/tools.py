@@ -18,6 +18,7 @@ from typing import Any
 import jsonschema_rs
 import orjson
 
+from narwhal.engine.generation import held
 from narwhal.engine.schema_grammar import calls_grammar
 from narwhal.errors import invalid
 
@@ -243,14 +244,6 @@ def parse_call(inner: str, plan: ToolPlan) -> Call | None:
     return plan.verify(obj["name"], args)
 
 
-def _partial_tail(text: str, marker: str) -> int:
-    """Length of the longest tail of `text` that is a proper prefix of `marker`."""
-    for k in range(min(len(marker) - 1, len(text)), 0, -1):
-        if text.endswith(marker[:k]):
-            return k
-    return 0
-
-
 class CallSplitter:
     """Streams content text, taking verified calls out of it.
 
@@ -278,7 +271,7 @@ class CallSplitter:
             if not self.inside:
                 at = self.buf.find(OPEN)
                 if at < 0:
-                    cut = len(self.buf) - _partial_tail(self.buf, OPEN)
+                    cut = len(self.buf) - held(self.buf, [OPEN])
                     emit, self.buf = self.buf[:cut], self.buf[cut:]
                     if emit:
                         out.append(("text", emit))
