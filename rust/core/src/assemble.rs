@@ -9,33 +9,46 @@ use serde::Deserialize;
 use serde_json::value::RawValue;
 use serde_json::{Map, Value};
 
+use crate::json_read::{once, Bail, RawStr, Reader, R};
 use crate::json_scan::{scan_id_list, IdListError};
+
+/// A JSON value's text as written, borrowed from the frame: serde reads it through
+/// `RawValue`, the single-pass reader straight from its span.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Raw<'a>(&'a str);
+
+impl<'de: 'a, 'a> Deserialize<'de> for Raw<'a> {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let raw: &'de RawValue = Deserialize::deserialize(d)?;
+        Ok(Raw(raw.get()))
+    }
+}
 
 // The fast path: the common frame shape, borrowed, with every field known. A frame with any
 // other field (or a value of a surprising type) fails this parse and takes the general path
 // below, which accepts null-valued extras and names the offending field otherwise.
-#[derive(Deserialize)]
+#[derive(Deserialize, Default)]
 #[serde(deny_unknown_fields)]
 struct FastFrame<'a> {
     #[serde(borrow, default)]
-    id: Option<&'a RawValue>,
+    id: Option<Raw<'a>>,
     #[serde(borrow, default)]
-    object: Option<&'a RawValue>,
+    object: Option<Raw<'a>>,
     #[serde(borrow, default)]
-    created: Option<&'a RawValue>,
+    created: Option<Raw<'a>>,
     #[serde(borrow, default)]
-    model: Option<&'a RawValue>,
+    model: Option<Raw<'a>>,
     #[serde(borrow, default)]
-    system_fingerprint: Option<&'a RawValue>,
+    system_fingerprint: Option<Raw<'a>>,
     #[serde(borrow, default)]
     choices: Vec<FastChoice<'a>>,
     #[serde(borrow, default)]
-    usage: Option<&'a RawValue>,
+    usage: Option<Raw<'a>>,
     #[serde(borrow, default)]
-    prompt_token_ids: Option<&'a RawValue>,
+    prompt_token_ids: Option<Raw<'a>>,
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, Default)]
 #[serde(deny_unknown_fields)]
 struct FastChoice<'a> {
     #[serde(default)]
@@ -45,16 +58,19 @@ struct FastChoice<'a> {
     #[serde(borrow, default)]
     text: Option<Cow<'a, str>>,
     #[serde(borrow, default)]
-    logprobs: Option<&'a RawValue>,
+    logprobs: Option<Raw<'a>>,
     #[serde(borrow, default)]
     finish_reason: Option<Cow<'a, str>>,
     #[serde(borrow, default)]
-    stop_reason: Option<&'a RawValue>,
+    stop_reason: Option<Raw<'a>>,
     #[serde(borrow, default)]
-    token_ids: Option<&'a RawValue>,
+    token_ids: Option<Raw<'a>>,
+    /// Filled by the single-pass reader, which reads `logprobs` in the same pass.
+    #[serde(skip)]
+    logprobs_read: Option<FastLogprobs<'a>>,
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, Default)]
 #[serde(deny_unknown_fields)]
 struct FastDelta<'a> {
     #[serde(borrow, default)]
@@ -72,7 +88,7 @@ struct FastDelta<'a> {
     tool_calls: Option<Vec<FastCall<'a>>>,
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, Default)]
 #[serde(deny_unknown_fields)]
 struct FastCall<'a> {
     #[serde(default)]
@@ -85,7 +101,7 @@ struct FastCall<'a> {
     function: Option<FastFunction<'a>>,
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, Default)]
 #[serde(deny_unknown_fields)]
 struct FastFunction<'a> {
     #[serde(borrow, default)]
@@ -94,30 +110,204 @@ struct FastFunction<'a> {
     arguments: Option<Cow<'a, str>>,
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, Default)]
 #[serde(deny_unknown_fields)]
 struct FastLogprobs<'a> {
     #[serde(borrow, default)]
-    content: Option<&'a RawValue>,
+    content: Option<Raw<'a>>,
     #[serde(borrow, default)]
-    refusal: Option<&'a RawValue>,
+    refusal: Option<Raw<'a>>,
     #[serde(borrow, default)]
-    tokens: Option<&'a RawValue>,
+    tokens: Option<Raw<'a>>,
     #[serde(borrow, default)]
-    token_logprobs: Option<&'a RawValue>,
+    token_logprobs: Option<Raw<'a>>,
     #[serde(borrow, default)]
-    text_offset: Option<&'a RawValue>,
+    text_offset: Option<Raw<'a>>,
     #[serde(borrow, default)]
-    top_logprobs: Option<&'a RawValue>,
+    top_logprobs: Option<Raw<'a>>,
+}
+
+/// The fast-path frame read in one pass by [`Reader`]: exactly the shape serde's
+/// `deny_unknown_fields` parse of [`FastFrame`] accepts, or [`Bail`].
+fn read_fast_frame(data: &str) -> R<FastFrame<'_>> {
+    let mut r = Reader::new(data);
+    let mut f = FastFrame::default();
+    let mut seen = 0u32;
+    r.object(|r, key| {
+        let (bit, slot) = match key {
+            b"id" => (1, &mut f.id),
+            b"object" => (2, &mut f.object),
+            b"created" => (4, &mut f.created),
+            b"model" => (8, &mut f.model),
+            b"system_fingerprint" => (16, &mut f.system_fingerprint),
+            b"usage" => (32, &mut f.usage),
+            b"prompt_token_ids" => (64, &mut f.prompt_token_ids),
+            b"choices" => {
+                once(&mut seen, 128)?;
+                return r.array(|r| {
+                    f.choices.push(read_choice(r)?);
+                    Ok(())
+                });
+            }
+            _ => return Err(Bail),
+        };
+        once(&mut seen, bit)?;
+        *slot = r.opt_raw()?.map(Raw);
+        Ok(())
+    })?;
+    r.end()?;
+    Ok(f)
+}
+
+fn opt_str<'a>(r: &mut Reader<'a>) -> R<Option<Cow<'a, str>>> {
+    r.opt_string()?.map(RawStr::decode).transpose()
+}
+
+fn read_choice<'a>(r: &mut Reader<'a>) -> R<FastChoice<'a>> {
+    let mut c = FastChoice::default();
+    let mut seen = 0u32;
+    r.object(|r, key| {
+        match key {
+            b"index" => {
+                once(&mut seen, 1)?;
+                c.index = r.opt_u64()?;
+            }
+            b"text" => {
+                once(&mut seen, 2)?;
+                c.text = opt_str(r)?;
+            }
+            b"finish_reason" => {
+                once(&mut seen, 4)?;
+                c.finish_reason = opt_str(r)?;
+            }
+            b"stop_reason" => {
+                once(&mut seen, 8)?;
+                c.stop_reason = r.opt_raw()?.map(Raw);
+            }
+            b"token_ids" => {
+                once(&mut seen, 16)?;
+                c.token_ids = r.opt_raw()?.map(Raw);
+            }
+            b"logprobs" => {
+                once(&mut seen, 32)?;
+                if r.null()? {
+                    return Ok(());
+                }
+                let start = r.pos();
+                let mut lp = FastLogprobs::default();
+                let mut lseen = 0u32;
+                r.object(|r, key| {
+                    let (bit, slot) = match key {
+                        b"content" => (1, &mut lp.content),
+                        b"refusal" => (2, &mut lp.refusal),
+                        b"tokens" => (4, &mut lp.tokens),
+                        b"token_logprobs" => (8, &mut lp.token_logprobs),
+                        b"text_offset" => (16, &mut lp.text_offset),
+                        b"top_logprobs" => (32, &mut lp.top_logprobs),
+                        _ => return Err(Bail),
+                    };
+                    once(&mut lseen, bit)?;
+                    *slot = r.opt_raw()?.map(Raw);
+                    Ok(())
+                })?;
+                c.logprobs = Some(Raw(r.since(start)));
+                c.logprobs_read = Some(lp);
+            }
+            b"delta" => {
+                once(&mut seen, 64)?;
+                if !r.null()? {
+                    c.delta = Some(read_delta(r)?);
+                }
+            }
+            _ => return Err(Bail),
+        }
+        Ok(())
+    })?;
+    Ok(c)
+}
+
+fn read_delta<'a>(r: &mut Reader<'a>) -> R<FastDelta<'a>> {
+    let mut d = FastDelta::default();
+    let mut seen = 0u32;
+    r.object(|r, key| {
+        let (bit, slot) = match key {
+            b"role" => (1, &mut d.role),
+            b"content" => (2, &mut d.content),
+            b"reasoning" => (4, &mut d.reasoning),
+            b"reasoning_content" => (8, &mut d.reasoning_content),
+            b"refusal" => (16, &mut d.refusal),
+            b"tool_calls" => {
+                once(&mut seen, 32)?;
+                if r.null()? {
+                    return Ok(());
+                }
+                let mut calls = Vec::new();
+                r.array(|r| {
+                    calls.push(read_call(r)?);
+                    Ok(())
+                })?;
+                d.tool_calls = Some(calls);
+                return Ok(());
+            }
+            _ => return Err(Bail),
+        };
+        once(&mut seen, bit)?;
+        *slot = opt_str(r)?;
+        Ok(())
+    })?;
+    Ok(d)
+}
+
+fn read_call<'a>(r: &mut Reader<'a>) -> R<FastCall<'a>> {
+    let mut call = FastCall::default();
+    let mut seen = 0u32;
+    r.object(|r, key| {
+        match key {
+            b"index" => {
+                once(&mut seen, 1)?;
+                call.index = r.opt_u64()?;
+            }
+            b"id" => {
+                once(&mut seen, 2)?;
+                call.id = opt_str(r)?;
+            }
+            b"type" => {
+                once(&mut seen, 4)?;
+                call.kind = opt_str(r)?;
+            }
+            b"function" => {
+                once(&mut seen, 8)?;
+                if r.null()? {
+                    return Ok(());
+                }
+                let mut f = FastFunction::default();
+                let mut fseen = 0u32;
+                r.object(|r, key| {
+                    let (bit, slot) = match key {
+                        b"name" => (1, &mut f.name),
+                        b"arguments" => (2, &mut f.arguments),
+                        _ => return Err(Bail),
+                    };
+                    once(&mut fseen, bit)?;
+                    *slot = opt_str(r)?;
+                    Ok(())
+                })?;
+                call.function = Some(f);
+            }
+            _ => return Err(Bail),
+        }
+        Ok(())
+    })?;
+    Ok(call)
+}
+
+fn non_null(v: Option<Raw<'_>>) -> Option<Raw<'_>> {
+    v.filter(|r| r.0 != "null")
 }
 
 /// Append the items of a raw JSON array to a comma-joined buffer, without parsing them.
-fn non_null(v: Option<&RawValue>) -> Option<&RawValue> {
-    v.filter(|r| r.get() != "null")
-}
-
-fn join_array(buf: &mut String, array: &RawValue) -> bool {
-    let s = array.get();
+fn join_array(buf: &mut String, array: Raw<'_>) -> bool {
+    let s = array.0;
     let Some(inner) = s.strip_prefix('[').and_then(|r| r.strip_suffix(']')) else {
         return false;
     };
@@ -306,11 +496,26 @@ impl Assembler {
 
     /// Feed one event's data (a JSON frame or `[DONE]`).
     pub fn feed(&mut self, data: &str) -> Result<(), AssembleError> {
+        self.feed_with(data, true)
+    }
+
+    /// [`Assembler::feed`] without the single-pass reader: the oracle its tests compare
+    /// against.
+    #[doc(hidden)]
+    pub fn feed_without_reader(&mut self, data: &str) -> Result<(), AssembleError> {
+        self.feed_with(data, false)
+    }
+
+    fn feed_with(&mut self, data: &str, reader: bool) -> Result<(), AssembleError> {
         if data == "[DONE]" {
             self.done = true;
             return Ok(());
         }
-        if let Ok(fast) = serde_json::from_str::<FastFrame>(data) {
+        // The single-pass reader first; frames it declines get serde's typed parse, and
+        // frames outside the common shape the general path.
+        let read = if reader { read_fast_frame(data).ok() } else { None };
+        let fast = read.or_else(|| serde_json::from_str::<FastFrame>(data).ok());
+        if let Some(fast) = fast {
             if let Some(done) = self.feed_fast(fast) {
                 return done;
             }
@@ -368,7 +573,7 @@ impl Assembler {
 
     /// Returns `None` when the frame needs the general path (nothing was changed then).
     fn feed_fast(&mut self, f: FastFrame<'_>) -> Option<Result<(), AssembleError>> {
-        let needs_general = f.usage.is_some_and(|u| !u.get().starts_with('{') && u.get() != "null")
+        let needs_general = f.usage.is_some_and(|u| !u.0.starts_with('{') && u.0 != "null")
             || f.choices.iter().any(|c| {
                 (self.kind == Kind::Chat && c.text.is_some())
                     || (self.kind == Kind::Completion && c.delta.is_some())
@@ -382,19 +587,19 @@ impl Assembler {
         let _ = f.object;
         for (i, raw) in [f.id, f.created, f.model, f.system_fingerprint].into_iter().enumerate() {
             let Some(raw) = raw else { continue };
-            if raw.get() == "null" || self.meta_raw[i] == raw.get() {
+            if raw.0 == "null" || self.meta_raw[i] == raw.0 {
                 continue;
             }
-            let v: Value = serde_json::from_str(raw.get()).ok()?;
+            let v: Value = serde_json::from_str(raw.0).ok()?;
             self.meta.insert(META[i].to_owned(), v);
-            self.meta_raw[i] = raw.get().to_owned();
+            self.meta_raw[i] = raw.0.to_owned();
         }
-        if let Some(u) = f.usage.filter(|u| u.get() != "null") {
-            self.usage = Some(serde_json::from_str(u.get()).ok()?);
+        if let Some(u) = non_null(f.usage) {
+            self.usage = Some(serde_json::from_str(u.0).ok()?);
         }
-        if let Some(p) = f.prompt_token_ids.filter(|p| p.get() != "null") {
+        if let Some(p) = non_null(f.prompt_token_ids) {
             let mut ids = Vec::new();
-            if let Err(e) = scan_id_list(p.get().as_bytes(), Some(&mut ids)) {
+            if let Err(e) = scan_id_list(p.0.as_bytes(), Some(&mut ids)) {
                 return Some(Err(err("prompt_token_ids", e.to_string())));
             }
             self.prompt_token_ids = Some(ids);
@@ -431,26 +636,29 @@ impl Assembler {
                 generated = true;
             }
         }
-        self.finish_choice_fast(index, c.logprobs, c.finish_reason, c.stop_reason, c.token_ids, generated)
+        self.finish_choice_fast(index, c.logprobs, c.logprobs_read, c.finish_reason, c.stop_reason, c.token_ids, generated)
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn finish_choice_fast(
         &mut self,
         index: u64,
-        logprobs: Option<&RawValue>,
+        logprobs: Option<Raw<'_>>,
+        logprobs_read: Option<FastLogprobs<'_>>,
         finish_reason: Option<Cow<'_, str>>,
-        stop_reason: Option<&RawValue>,
-        token_ids: Option<&RawValue>,
+        stop_reason: Option<Raw<'_>>,
+        token_ids: Option<Raw<'_>>,
         generated: bool,
     ) -> Result<(), AssembleError> {
         let kind = self.kind;
         let require = self.require_token_ids;
         let acc = self.choices.entry(index).or_default();
         let p = |f: &str| format!("choices[{index}].{f}");
-        if let Some(lp) = logprobs.filter(|l| l.get() != "null") {
-            let fast = serde_json::from_str::<FastLogprobs>(lp.get()).ok().filter(|f| {
+        if let Some(lp) = non_null(logprobs) {
+            let read = logprobs_read.or_else(|| serde_json::from_str::<FastLogprobs>(lp.0).ok());
+            let fast = read.filter(|f| {
                 let all = [f.content, f.refusal, f.tokens, f.token_logprobs, f.text_offset, f.top_logprobs];
-                all.iter().all(|v| non_null(*v).map_or(true, |r| r.get().starts_with('[')))
+                all.iter().all(|v| non_null(*v).map_or(true, |r| r.0.starts_with('[')))
                     && match kind {
                         Kind::Chat => [f.tokens, f.token_logprobs, f.text_offset, f.top_logprobs].iter().all(|v| non_null(*v).is_none()),
                         Kind::Completion => non_null(f.content).is_none() && non_null(f.refusal).is_none(),
@@ -472,7 +680,7 @@ impl Assembler {
                     }
                 }
                 None => {
-                    let lp: Value = serde_json::from_str(lp.get()).map_err(|e| err(p("logprobs"), e.to_string()))?;
+                    let lp: Value = serde_json::from_str(lp.0).map_err(|e| err(p("logprobs"), e.to_string()))?;
                     Self::logprobs(acc, kind, index, lp)?;
                 }
             }
@@ -480,15 +688,15 @@ impl Assembler {
         if let Some(f) = finish_reason {
             acc.finish_reason = Some(Value::from(f.into_owned()));
         }
-        if let Some(s) = stop_reason.filter(|s| s.get() != "null") {
-            acc.stop_reason = serde_json::from_str(s.get()).ok();
+        if let Some(s) = non_null(stop_reason) {
+            acc.stop_reason = serde_json::from_str(s.0).ok();
         }
         if generated {
             acc.generation_events += 1;
         }
         match token_ids {
             Some(raw) => {
-                scan_id_list(raw.get().as_bytes(), Some(&mut acc.token_ids)).map_err(|e| err(p("token_ids"), e.to_string()))?;
+                scan_id_list(raw.0.as_bytes(), Some(&mut acc.token_ids)).map_err(|e| err(p("token_ids"), e.to_string()))?;
                 self.saw_ids = true;
             }
             None if generated && require => return Err(err(p("token_ids"), "output frame carries no token_ids")),

@@ -5,6 +5,7 @@
 use serde::Deserialize;
 use serde_json::value::RawValue;
 
+use crate::json_read::{once, Bail, Reader, R};
 use crate::json_scan::{scan_id_list, IdListError};
 
 /// Bit flags for what a frame carries (across all its choices).
@@ -86,12 +87,13 @@ struct RawDelta<'a> {
 
 /// A non-empty string, or a value of another non-null type (which the assembler rejects).
 fn carries(v: Option<&RawValue>) -> bool {
+    carries_raw(v.map(RawValue::get))
+}
+
+fn carries_raw(v: Option<&str>) -> bool {
     match v {
         None => false,
-        Some(raw) => {
-            let s = raw.get();
-            s != "null" && s != "\"\"" && s != "[]"
-        }
+        Some(s) => s != "null" && s != "\"\"" && s != "[]",
     }
 }
 
@@ -166,6 +168,207 @@ fn span(data: &str, raw: &RawValue) -> (usize, usize) {
 /// [`inspect`], also recording into `spans` where each token-ID value sits in `data`
 /// (top-level `prompt_token_ids`, per-choice `token_ids` and `prompt_token_ids`).
 pub fn inspect_with_spans(
+    data: &str,
+    require_ids: bool,
+    mut ids_sink: Option<&mut Vec<u64>>,
+    mut spans: Option<&mut Vec<(usize, usize)>>,
+) -> Result<FrameInfo, FrameError> {
+    if let Ok(info) = inspect_fast(data, require_ids, ids_sink.as_deref_mut(), spans.as_deref_mut()) {
+        return Ok(info);
+    }
+    inspect_serde(data, require_ids, ids_sink, spans)
+}
+
+/// The single-pass reader's version of [`inspect_with_spans`] for well-formed, valid frames.
+/// Any problem (including a validation failure) is [`Bail`], with `ids_sink` and `spans`
+/// left as they were: the serde path then reports it precisely. Unlike the serde path it
+/// also records the spans of null token-ID values, so stripping them needs no second look.
+pub fn inspect_fast(
+    data: &str,
+    require_ids: bool,
+    mut ids_sink: Option<&mut Vec<u64>>,
+    mut spans: Option<&mut Vec<(usize, usize)>>,
+) -> R<FrameInfo> {
+    let marks = (ids_sink.as_ref().map_or(0, |s| s.len()), spans.as_ref().map_or(0, |s| s.len()));
+    let result = read_frame(data, require_ids, ids_sink.as_deref_mut(), spans.as_deref_mut());
+    if result.is_err() {
+        if let Some(s) = ids_sink {
+            s.truncate(marks.0);
+        }
+        if let Some(s) = spans {
+            s.truncate(marks.1);
+        }
+    }
+    result
+}
+
+fn read_frame(
+    data: &str,
+    require_ids: bool,
+    mut ids_sink: Option<&mut Vec<u64>>,
+    mut spans: Option<&mut Vec<(usize, usize)>>,
+) -> R<FrameInfo> {
+    let mut r = Reader::new(data);
+    let mut info = FrameInfo::default();
+    let mut seen = 0u32;
+    let record = |spans: &mut Option<&mut Vec<(usize, usize)>>, span: (usize, usize)| {
+        if let Some(s) = spans.as_deref_mut() {
+            s.push(span);
+        }
+    };
+    r.object(|r, key| {
+        match key {
+            b"choices" => {
+                once(&mut seen, 1)?;
+                if r.null()? {
+                    return Ok(());
+                }
+                r.array(|r| {
+                    let mut k = 0u16;
+                    let mut ids: Option<&str> = None;
+                    let mut cseen = 0u32;
+                    if !r.at_object()? {
+                        return Err(Bail);
+                    }
+                    r.object(|r, key| {
+                        match key {
+                            b"index" => {
+                                once(&mut cseen, 1)?;
+                                if r.opt_u64()?.is_some_and(|i| i > u64::from(u32::MAX)) {
+                                    return Err(Bail);
+                                }
+                            }
+                            b"delta" => {
+                                once(&mut cseen, 2)?;
+                                if r.null()? {
+                                    return Ok(());
+                                }
+                                let mut dseen = 0u32;
+                                r.object(|r, key| {
+                                    let (bit, flag) = match key {
+                                        b"role" => (1, kind::ROLE),
+                                        b"content" => (2, kind::TEXT),
+                                        b"reasoning" => (4, kind::REASONING),
+                                        b"reasoning_content" => (8, kind::REASONING_CONTENT),
+                                        b"refusal" => (16, kind::REFUSAL),
+                                        b"tool_calls" => (32, kind::TOOL_CALLS),
+                                        b"function_call" => (64, kind::TOOL_CALLS),
+                                        _ => return r.skip().map(drop),
+                                    };
+                                    once(&mut dseen, bit)?;
+                                    if carries_raw(r.opt_raw()?) {
+                                        k |= flag;
+                                    }
+                                    Ok(())
+                                })?;
+                            }
+                            b"text" | b"finish_reason" => {
+                                let (bit, flag) = if key == b"text" { (4, kind::TEXT) } else { (8, kind::FINISH) };
+                                once(&mut cseen, bit)?;
+                                if carries_raw(r.opt_raw()?) {
+                                    k |= flag;
+                                }
+                            }
+                            b"token_ids" => {
+                                once(&mut cseen, 16)?;
+                                let (s, e) = r.skip()?;
+                                record(&mut spans, (s, e));
+                                ids = Some(&data[s..e]).filter(|raw| *raw != "null");
+                            }
+                            b"prompt_token_ids" => {
+                                once(&mut cseen, 32)?;
+                                let (s, e) = r.skip()?;
+                                record(&mut spans, (s, e));
+                                let raw = &data[s..e];
+                                if raw != "null" {
+                                    info.prompt_ids = Some(scan_id_list(raw.as_bytes(), None).map_err(|_| Bail)? as u64);
+                                }
+                            }
+                            _ => {
+                                r.skip()?;
+                            }
+                        }
+                        Ok(())
+                    })?;
+                    match ids {
+                        Some(raw) => {
+                            let n = scan_id_list(raw.as_bytes(), ids_sink.as_deref_mut()).map_err(|_| Bail)?;
+                            info.output_ids += n as u64;
+                        }
+                        None if require_ids && k & kind::GENERATED != 0 => return Err(Bail),
+                        None => {}
+                    }
+                    info.kinds |= k;
+                    Ok(())
+                })?;
+            }
+            b"usage" => {
+                once(&mut seen, 2)?;
+                if r.null()? {
+                    return Ok(());
+                }
+                info.kinds |= kind::USAGE;
+                let mut useen = 0u32;
+                r.object(|r, key| {
+                    match key {
+                        b"prompt_tokens" => {
+                            once(&mut useen, 1)?;
+                            info.prompt_tokens = r.opt_u64()?;
+                        }
+                        b"completion_tokens" => {
+                            once(&mut useen, 2)?;
+                            info.completion_tokens = r.opt_u64()?;
+                        }
+                        b"prompt_tokens_details" => {
+                            once(&mut useen, 4)?;
+                            if r.null()? {
+                                return Ok(());
+                            }
+                            let mut dseen = 0u32;
+                            r.object(|r, key| {
+                                if key == b"cached_tokens" {
+                                    once(&mut dseen, 1)?;
+                                    info.cached_tokens = r.opt_u64()?;
+                                } else {
+                                    r.skip()?;
+                                }
+                                Ok(())
+                            })?;
+                        }
+                        _ => {
+                            r.skip()?;
+                        }
+                    }
+                    Ok(())
+                })?;
+            }
+            b"prompt_token_ids" => {
+                once(&mut seen, 4)?;
+                let (s, e) = r.skip()?;
+                record(&mut spans, (s, e));
+                let raw = &data[s..e];
+                if raw != "null" {
+                    info.prompt_ids = Some(scan_id_list(raw.as_bytes(), None).map_err(|_| Bail)? as u64);
+                }
+            }
+            b"error" => {
+                once(&mut seen, 8)?;
+                if !r.null()? {
+                    r.skip()?;
+                    info.kinds |= kind::ERROR;
+                }
+            }
+            _ => {
+                r.skip()?;
+            }
+        }
+        Ok(())
+    })?;
+    r.end()?;
+    Ok(info)
+}
+
+pub fn inspect_serde(
     data: &str,
     require_ids: bool,
     mut ids_sink: Option<&mut Vec<u64>>,

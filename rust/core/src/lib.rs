@@ -2,6 +2,7 @@
 //!
 //! - [`sse`]: incremental `text/event-stream` decoding;
 //! - [`frame`]: classification and token-ID validation of one OpenAI stream frame;
+//! - [`json_read`]: a strict single-pass reader for frames of the common shape;
 //! - [`json_scan`]: pass-through edits of frames (token-ID stripping) without re-serializing;
 //! - [`assemble`]: one non-streaming response from a stream's frames;
 //! - [`think`]: streaming reasoning/content separation with delimiter holdback;
@@ -9,6 +10,7 @@
 
 pub mod assemble;
 pub mod frame;
+pub mod json_read;
 pub mod json_scan;
 pub mod relay;
 pub mod sse;

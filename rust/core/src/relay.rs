@@ -4,7 +4,7 @@
 //! [`StreamAssembler`] decodes and assembles it for a non-streaming one.
 
 use crate::assemble::{AssembleError, Assembler, Kind};
-use crate::frame::{inspect_with_spans, kind};
+use crate::frame::{inspect_fast, inspect_serde, kind};
 use crate::json_scan::{mentions_token_ids, strip_token_ids, strip_value_spans};
 use crate::sse::{Event, SseDecoder, SseError};
 
@@ -122,16 +122,24 @@ impl Relay {
                 frame_event(&mut rep.forward, ev, b"[DONE]");
                 continue;
             }
-            let strip = self.strip && mentions_token_ids(ev.data.as_bytes());
+            // The single-pass reader records every token-ID span, so its spans are the whole
+            // edit; frames it declines go through serde, which may miss null-valued or oddly
+            // written ones, so they get the scan-based check as well.
             self.spans.clear();
-            let spans = if strip { Some(&mut self.spans) } else { None };
-            let info = match inspect_with_spans(&ev.data, self.require_ids, None, spans) {
-                Ok(i) => i,
-                Err(e) => {
-                    self.fault = Some(StreamFault { reason: e.reason(), message: e.to_string() });
-                    break;
+            let (info, exact) = match inspect_fast(&ev.data, self.require_ids, None, Some(&mut self.spans)) {
+                Ok(i) => (i, true),
+                Err(_) => {
+                    self.spans.clear();
+                    match inspect_serde(&ev.data, self.require_ids, None, Some(&mut self.spans)) {
+                        Ok(i) => (i, false),
+                        Err(e) => {
+                            self.fault = Some(StreamFault { reason: e.reason(), message: e.to_string() });
+                            break;
+                        }
+                    }
                 }
             };
+            let strip = self.strip && if exact { !self.spans.is_empty() } else { mentions_token_ids(ev.data.as_bytes()) };
             if info.kinds & kind::GENERATED != 0 {
                 rep.generation_events += 1;
                 if !self.seen_output {
@@ -153,8 +161,8 @@ impl Relay {
                 let body = &mut self.scratch;
                 body.clear();
                 let data = ev.data.as_bytes();
-                let exact = strip_value_spans(data, &mut self.spans, body).is_ok() && !mentions_token_ids(body);
-                if !exact {
+                let clean = strip_value_spans(data, &mut self.spans, body).is_ok() && (exact || !mentions_token_ids(body));
+                if !clean {
                     body.clear();
                     if strip_token_ids(data, body).is_err() {
                         self.fault = Some(StreamFault { reason: "malformed_frame", message: "malformed stream frame".into() });
