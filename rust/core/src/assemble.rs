@@ -9,6 +9,7 @@ use serde::Deserialize;
 use serde_json::value::RawValue;
 use serde_json::{Map, Value};
 
+use crate::few::Few;
 use crate::json_read::{once, Bail, RawStr, Reader, R};
 use crate::json_scan::{scan_id_list, IdListError};
 
@@ -41,7 +42,7 @@ struct FastFrame<'a> {
     #[serde(borrow, default)]
     system_fingerprint: Option<Raw<'a>>,
     #[serde(borrow, default)]
-    choices: Vec<FastChoice<'a>>,
+    choices: Few<FastChoice<'a>>,
     #[serde(borrow, default)]
     usage: Option<Raw<'a>>,
     #[serde(borrow, default)]
@@ -85,7 +86,7 @@ struct FastDelta<'a> {
     refusal: Option<Cow<'a, str>>,
     // Parsed in the same pass as the frame: tool-call streams are mostly argument fragments.
     #[serde(borrow, default)]
-    tool_calls: Option<Vec<FastCall<'a>>>,
+    tool_calls: Option<Few<FastCall<'a>>>,
 }
 
 #[derive(Deserialize, Default)]
@@ -110,7 +111,7 @@ struct FastFunction<'a> {
     arguments: Option<Cow<'a, str>>,
 }
 
-#[derive(Deserialize, Default)]
+#[derive(Deserialize, Default, Clone, Copy)]
 #[serde(deny_unknown_fields)]
 struct FastLogprobs<'a> {
     #[serde(borrow, default)]
@@ -129,9 +130,8 @@ struct FastLogprobs<'a> {
 
 /// The fast-path frame read in one pass by [`Reader`]: exactly the shape serde's
 /// `deny_unknown_fields` parse of [`FastFrame`] accepts, or [`Bail`].
-fn read_fast_frame(data: &str) -> R<FastFrame<'_>> {
+fn read_fast_frame<'a>(data: &'a str, f: &mut FastFrame<'a>) -> R<()> {
     let mut r = Reader::new(data);
-    let mut f = FastFrame::default();
     let mut seen = 0u32;
     r.object(|r, key| {
         let (bit, slot) = match key {
@@ -145,8 +145,7 @@ fn read_fast_frame(data: &str) -> R<FastFrame<'_>> {
             b"choices" => {
                 once(&mut seen, 128)?;
                 return r.array(|r| {
-                    f.choices.push(read_choice(r)?);
-                    Ok(())
+                    read_choice(r, f.choices.push_default())
                 });
             }
             _ => return Err(Bail),
@@ -155,16 +154,14 @@ fn read_fast_frame(data: &str) -> R<FastFrame<'_>> {
         *slot = r.opt_raw()?.map(Raw);
         Ok(())
     })?;
-    r.end()?;
-    Ok(f)
+    r.end()
 }
 
 fn opt_str<'a>(r: &mut Reader<'a>) -> R<Option<Cow<'a, str>>> {
     r.opt_string()?.map(RawStr::decode).transpose()
 }
 
-fn read_choice<'a>(r: &mut Reader<'a>) -> R<FastChoice<'a>> {
-    let mut c = FastChoice::default();
+fn read_choice<'a>(r: &mut Reader<'a>, c: &mut FastChoice<'a>) -> R<()> {
     let mut seen = 0u32;
     r.object(|r, key| {
         match key {
@@ -216,18 +213,16 @@ fn read_choice<'a>(r: &mut Reader<'a>) -> R<FastChoice<'a>> {
             b"delta" => {
                 once(&mut seen, 64)?;
                 if !r.null()? {
-                    c.delta = Some(read_delta(r)?);
+                    read_delta(r, c.delta.insert(FastDelta::default()))?;
                 }
             }
             _ => return Err(Bail),
         }
         Ok(())
-    })?;
-    Ok(c)
+    })
 }
 
-fn read_delta<'a>(r: &mut Reader<'a>) -> R<FastDelta<'a>> {
-    let mut d = FastDelta::default();
+fn read_delta<'a>(r: &mut Reader<'a>, d: &mut FastDelta<'a>) -> R<()> {
     let mut seen = 0u32;
     r.object(|r, key| {
         let (bit, slot) = match key {
@@ -241,25 +236,18 @@ fn read_delta<'a>(r: &mut Reader<'a>) -> R<FastDelta<'a>> {
                 if r.null()? {
                     return Ok(());
                 }
-                let mut calls = Vec::new();
-                r.array(|r| {
-                    calls.push(read_call(r)?);
-                    Ok(())
-                })?;
-                d.tool_calls = Some(calls);
-                return Ok(());
+                let calls = d.tool_calls.insert(Few::default());
+                return r.array(|r| read_call(r, calls.push_default()));
             }
             _ => return Err(Bail),
         };
         once(&mut seen, bit)?;
         *slot = opt_str(r)?;
         Ok(())
-    })?;
-    Ok(d)
+    })
 }
 
-fn read_call<'a>(r: &mut Reader<'a>) -> R<FastCall<'a>> {
-    let mut call = FastCall::default();
+fn read_call<'a>(r: &mut Reader<'a>, call: &mut FastCall<'a>) -> R<()> {
     let mut seen = 0u32;
     r.object(|r, key| {
         match key {
@@ -297,8 +285,7 @@ fn read_call<'a>(r: &mut Reader<'a>) -> R<FastCall<'a>> {
             _ => return Err(Bail),
         }
         Ok(())
-    })?;
-    Ok(call)
+    })
 }
 
 fn non_null(v: Option<Raw<'_>>) -> Option<Raw<'_>> {
@@ -321,10 +308,10 @@ fn join_array(buf: &mut String, array: Raw<'_>) -> bool {
     true
 }
 
-fn push(slot: &mut Option<String>, s: Option<Cow<'_, str>>) -> bool {
+fn push(slot: &mut Option<String>, s: &Option<Cow<'_, str>>) -> bool {
     match s {
         Some(s) => {
-            slot.get_or_insert_with(String::new).push_str(&s);
+            slot.get_or_insert_with(String::new).push_str(s);
             !s.is_empty()
         }
         None => false,
@@ -384,7 +371,7 @@ struct Choice {
     function_call: Option<(String, String)>,
     /// Logprob entries kept as the engine wrote them: they are only ever passed through.
     /// Per array name, the entries' JSON text joined by commas (never parsed).
-    logprobs: BTreeMap<&'static str, String>,
+    logprobs: [Option<String>; 6],
     finish_reason: Option<Value>,
     stop_reason: Option<Value>,
     token_ids: Vec<u64>,
@@ -408,8 +395,14 @@ pub struct Assembler {
 
 const META: [&str; 4] = ["id", "created", "model", "system_fingerprint"];
 
+/// Every logprob array the table assembles, in the order of `Choice::logprobs`.
+const LOGPROB_ARRAYS: [&str; 6] = ["content", "refusal", "tokens", "token_logprobs", "text_offset", "top_logprobs"];
 const CHAT_LOGPROBS: &[&str] = &["content", "refusal"];
 const TEXT_LOGPROBS: &[&str] = &["tokens", "token_logprobs", "text_offset", "top_logprobs"];
+
+fn logprob_slot(name: &str) -> usize {
+    LOGPROB_ARRAYS.iter().position(|n| *n == name).unwrap_or(0)
+}
 
 fn id_list(v: &Value, path: &str, sink: &mut Vec<u64>) -> Result<(), AssembleError> {
     let Value::Array(items) = v else {
@@ -513,10 +506,13 @@ impl Assembler {
         }
         // The single-pass reader first; frames it declines get serde's typed parse, and
         // frames outside the common shape the general path.
-        let read = if reader { read_fast_frame(data).ok() } else { None };
-        let fast = read.or_else(|| serde_json::from_str::<FastFrame>(data).ok());
-        if let Some(fast) = fast {
-            if let Some(done) = self.feed_fast(fast) {
+        let mut frame = FastFrame::default();
+        if reader && read_fast_frame(data, &mut frame).is_ok() {
+            if let Some(done) = self.feed_fast(&frame) {
+                return done;
+            }
+        } else if let Ok(fast) = serde_json::from_str::<FastFrame>(data) {
+            if let Some(done) = self.feed_fast(&fast) {
                 return done;
             }
         }
@@ -572,7 +568,7 @@ impl Assembler {
     }
 
     /// Returns `None` when the frame needs the general path (nothing was changed then).
-    fn feed_fast(&mut self, f: FastFrame<'_>) -> Option<Result<(), AssembleError>> {
+    fn feed_fast(&mut self, f: &FastFrame<'_>) -> Option<Result<(), AssembleError>> {
         let needs_general = f.usage.is_some_and(|u| !u.0.starts_with('{') && u.0 != "null")
             || f.choices.iter().any(|c| {
                 (self.kind == Kind::Chat && c.text.is_some())
@@ -604,7 +600,7 @@ impl Assembler {
             }
             self.prompt_token_ids = Some(ids);
         }
-        for (pos, c) in f.choices.into_iter().enumerate() {
+        for (pos, c) in f.choices.iter().enumerate() {
             if let Err(e) = self.choice_fast(pos, c) {
                 return Some(Err(e));
             }
@@ -612,49 +608,40 @@ impl Assembler {
         Some(Ok(()))
     }
 
-    fn choice_fast(&mut self, pos: usize, c: FastChoice<'_>) -> Result<(), AssembleError> {
+    fn choice_fast(&mut self, pos: usize, c: &FastChoice<'_>) -> Result<(), AssembleError> {
         let index = c.index.unwrap_or(pos as u64);
         let acc = self.choices.entry(index).or_default();
-        let mut generated = push(&mut acc.text, c.text);
-        if let Some(d) = c.delta {
-            if let Some(r) = d.role {
-                acc.role = Some(r.into_owned());
+        let mut generated = push(&mut acc.text, &c.text);
+        if let Some(d) = &c.delta {
+            if let Some(r) = &d.role {
+                acc.role = Some(r.to_string());
             }
-            generated |= push(&mut acc.text, d.content);
-            generated |= push(&mut acc.reasoning, d.reasoning);
-            generated |= push(&mut acc.reasoning_content, d.reasoning_content);
-            generated |= push(&mut acc.refusal, d.refusal);
-            for (k, call) in d.tool_calls.into_iter().flatten().enumerate() {
+            generated |= push(&mut acc.text, &d.content);
+            generated |= push(&mut acc.reasoning, &d.reasoning);
+            generated |= push(&mut acc.reasoning_content, &d.reasoning_content);
+            generated |= push(&mut acc.refusal, &d.refusal);
+            for (k, call) in d.tool_calls.iter().flat_map(Few::iter).enumerate() {
                 let slot = acc.tool_calls.entry(call.index.unwrap_or(k as u64)).or_default();
-                push(&mut slot.id, call.id);
-                if let Some(f) = call.function {
-                    push(&mut slot.name, f.name);
-                    if let Some(a) = f.arguments {
-                        slot.arguments.push_str(&a);
+                push(&mut slot.id, &call.id);
+                if let Some(f) = &call.function {
+                    push(&mut slot.name, &f.name);
+                    if let Some(a) = &f.arguments {
+                        slot.arguments.push_str(a);
                     }
                 }
                 generated = true;
             }
         }
-        self.finish_choice_fast(index, c.logprobs, c.logprobs_read, c.finish_reason, c.stop_reason, c.token_ids, generated)
+        self.finish_choice_fast(index, c, generated)
     }
 
-    #[allow(clippy::too_many_arguments)]
-    fn finish_choice_fast(
-        &mut self,
-        index: u64,
-        logprobs: Option<Raw<'_>>,
-        logprobs_read: Option<FastLogprobs<'_>>,
-        finish_reason: Option<Cow<'_, str>>,
-        stop_reason: Option<Raw<'_>>,
-        token_ids: Option<Raw<'_>>,
-        generated: bool,
-    ) -> Result<(), AssembleError> {
+    fn finish_choice_fast(&mut self, index: u64, c: &FastChoice<'_>, generated: bool) -> Result<(), AssembleError> {
+        let FastChoice { logprobs, logprobs_read, finish_reason, stop_reason, token_ids, .. } = c;
         let kind = self.kind;
         let require = self.require_token_ids;
         let acc = self.choices.entry(index).or_default();
         let p = |f: &str| format!("choices[{index}].{f}");
-        if let Some(lp) = non_null(logprobs) {
+        if let Some(lp) = non_null(*logprobs) {
             let read = logprobs_read.or_else(|| serde_json::from_str::<FastLogprobs>(lp.0).ok());
             let fast = read.filter(|f| {
                 let all = [f.content, f.refusal, f.tokens, f.token_logprobs, f.text_offset, f.top_logprobs];
@@ -666,16 +653,10 @@ impl Assembler {
             });
             match fast {
                 Some(f) => {
-                    for (name, items) in [
-                        ("content", f.content),
-                        ("refusal", f.refusal),
-                        ("tokens", f.tokens),
-                        ("token_logprobs", f.token_logprobs),
-                        ("text_offset", f.text_offset),
-                        ("top_logprobs", f.top_logprobs),
-                    ] {
+                    let arrays = [f.content, f.refusal, f.tokens, f.token_logprobs, f.text_offset, f.top_logprobs];
+                    for (slot, items) in acc.logprobs.iter_mut().zip(arrays) {
                         if let Some(items) = non_null(items) {
-                            join_array(acc.logprobs.entry(name).or_default(), items);
+                            join_array(slot.get_or_insert_with(String::new), items);
                         }
                     }
                 }
@@ -686,9 +667,9 @@ impl Assembler {
             }
         }
         if let Some(f) = finish_reason {
-            acc.finish_reason = Some(Value::from(f.into_owned()));
+            acc.finish_reason = Some(Value::from(f.as_ref()));
         }
-        if let Some(s) = non_null(stop_reason) {
+        if let Some(s) = non_null(*stop_reason) {
             acc.stop_reason = serde_json::from_str(s.0).ok();
         }
         if generated {
@@ -721,7 +702,7 @@ impl Assembler {
             match v {
                 Value::Null => {}
                 Value::Array(items) => {
-                    let buf = acc.logprobs.entry(name).or_default();
+                    let buf = acc.logprobs[logprob_slot(name)].get_or_insert_with(String::new);
                     for item in items {
                         if !buf.is_empty() {
                             buf.push(',');
@@ -968,7 +949,9 @@ impl Assembler {
                 out.insert("prompt_token_ids".to_owned(), Value::from(p.clone()));
             }
         }
-        serde_json::to_vec(&Response { base: out, choices }).map_err(|e| err("<response>", e.to_string()))
+        let mut body = Vec::with_capacity(256);
+        Response { base: out, choices }.write(&mut body).map_err(|e| err("<response>", e.to_string()))?;
+        Ok(body)
     }
 
     fn render_choice<'s>(&'s self, index: u64, c: &'s Choice) -> Result<ChoiceOut<'s>, AssembleError> {
@@ -1034,7 +1017,7 @@ impl Assembler {
                 }
             }
         }
-        let logprobs = (!c.logprobs.is_empty()).then_some(LogprobsOut { kind: self.kind, items: &c.logprobs });
+        let logprobs = c.logprobs.iter().any(Option::is_some).then_some(LogprobsOut { kind: self.kind, items: &c.logprobs });
         Ok(ChoiceOut { base: ch, logprobs })
     }
 }
@@ -1052,61 +1035,78 @@ struct ChoiceOut<'a> {
 
 struct LogprobsOut<'a> {
     kind: Kind,
-    items: &'a BTreeMap<&'static str, String>,
+    items: &'a [Option<String>; 6],
 }
 
-fn raw_array<E: serde::ser::Error>(joined: Option<&String>) -> Result<Box<RawValue>, E> {
-    RawValue::from_string(format!("[{}]", joined.map_or("", |s| s.as_str()))).map_err(E::custom)
+// The response is written by hand so the logprob entries, kept as the engine wrote them and
+// validated when their frames were read, go out as they are: serde_json would re-validate
+// them to embed them as raw values.
+fn write_key(out: &mut Vec<u8>, first: &mut bool, key: &str) -> serde_json::Result<()> {
+    if !std::mem::take(first) {
+        out.push(b',');
+    }
+    serde_json::to_writer(&mut *out, key)?;
+    out.push(b':');
+    Ok(())
 }
 
-impl serde::Serialize for Response<'_> {
-    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        use serde::ser::SerializeMap;
-        let mut m = s.serialize_map(Some(self.base.len()))?;
+impl Response<'_> {
+    fn write(&self, out: &mut Vec<u8>) -> serde_json::Result<()> {
+        out.push(b'{');
+        let mut first = true;
         for (k, v) in &self.base {
+            write_key(out, &mut first, k)?;
             if k == "choices" {
-                m.serialize_entry(k, &self.choices)?;
-            } else {
-                m.serialize_entry(k, v)?;
-            }
-        }
-        m.end()
-    }
-}
-
-impl serde::Serialize for ChoiceOut<'_> {
-    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        use serde::ser::SerializeMap;
-        let mut m = s.serialize_map(Some(self.base.len()))?;
-        for (k, v) in &self.base {
-            match (k.as_str(), &self.logprobs) {
-                ("logprobs", Some(lp)) => m.serialize_entry(k, lp)?,
-                _ => m.serialize_entry(k, v)?,
-            }
-        }
-        m.end()
-    }
-}
-
-impl serde::Serialize for LogprobsOut<'_> {
-    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        use serde::ser::SerializeMap;
-        let mut m = s.serialize_map(None)?;
-        match self.kind {
-            Kind::Chat => {
-                for name in CHAT_LOGPROBS {
-                    if let Some(items) = self.items.get(name) {
-                        m.serialize_entry(name, &raw_array::<S::Error>(Some(items))?)?;
+                out.push(b'[');
+                for (i, c) in self.choices.iter().enumerate() {
+                    if i > 0 {
+                        out.push(b',');
                     }
+                    c.write(out)?;
                 }
-            }
-            Kind::Completion => {
-                for name in TEXT_LOGPROBS {
-                    m.serialize_entry(name, &raw_array::<S::Error>(self.items.get(name))?)?;
-                }
+                out.push(b']');
+            } else {
+                serde_json::to_writer(&mut *out, v)?;
             }
         }
-        m.end()
+        out.push(b'}');
+        Ok(())
+    }
+}
+
+impl ChoiceOut<'_> {
+    fn write(&self, out: &mut Vec<u8>) -> serde_json::Result<()> {
+        out.push(b'{');
+        let mut first = true;
+        for (k, v) in &self.base {
+            write_key(out, &mut first, k)?;
+            match (k.as_str(), &self.logprobs) {
+                ("logprobs", Some(lp)) => lp.write(out)?,
+                _ => serde_json::to_writer(&mut *out, v)?,
+            }
+        }
+        out.push(b'}');
+        Ok(())
+    }
+}
+
+impl LogprobsOut<'_> {
+    fn write(&self, out: &mut Vec<u8>) -> serde_json::Result<()> {
+        out.push(b'{');
+        let mut first = true;
+        let names = if self.kind == Kind::Chat { CHAT_LOGPROBS } else { TEXT_LOGPROBS };
+        for name in names {
+            let items = self.items[logprob_slot(name)].as_ref();
+            if items.is_none() && self.kind == Kind::Chat {
+                continue;
+            }
+            write_key(out, &mut first, name)?;
+            out.push(b'[');
+            out.extend_from_slice(items.map_or("", String::as_str).as_bytes());
+            out.push(b']');
+        }
+        out.push(b'}');
+        Ok(())
     }
 }
 

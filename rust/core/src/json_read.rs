@@ -195,14 +195,23 @@ impl<'a> Reader<'a> {
     }
 
     /// The string at the cursor (validated: escapes well formed, no control characters).
+    #[inline]
     pub fn string(&mut self) -> R<RawStr<'a>> {
         self.expect(b'"')?;
         let start = self.i;
+        let j = find_stop(self.b, start);
+        if self.b.get(j) == Some(&b'"') {
+            self.i = j + 1;
+            return Ok(RawStr { inner: &self.s[start..j], escaped: false });
+        }
+        self.escaped_string(start, j)
+    }
+
+    #[cold]
+    fn escaped_string(&mut self, start: usize, mut j: usize) -> R<RawStr<'a>> {
         let mut escaped = false;
         let b = self.b;
-        let mut j = self.i;
         loop {
-            j = find_stop(b, j);
             match b.get(j) {
                 Some(b'"') => break,
                 Some(b'\\') => {
@@ -215,6 +224,7 @@ impl<'a> Reader<'a> {
                         }
                         _ => return Err(Bail),
                     }
+                    j = find_stop(b, j);
                 }
                 _ => return Err(Bail),
             }

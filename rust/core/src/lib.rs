@@ -9,6 +9,7 @@
 //! - [`relay`]: per-chunk pipelines combining the above for the router.
 
 pub mod assemble;
+pub mod few;
 pub mod frame;
 pub mod json_read;
 pub mod json_scan;
