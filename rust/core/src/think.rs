@@ -70,6 +70,25 @@ impl ThinkSplitter {
         matches!(self.state, State::Reasoning(_))
     }
 
+    /// Where `text` would go if it goes wholly, unchanged, to one side: `Some(true)` for
+    /// reasoning, `Some(false)` for content, `None` when [`feed`](Self::feed) must split it.
+    /// Feeding such a delta changes no state, so a caller may forward it as it is: the
+    /// common case (a token in the middle of either part) costs no copy.
+    pub fn passes_whole(&self, text: &str) -> Option<bool> {
+        if !self.pending.is_empty() || text.is_empty() {
+            return None;
+        }
+        match self.state {
+            State::Content => Some(false),
+            State::Reasoning(i) => {
+                let close = self.pairs[i].1.as_str();
+                let clear = memchr::memmem::find(text.as_bytes(), close.as_bytes()).is_none() && held_suffix(text, close) == 0;
+                clear.then_some(true)
+            }
+            State::Start | State::AfterClose => None,
+        }
+    }
+
     pub fn feed(&mut self, text: &str) -> (String, String) {
         let mut reasoning = String::new();
         let mut content = String::new();
@@ -150,6 +169,23 @@ impl ThinkSplitter {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn whole_deltas_pass_through_exactly_when_feed_would_keep_them_whole() {
+        let deltas = ["<th", "ink>", "a", " b<", "/th", "x", "</think>", "  ", "answer", " </think>", "é"];
+        let mut s = ThinkSplitter::new(vec![], false);
+        for d in deltas {
+            let whole = s.passes_whole(d);
+            let before = (s.state, s.pending.clone());
+            let (r, c) = s.feed(d);
+            match whole {
+                Some(true) => assert_eq!((r.as_str(), c.as_str()), (d, "")),
+                Some(false) => assert_eq!((r.as_str(), c.as_str()), ("", d)),
+                None => continue,
+            }
+            assert_eq!((s.state, s.pending.clone()), before, "{d:?}");
+        }
+    }
 
     fn split(deltas: &[&str], start_in: bool) -> (String, String, bool) {
         let mut t = ThinkSplitter::new(vec![], start_in);

@@ -8,7 +8,7 @@ use narwhal_core::think::ThinkSplitter as CoreSplitter;
 use pyo3::create_exception;
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
-use pyo3::types::PyBytes;
+use pyo3::types::{PyBytes, PyString};
 
 create_exception!(_native, SseError, PyValueError, "The event stream is malformed.");
 create_exception!(
@@ -218,9 +218,19 @@ impl ThinkSplitter {
         ThinkSplitter { inner: CoreSplitter::new(pairs.unwrap_or_default(), start_in_reasoning) }
     }
 
-    /// Split one text delta into `(reasoning, content)`.
-    fn feed(&mut self, text: &str) -> (String, String) {
-        self.inner.feed(text)
+    /// Split one text delta into `(reasoning, content)`. A delta that goes wholly to one
+    /// side comes back as the same string object, uncopied.
+    fn feed<'py>(&mut self, text: Bound<'py, PyString>) -> PyResult<(Bound<'py, PyString>, Bound<'py, PyString>)> {
+        let py = text.py();
+        let s = text.to_str()?;
+        Ok(match self.inner.passes_whole(s) {
+            Some(true) => (text, PyString::new(py, "")),
+            Some(false) => (PyString::new(py, ""), text),
+            None => {
+                let (r, c) = self.inner.feed(s);
+                (PyString::new(py, &r), PyString::new(py, &c))
+            }
+        })
     }
 
     /// Flush held-back text at the end of generation.
