@@ -134,6 +134,47 @@ def in_process(model: str, threads: int) -> dict[int, tuple[float, float]]:
     return out
 
 
+def decode_ceiling(model: str, threads: int, steps: int = 100) -> dict[int, float]:
+    """Tokens/s of bare `llama_decode` steps of 1, 2, 4 and 8 tokens (one per sequence, all
+    with logits), nothing else: what any batching engine over this build and model can reach.
+    Its 8-token figure over its 1-token figure bounds the scaling at 8 streams."""
+    import llama_cpp as lc
+
+    lc.llama_backend_init()
+    mp = lc.llama_model_default_params()
+    llm = lc.llama_model_load_from_file(model.encode(), mp)
+    cp = lc.llama_context_default_params()
+    cp.n_ctx, cp.n_batch, cp.n_ubatch, cp.n_seq_max = 4096, 512, 512, 8
+    cp.kv_unified = False
+    cp.n_threads = cp.n_threads_batch = threads
+    ctx = lc.llama_init_from_model(llm, cp)
+    batch = lc.llama_batch_init(512, 0, 8)
+    out: dict[int, float] = {}
+    try:
+        for n in LEVELS:
+            lc.llama_memory_clear(lc.llama_get_memory(ctx), True)
+
+            def step(pos: int, n: int = n) -> None:
+                batch.n_tokens = n
+                for i in range(n):
+                    batch.token[i], batch.pos[i], batch.n_seq_id[i] = 100 + i, pos, 1
+                    batch.seq_id[i][0], batch.logits[i] = i, 1
+                if lc.llama_decode(ctx, batch) != 0:
+                    raise RuntimeError("llama_decode failed")
+
+            for pos in range(10):
+                step(pos)
+            t = time.perf_counter()
+            for pos in range(10, 10 + steps):
+                step(pos)
+            out[n] = n * steps / (time.perf_counter() - t)
+    finally:
+        lc.llama_batch_free(batch)
+        lc.llama_free(ctx)
+        lc.llama_model_free(llm)
+    return out
+
+
 def llama_cpp_server(model: str, n_threads: str) -> Server:
     port = free_port()
     return Server([sys.executable, "-m", "llama_cpp.server", "--model", model, "--port",
@@ -183,6 +224,11 @@ def main() -> None:
     for c in LEVELS:
         print(f"| DecodeLoop, 8 slots | {c} | {ip[c][0]:.1f} | {ip[c][0] / ip[1][0]:.2f}x "
               f"| {ip[c][1]:.0%} |")
+    print("\n| bare llama_decode (the ceiling) | tokens per step | tok/s | scaling |\n"
+          "|---|---|---|---|")
+    ceil = decode_ceiling(model, a.threads)
+    for c in LEVELS:
+        print(f"| {os.path.basename(model)} | {c} | {ceil[c]:.1f} | {ceil[c] / ceil[1]:.2f}x |")
     p8, p1 = results["LexiEngine --parallel 8"][8], results["LexiEngine --parallel 1"][8]
     print(f"\nat 8 streams: --parallel 8 / --parallel 1 aggregate = {p8['agg'] / p1['agg']:.2f}x")
     if a.plot:

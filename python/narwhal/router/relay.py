@@ -127,9 +127,12 @@ class Relayer:
         started = False
         tokens = 0
         first_at = 0.0
+        # Bound once: this loop runs once per engine chunk (often one token).
+        readany = resp.content.readany
+        feed = relay.feed
         while True:
             try:
-                chunk = await self._read(p, resp, started)
+                chunk = await (readany() if started else self._read(p, resp, started))
             except (aiohttp.ClientError, OSError):
                 chunk = b""
             if not chunk:
@@ -141,20 +144,21 @@ class Relayer:
                 await asgi.stream_chunk(send, _error_event("the engine stream ended early",
                                                            "engine_disconnected"), more=False)
                 return
-            rep = relay.feed(chunk)
+            rep = feed(chunk)
             if rep.first_output:
                 self._first_output(p)
                 first_at = time.monotonic()
             tokens += rep.output_tokens or rep.generation_events
+            forward = rep.forward
             p.prompt_tokens = rep.prompt_ids or rep.prompt_tokens or p.prompt_tokens
             if rep.cached_tokens is not None:
                 p.cached_tokens = rep.cached_tokens
-            if rep.forward:
+            if forward:
                 if not started:
                     await asgi.start_stream(send)
                     started = True
                     m.ttfb.labels(e.name).observe(time.monotonic() - p.arrived)
-                await asgi.stream_chunk(send, rep.forward)
+                await send({"type": "http.response.body", "body": forward, "more_body": True})
             if rep.fault_reason is not None:
                 m.stream_faults.labels(e.name, rep.fault_reason).inc()
                 if self.predictor is not None:  # its timing cannot be trusted
