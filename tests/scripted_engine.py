@@ -168,7 +168,8 @@ def main() -> None:
     app.router.add_get("/health", health)
     app.router.add_post("/health", set_health)
     app.router.add_get("/stats", stats)
-    web.run_app(app, host="127.0.0.1", port=args.port, print=None)
+    # A deep accept queue: benches open hundreds of connections at once.
+    web.run_app(app, host="127.0.0.1", port=args.port, print=None, backlog=2048)
 
 
 if __name__ == "__main__":
