@@ -113,7 +113,7 @@ class Assembler:
     def measured_output_tokens(self) -> int: ...
     @property
     def reported_prompt_tokens(self) -> int | None:
-        """The engine's own prompt count (usage, else prompt token IDs), if it sent one."""
+        """The engine's own prompt count (prompt token IDs, else usage), if it sent one."""
     @property
     def reported_cached_tokens(self) -> int | None:
         """Prompt tokens the engine said it served from its prefix cache."""

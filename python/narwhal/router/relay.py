@@ -127,6 +127,7 @@ class Relayer:
         started = False
         tokens = 0
         first_at = 0.0
+        prompt_ids: int | None = None
         # Bound once: this loop runs once per engine chunk (often one token).
         readany = resp.content.readany
         feed = relay.feed
@@ -150,7 +151,10 @@ class Relayer:
                 first_at = time.monotonic()
             tokens += rep.output_tokens or rep.generation_events
             forward = rep.forward
-            p.prompt_tokens = rep.prompt_ids or rep.prompt_tokens or p.prompt_tokens
+            # The prompt IDs the relay counted are exact; a usage frame (always last) only
+            # fills in when the engine sent none.
+            prompt_ids = rep.prompt_ids or prompt_ids
+            p.prompt_tokens = prompt_ids or rep.prompt_tokens or p.prompt_tokens
             if rep.cached_tokens is not None:
                 p.cached_tokens = rep.cached_tokens
             if forward:

@@ -458,17 +458,14 @@ impl Assembler {
         self.done
     }
 
-    /// Output length measured from the stream: validated token IDs when the engine sent
-    /// them, else one token per generation event (what `stream_interval: 1` engines send).
-    /// The prompt length the engine itself reported (usage, else prompt token IDs), if any:
-    /// what the router's sizing is checked against.
+    /// The prompt length the engine itself reported (its prompt token IDs, which are
+    /// exact, else usage), if any: what the router's sizing is checked against.
     pub fn reported_prompt_tokens(&self) -> Option<u64> {
-        self.usage
+        self.prompt_token_ids
             .as_ref()
-            .and_then(|u| u.get("prompt_tokens"))
-            .and_then(Value::as_u64)
-            .or_else(|| self.prompt_token_ids.as_ref().map(|p| p.len() as u64))
+            .map(|p| p.len() as u64)
             .or_else(|| self.choices.values().find_map(|c| c.prompt_token_ids.as_ref().map(|p| p.len() as u64)))
+            .or_else(|| self.usage.as_ref().and_then(|u| u.get("prompt_tokens")).and_then(Value::as_u64))
     }
 
     /// Prompt tokens the engine said it served from its prefix cache.
@@ -480,6 +477,8 @@ impl Assembler {
             .and_then(Value::as_u64)
     }
 
+    /// Output length measured from the stream: validated token IDs when the engine sent
+    /// them, else one token per generation event (what `stream_interval: 1` engines send).
     pub fn measured_output_tokens(&self) -> u64 {
         self.choices
             .values()
