@@ -134,6 +134,8 @@ async def _script_body(resp: web.StreamResponse, body: dict[str, Any], chat: boo
             if name == "slow":
                 await asyncio.sleep(0.02)
     await w(_frame(body, chat, None, [], finish="stop"))
+    if name == "usage_late":
+        await asyncio.sleep(0.05)  # the usage frame arrives in a read of its own
     if (body.get("stream_options") or {}).get("include_usage") and name != "no_usage":
         usage = {"prompt_tokens": 3, "completion_tokens": n, "total_tokens": 3 + n}
         frame = {"id": "x-1", "object": "chat.completion.chunk", "created": 1,

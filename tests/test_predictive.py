@@ -115,6 +115,15 @@ def test_work_ahead_makes_the_projection_overrun_with_retry_after(router: Server
                       timeout=30).status_code == 200
 
 
+def test_counted_prompt_ids_win_over_a_later_usage_frame(router: Server) -> None:
+    # The scripted engine's usage says 3 prompt tokens; its prompt IDs say 100.
+    head = "script:usage_late:"
+    r = httpx.post(router.url + "/v1/chat/completions", json=chat(head + "x" * (400 - len(head))),
+                   timeout=30)
+    assert r.status_code == 200 and "[DONE]" in r.text
+    assert profile(router)["bytes_per_token"] == pytest.approx(4.0, rel=0.05)
+
+
 def test_a_stream_with_bad_token_ids_is_not_learned_from(router: Server) -> None:
     before = profile(router)
     r = httpx.post(router.url + "/v1/chat/completions", json=chat("script:bool_ids"),
