@@ -144,9 +144,7 @@ fn read_fast_frame<'a>(data: &'a str, f: &mut FastFrame<'a>) -> R<()> {
             b"prompt_token_ids" => (64, &mut f.prompt_token_ids),
             b"choices" => {
                 once(&mut seen, 128)?;
-                return r.array(|r| {
-                    read_choice(r, f.choices.push_default())
-                });
+                return r.array(|r| read_choice(r, f.choices.push_default()));
             }
             _ => return Err(Bail),
         };

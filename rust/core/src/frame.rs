@@ -202,172 +202,174 @@ pub fn inspect_fast(
     result
 }
 
-fn read_frame(
-    data: &str,
-    require_ids: bool,
-    mut ids_sink: Option<&mut Vec<u64>>,
-    mut spans: Option<&mut Vec<(usize, usize)>>,
-) -> R<FrameInfo> {
+type Spans<'s> = Option<&'s mut Vec<(usize, usize)>>;
+
+fn read_frame(data: &str, require_ids: bool, mut ids_sink: Option<&mut Vec<u64>>, mut spans: Spans<'_>) -> R<FrameInfo> {
     let mut r = Reader::new(data);
     let mut info = FrameInfo::default();
     let mut seen = 0u32;
-    let record = |spans: &mut Option<&mut Vec<(usize, usize)>>, span: (usize, usize)| {
-        if let Some(s) = spans.as_deref_mut() {
-            s.push(span);
+    r.object(|r, key| match key {
+        b"choices" => {
+            once(&mut seen, 1)?;
+            if r.null()? {
+                return Ok(());
+            }
+            r.array(|r| read_choice(r, data, require_ids, &mut info, ids_sink.as_deref_mut(), spans.as_deref_mut()))
         }
-    };
-    r.object(|r, key| {
-        match key {
-            b"choices" => {
-                once(&mut seen, 1)?;
-                if r.null()? {
-                    return Ok(());
-                }
-                r.array(|r| {
-                    let mut k = 0u16;
-                    let mut ids: Option<&str> = None;
-                    let mut cseen = 0u32;
-                    if !r.at_object()? {
-                        return Err(Bail);
-                    }
-                    r.object(|r, key| {
-                        match key {
-                            b"index" => {
-                                once(&mut cseen, 1)?;
-                                if r.opt_u64()?.is_some_and(|i| i > u64::from(u32::MAX)) {
-                                    return Err(Bail);
-                                }
-                            }
-                            b"delta" => {
-                                once(&mut cseen, 2)?;
-                                if r.null()? {
-                                    return Ok(());
-                                }
-                                let mut dseen = 0u32;
-                                r.object(|r, key| {
-                                    let (bit, flag) = match key {
-                                        b"role" => (1, kind::ROLE),
-                                        b"content" => (2, kind::TEXT),
-                                        b"reasoning" => (4, kind::REASONING),
-                                        b"reasoning_content" => (8, kind::REASONING_CONTENT),
-                                        b"refusal" => (16, kind::REFUSAL),
-                                        b"tool_calls" => (32, kind::TOOL_CALLS),
-                                        b"function_call" => (64, kind::TOOL_CALLS),
-                                        _ => return r.skip().map(drop),
-                                    };
-                                    once(&mut dseen, bit)?;
-                                    if carries_raw(r.opt_raw()?) {
-                                        k |= flag;
-                                    }
-                                    Ok(())
-                                })?;
-                            }
-                            b"text" | b"finish_reason" => {
-                                let (bit, flag) = if key == b"text" { (4, kind::TEXT) } else { (8, kind::FINISH) };
-                                once(&mut cseen, bit)?;
-                                if carries_raw(r.opt_raw()?) {
-                                    k |= flag;
-                                }
-                            }
-                            b"token_ids" => {
-                                once(&mut cseen, 16)?;
-                                let (s, e) = r.skip()?;
-                                record(&mut spans, (s, e));
-                                ids = Some(&data[s..e]).filter(|raw| *raw != "null");
-                            }
-                            b"prompt_token_ids" => {
-                                once(&mut cseen, 32)?;
-                                let (s, e) = r.skip()?;
-                                record(&mut spans, (s, e));
-                                let raw = &data[s..e];
-                                if raw != "null" {
-                                    info.prompt_ids = Some(scan_id_list(raw.as_bytes(), None).map_err(|_| Bail)? as u64);
-                                }
-                            }
-                            _ => {
-                                r.skip()?;
-                            }
-                        }
-                        Ok(())
-                    })?;
-                    match ids {
-                        Some(raw) => {
-                            let n = scan_id_list(raw.as_bytes(), ids_sink.as_deref_mut()).map_err(|_| Bail)?;
-                            info.output_ids += n as u64;
-                        }
-                        None if require_ids && k & kind::GENERATED != 0 => return Err(Bail),
-                        None => {}
-                    }
-                    info.kinds |= k;
-                    Ok(())
-                })?;
-            }
-            b"usage" => {
-                once(&mut seen, 2)?;
-                if r.null()? {
-                    return Ok(());
-                }
-                info.kinds |= kind::USAGE;
-                let mut useen = 0u32;
-                r.object(|r, key| {
-                    match key {
-                        b"prompt_tokens" => {
-                            once(&mut useen, 1)?;
-                            info.prompt_tokens = r.opt_u64()?;
-                        }
-                        b"completion_tokens" => {
-                            once(&mut useen, 2)?;
-                            info.completion_tokens = r.opt_u64()?;
-                        }
-                        b"prompt_tokens_details" => {
-                            once(&mut useen, 4)?;
-                            if r.null()? {
-                                return Ok(());
-                            }
-                            let mut dseen = 0u32;
-                            r.object(|r, key| {
-                                if key == b"cached_tokens" {
-                                    once(&mut dseen, 1)?;
-                                    info.cached_tokens = r.opt_u64()?;
-                                } else {
-                                    r.skip()?;
-                                }
-                                Ok(())
-                            })?;
-                        }
-                        _ => {
-                            r.skip()?;
-                        }
-                    }
-                    Ok(())
-                })?;
-            }
-            b"prompt_token_ids" => {
-                once(&mut seen, 4)?;
-                let (s, e) = r.skip()?;
-                record(&mut spans, (s, e));
-                let raw = &data[s..e];
-                if raw != "null" {
-                    info.prompt_ids = Some(scan_id_list(raw.as_bytes(), None).map_err(|_| Bail)? as u64);
-                }
-            }
-            b"error" => {
-                once(&mut seen, 8)?;
-                if !r.null()? {
-                    r.skip()?;
-                    info.kinds |= kind::ERROR;
-                }
-            }
-            _ => {
+        b"usage" => {
+            once(&mut seen, 2)?;
+            read_usage(r, &mut info)
+        }
+        b"prompt_token_ids" => {
+            once(&mut seen, 4)?;
+            read_prompt_ids(r, data, &mut info, spans.as_deref_mut())
+        }
+        b"error" => {
+            once(&mut seen, 8)?;
+            if !r.null()? {
                 r.skip()?;
+                info.kinds |= kind::ERROR;
             }
+            Ok(())
         }
-        Ok(())
+        _ => r.skip().map(drop),
     })?;
     r.end()?;
     Ok(info)
 }
 
+/// A token-ID member's value, its span recorded (null ones too: stripping removes the
+/// member whatever it holds); `None` when null.
+fn id_value<'d>(r: &mut Reader<'_>, data: &'d str, spans: Spans<'_>) -> R<Option<&'d str>> {
+    let (s, e) = r.skip()?;
+    if let Some(v) = spans {
+        v.push((s, e));
+    }
+    Ok(Some(&data[s..e]).filter(|raw| *raw != "null"))
+}
+
+fn read_prompt_ids(r: &mut Reader<'_>, data: &str, info: &mut FrameInfo, spans: Spans<'_>) -> R<()> {
+    if let Some(raw) = id_value(r, data, spans)? {
+        info.prompt_ids = Some(scan_id_list(raw.as_bytes(), None).map_err(|_| Bail)? as u64);
+    }
+    Ok(())
+}
+
+fn read_choice(
+    r: &mut Reader<'_>,
+    data: &str,
+    require_ids: bool,
+    info: &mut FrameInfo,
+    ids_sink: Option<&mut Vec<u64>>,
+    mut spans: Spans<'_>,
+) -> R<()> {
+    let mut k = 0u16;
+    let mut ids: Option<&str> = None;
+    let mut seen = 0u32;
+    r.object(|r, key| {
+        let (bit, flag) = match key {
+            b"index" => {
+                once(&mut seen, 1)?;
+                return match r.opt_u64()? {
+                    Some(i) if i > u64::from(u32::MAX) => Err(Bail),
+                    _ => Ok(()),
+                };
+            }
+            b"delta" => {
+                once(&mut seen, 2)?;
+                k |= read_delta(r)?;
+                return Ok(());
+            }
+            b"token_ids" => {
+                once(&mut seen, 4)?;
+                ids = id_value(r, data, spans.as_deref_mut())?;
+                return Ok(());
+            }
+            b"prompt_token_ids" => {
+                once(&mut seen, 8)?;
+                return read_prompt_ids(r, data, info, spans.as_deref_mut());
+            }
+            b"text" => (16, kind::TEXT),
+            b"finish_reason" => (32, kind::FINISH),
+            _ => return r.skip().map(drop),
+        };
+        once(&mut seen, bit)?;
+        if carries_raw(r.opt_raw()?) {
+            k |= flag;
+        }
+        Ok(())
+    })?;
+    match ids {
+        Some(raw) => info.output_ids += scan_id_list(raw.as_bytes(), ids_sink).map_err(|_| Bail)? as u64,
+        None if require_ids && k & kind::GENERATED != 0 => return Err(Bail),
+        None => {}
+    }
+    info.kinds |= k;
+    Ok(())
+}
+
+/// The kinds a delta carries.
+fn read_delta(r: &mut Reader<'_>) -> R<u16> {
+    let mut k = 0u16;
+    if r.null()? {
+        return Ok(k);
+    }
+    let mut seen = 0u32;
+    r.object(|r, key| {
+        let (bit, flag) = match key {
+            b"role" => (1, kind::ROLE),
+            b"content" => (2, kind::TEXT),
+            b"reasoning" => (4, kind::REASONING),
+            b"reasoning_content" => (8, kind::REASONING_CONTENT),
+            b"refusal" => (16, kind::REFUSAL),
+            b"tool_calls" => (32, kind::TOOL_CALLS),
+            b"function_call" => (64, kind::TOOL_CALLS),
+            _ => return r.skip().map(drop),
+        };
+        once(&mut seen, bit)?;
+        if carries_raw(r.opt_raw()?) {
+            k |= flag;
+        }
+        Ok(())
+    })?;
+    Ok(k)
+}
+
+fn read_usage(r: &mut Reader<'_>, info: &mut FrameInfo) -> R<()> {
+    if r.null()? {
+        return Ok(());
+    }
+    info.kinds |= kind::USAGE;
+    let mut seen = 0u32;
+    r.object(|r, key| {
+        let (bit, slot) = match key {
+            b"prompt_tokens" => (1, &mut info.prompt_tokens),
+            b"completion_tokens" => (2, &mut info.completion_tokens),
+            b"prompt_tokens_details" => {
+                once(&mut seen, 4)?;
+                if r.null()? {
+                    return Ok(());
+                }
+                let mut dseen = 0u32;
+                return r.object(|r, key| {
+                    if key != b"cached_tokens" {
+                        return r.skip().map(drop);
+                    }
+                    once(&mut dseen, 1)?;
+                    info.cached_tokens = r.opt_u64()?;
+                    Ok(())
+                });
+            }
+            _ => return r.skip().map(drop),
+        };
+        once(&mut seen, bit)?;
+        *slot = r.opt_u64()?;
+        Ok(())
+    })
+}
+
+/// The serde path: the oracle, and the fallback for every frame the reader declines, with
+/// the precise error for the malformed ones.
 pub fn inspect_serde(
     data: &str,
     require_ids: bool,

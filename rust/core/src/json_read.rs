@@ -344,64 +344,43 @@ impl<'a> Reader<'a> {
     /// `escaped_keys`: accept keys with escapes (for objects only skipped, whose keys no
     /// one matches).
     fn walk_object(&mut self, escaped_keys: bool, mut member: impl FnMut(&mut Self, &'a [u8]) -> R<()>) -> R<()> {
-        self.expect(b'{')?;
-        self.depth += 1;
-        if self.depth > MAX_DEPTH {
-            return Err(Bail);
-        }
-        if self.peek()? == b'}' {
-            self.i += 1;
-            self.depth -= 1;
-            return Ok(());
-        }
-        loop {
-            let key = self.string()?;
+        self.walk(b'{', b'}', |r| {
+            let key = r.string()?;
             if key.escaped && !escaped_keys {
                 return Err(Bail);
             }
-            self.expect(b':')?;
-            member(self, key.inner.as_bytes())?;
-            match self.peek()? {
-                b',' => self.i += 1,
-                b'}' => {
-                    self.i += 1;
-                    self.depth -= 1;
-                    return Ok(());
-                }
-                _ => return Err(Bail),
-            }
-        }
+            r.expect(b':')?;
+            member(r, key.inner.as_bytes())
+        })
     }
 
     /// Walk an array, calling `item(reader)` with the cursor on each element.
-    pub fn array(&mut self, mut item: impl FnMut(&mut Self) -> R<()>) -> R<()> {
-        self.expect(b'[')?;
+    pub fn array(&mut self, item: impl FnMut(&mut Self) -> R<()>) -> R<()> {
+        self.walk(b'[', b']', item)
+    }
+
+    /// A container from `open` to `close`, `item` consuming each entry; separators,
+    /// emptiness and the nesting limit are checked here once for objects and arrays.
+    #[inline]
+    fn walk(&mut self, open: u8, close: u8, mut item: impl FnMut(&mut Self) -> R<()>) -> R<()> {
+        self.expect(open)?;
         self.depth += 1;
         if self.depth > MAX_DEPTH {
             return Err(Bail);
         }
-        if self.peek()? == b']' {
-            self.i += 1;
-            self.depth -= 1;
-            return Ok(());
-        }
-        loop {
-            item(self)?;
-            match self.peek()? {
-                b',' => self.i += 1,
-                b']' => {
-                    self.i += 1;
-                    self.depth -= 1;
-                    return Ok(());
+        if self.peek()? != close {
+            loop {
+                item(self)?;
+                match self.peek()? {
+                    b',' => self.i += 1,
+                    c if c == close => break,
+                    _ => return Err(Bail),
                 }
-                _ => return Err(Bail),
             }
         }
-    }
-
-    /// Whether the next value is an object (without consuming it).
-    pub fn at_object(&mut self) -> R<bool> {
-        Ok(self.peek()? == b'{')
+        self.i += 1;
+        self.depth -= 1;
+        Ok(())
     }
 
     /// Offset of the cursor in the input (for spans).

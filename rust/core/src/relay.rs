@@ -126,11 +126,12 @@ impl Relay {
             // edit; frames it declines go through serde, which may miss null-valued or oddly
             // written ones, so they get the scan-based check as well.
             self.spans.clear();
-            let (info, exact) = match inspect_fast(&ev.data, self.require_ids, None, Some(&mut self.spans)) {
+            let spans = self.strip.then_some(&mut self.spans);
+            let (info, exact) = match inspect_fast(&ev.data, self.require_ids, None, spans) {
                 Ok(i) => (i, true),
                 Err(_) => {
-                    self.spans.clear();
-                    match inspect_serde(&ev.data, self.require_ids, None, Some(&mut self.spans)) {
+                    let spans = self.strip.then_some(&mut self.spans);
+                    match inspect_serde(&ev.data, self.require_ids, None, spans) {
                         Ok(i) => (i, false),
                         Err(e) => {
                             self.fault = Some(StreamFault { reason: e.reason(), message: e.to_string() });
