@@ -70,9 +70,11 @@ class Result:
         return s[min(len(s) - 1, int(q * len(s)))] * 1000
 
 
-async def load(url: str, concurrency: int, requests: int, tokens: int) -> tuple[int, list[float]]:
+async def load(url: str, concurrency: int, requests: int, tokens: int,
+               pace_ms: float = 0.0) -> tuple[int, list[float]]:
+    script = f"script:paced:{tokens}:{pace_ms}" if pace_ms else f"script:echo:{tokens}"
     body = {"model": "main", "stream": True,
-            "messages": [{"role": "user", "content": f"script:echo:{tokens}"}]}
+            "messages": [{"role": "user", "content": script}]}
     sem = asyncio.Semaphore(concurrency)
     ttfb: list[float] = []
     got = 0

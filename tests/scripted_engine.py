@@ -17,7 +17,9 @@ from aiohttp import web
 
 PREFILL_LOCK = asyncio.Lock()
 STATS: dict[str, Any] = {"ms_per_token": 0.0, "requests": 0, "disconnects": 0, "last": None,
-                         "healthy": True, "active": 0}
+                         "healthy": True, "active": 0, "connections": 0}
+# Client ports that sent completion requests: how many connections the router opened.
+PEERS: set[Any] = set()
 
 
 def _script(body: dict[str, Any]) -> tuple[str, str]:
@@ -55,6 +57,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
     body = await request.json()
     STATS["requests"] += 1
     STATS["last"] = body
+    PEERS.add(request.transport.get_extra_info("peername") if request.transport else None)
+    STATS["connections"] = len(PEERS)
     chat = request.path.endswith("chat/completions")
     name, arg = _script(body)
     if name == "status":
@@ -93,6 +97,10 @@ async def _script_body(resp: web.StreamResponse, body: dict[str, Any], chat: boo
     await w(_frame(body, chat, {"role": "assistant", "content": ""} if chat else None, [],
                    **first_top))
     n = int(arg) if name == "echo" and arg else 4
+    pace = 0.0
+    if name == "paced":  # paced:N:MS, N tokens MS apart, as a decoding engine emits them
+        count, _, ms = arg.partition(":")
+        n, pace = int(count), float(ms or 0) / 1000
     if name == "missing_ids":
         await w(_frame(body, chat, {"content": "a"}, None))
     elif name == "bool_ids":
@@ -133,6 +141,8 @@ async def _script_body(resp: web.StreamResponse, body: dict[str, Any], chat: boo
             await w(_frame(body, chat, {"content": f"w{i} "}, [100 + i]))
             if name == "slow":
                 await asyncio.sleep(0.02)
+            elif pace:
+                await asyncio.sleep(pace)
     await w(_frame(body, chat, None, [], finish="stop"))
     if name == "usage_late":
         await asyncio.sleep(0.05)  # the usage frame arrives in a read of its own

@@ -205,6 +205,20 @@ def _wait_idle(router: Server) -> None:
     raise AssertionError("router did not return to idle:\n" + m)
 
 
+def test_upstream_connections_are_kept_alive_across_requests(router: Server,
+                                                           scripted: Server) -> None:
+    before = stats(scripted)["connections"]
+    for i in range(6):
+        stream = i % 2 == 0
+        r = httpx.post(router.url + "/v1/chat/completions",
+                       json=chat("script:echo:3", stream=stream))
+        assert r.status_code == 200
+        assert ("w2 " in r.text) if stream else \
+            r.json()["choices"][0]["message"]["content"] == "w0 w1 w2 "
+    # Sequential requests ride one kept-alive connection (at most one new one here).
+    assert stats(scripted)["connections"] - before <= 1
+
+
 def test_engine_death_mid_stream_ends_with_an_error(router: Server) -> None:
     r = httpx.post(router.url + "/v1/chat/completions", json=chat("script:die", stream=True))
     frames = sse_frames(r.text)

@@ -134,3 +134,34 @@ class ThinkSplitter:
     def closed(self) -> bool: ...
     @property
     def in_reasoning(self) -> bool: ...
+
+class HttpError(ValueError):
+    """The engine's HTTP/1.1 response is malformed."""
+
+class ResponseDecoder:
+    """Incremental HTTP/1.1 response decoder for one upstream exchange.
+
+    Whole socket reads go in; the de-framed body bytes (chunked, length- or
+    close-delimited) come out. ``1xx`` interim responses are skipped.
+    """
+
+    def __init__(self) -> None: ...
+    def feed(self, data: bytes) -> bytes:
+        """Decode one socket read; returns the body bytes in it. Raises `HttpError`."""
+    def feed_buffer(self, buf: bytearray, n: int) -> bytes:
+        """`feed` of ``buf[:n]``, for a buffer the socket filled in place."""
+    def eof(self) -> None:
+        """The connection closed: completes a close-delimited body, else `HttpError`."""
+    @property
+    def head_done(self) -> bool: ...
+    @property
+    def status(self) -> int:
+        """The final response's status (0 until its head is read)."""
+    @property
+    def content_type(self) -> str | None: ...
+    @property
+    def complete(self) -> bool:
+        """Head, body and trailers have all been read."""
+    @property
+    def keep_alive(self) -> bool:
+        """The connection may carry another request once the response is complete."""

@@ -59,8 +59,7 @@ class Router:
     async def startup(self) -> None:
         connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=60, ttl_dns_cache=300)
         self.session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
-        self.relayer = Relayer(self.session, self.pool, self.admission, self.metrics,
-                               self.predictor)
+        self.relayer = Relayer(self.pool, self.admission, self.metrics, self.predictor)
         for me in self.managed:
             await me.start()
         c = self.config
@@ -77,6 +76,8 @@ class Router:
             with contextlib.suppress(asyncio.CancelledError):
                 await t
         await asyncio.gather(*(me.stop() for me in self.managed))
+        if self.relayer is not None:
+            self.relayer.close()
         if self.session is not None:
             await self.session.close()
 

@@ -1,7 +1,8 @@
 """Relay: one placed request's upstream call, streamed through or assembled.
 
-Each network chunk from the engine crosses into Rust once (`StreamRelay.feed` or
-`Assembler.feed`); Python only moves the resulting bytes and updates counters.
+Each socket read from the engine crosses into Rust twice: HTTP de-framing
+(`upstream.py`) and then `StreamRelay.feed` or `Assembler.feed`; Python only moves the
+resulting bytes and updates counters.
 """
 
 from __future__ import annotations
@@ -10,7 +11,6 @@ import asyncio
 import time
 from dataclasses import dataclass
 
-import aiohttp
 import orjson
 
 from narwhal import asgi
@@ -22,6 +22,7 @@ from narwhal.router.engines import Engine, Pool
 from narwhal.router.intake import Intake, upstream_body
 from narwhal.router.metrics import RouterMetrics
 from narwhal.router.predict import Predictor
+from narwhal.router.upstream import Exchange, Upstream, UpstreamError
 
 
 class EngineFailed(Exception):
@@ -51,9 +52,9 @@ def _error_event(message: str, code: str) -> bytes:
 
 
 class Relayer:
-    def __init__(self, session: aiohttp.ClientSession, pool: Pool, admission: Admission,
-                 metrics: RouterMetrics, predictor: Predictor | None) -> None:
-        self.session = session
+    def __init__(self, pool: Pool, admission: Admission, metrics: RouterMetrics,
+                 predictor: Predictor | None) -> None:
+        self.upstreams: dict[str, Upstream] = {}
         self.pool = pool
         self.admission = admission
         self.metrics = metrics
@@ -78,48 +79,60 @@ class Relayer:
             self.admission.leave_decode(p.engine)
         p.phase = "done"
 
+    def upstream(self, e: Engine) -> Upstream:
+        up = self.upstreams.get(e.url)
+        if up is None:
+            up = self.upstreams[e.url] = Upstream(e.url)
+        return up
+
+    def close(self) -> None:
+        for up in self.upstreams.values():
+            up.close()
+
     async def run(self, p: Placed, send: Send) -> None:
         e = p.engine
         body = upstream_body(p.intake, e.spec.token_ids)
-        timeout = aiohttp.ClientTimeout(total=None, sock_connect=5)
         p.sent_at = time.monotonic()
         try:
-            resp_cm = self.session.post(e.url + p.intake.route, data=body, timeout=timeout,
-                                        headers={"content-type": "application/json"})
-            remaining = p.deadline - time.monotonic()
-            resp = await asyncio.wait_for(resp_cm.__aenter__(), max(remaining, 0))
+            resp = await self.upstream(e).request(p.intake.route, body, p.deadline)
         except asyncio.TimeoutError:
             raise ApiError(504, "the request deadline passed before the engine answered",
                            type="timeout_error", code="deadline_exceeded") from None
-        except (aiohttp.ClientError, OSError) as exc:
-            self.pool.mark_failed(e, f"request failed: {type(exc).__name__}")
+        except OSError as exc:
+            self.pool.mark_failed(e, f"request failed: {exc}")
             raise EngineFailed(str(exc)) from exc
+        done = False
         try:
             if resp.status != 200:
                 # The engine's own refusal (a bad grammar, say) reaches the client as it is.
-                data = await resp.read()
-                ctype = resp.headers.get("content-type", "application/json").encode()
+                data = await self._read(p, resp, False, all=True)
+                ctype = (resp.content_type or "application/json").encode()
+                done = True
                 await asgi.send_bytes(send, resp.status, data, ctype)
                 return
             if p.intake.stream:
-                await self._stream(p, resp, send)
+                done = await self._stream(p, resp, send)
             else:
-                await self._assemble(p, resp, send)
+                done = await self._assemble(p, resp, send)
         finally:
-            await resp_cm.__aexit__(None, None, None)
+            # Anything but a stream seen to its end (a fault, a timeout, a client that went
+            # away) closes the connection: that is how the engine learns to stop.
+            resp.release(done)
 
-    async def _read(self, p: Placed, resp: aiohttp.ClientResponse, started: bool) -> bytes:
-        """Next chunk; before headers are out, the deadline bounds the wait."""
-        if started:
-            return await resp.content.readany()
-        remaining = p.deadline - time.monotonic()
+    async def _read(self, p: Placed, resp: Exchange, started: bool, all: bool = False) -> bytes:
+        """Next body bytes (b"" if the engine broke off); before headers are out, the
+        deadline bounds the wait."""
         try:
-            return await asyncio.wait_for(resp.content.readany(), max(remaining, 0))
+            if all:
+                return await resp.read_all()
+            return await resp.read(None if started else p.deadline)
         except asyncio.TimeoutError:
             raise ApiError(504, "the request deadline passed before the first token",
                            type="timeout_error", code="deadline_exceeded") from None
+        except UpstreamError:
+            return b""
 
-    async def _stream(self, p: Placed, resp: aiohttp.ClientResponse, send: Send) -> None:
+    async def _stream(self, p: Placed, resp: Exchange, send: Send) -> bool:
         e, m = p.engine, self.metrics
         relay = StreamRelay(strip_token_ids=not p.intake.wants_token_ids,
                             require_token_ids=e.spec.token_ids,
@@ -128,13 +141,13 @@ class Relayer:
         tokens = 0
         first_at = 0.0
         prompt_ids: int | None = None
-        # Bound once: this loop runs once per engine chunk (often one token).
-        readany = resp.content.readany
+        # Bound once: this loop runs once per socket read (often one token).
+        read = resp.read
         feed = relay.feed
         while True:
             try:
-                chunk = await (readany() if started else self._read(p, resp, started))
-            except (aiohttp.ClientError, OSError):
+                chunk = await (read() if started else self._read(p, resp, started))
+            except UpstreamError:
                 chunk = b""
             if not chunk:
                 # The engine closed the stream without `[DONE]`: it broke mid-stream.
@@ -144,7 +157,7 @@ class Relayer:
                     raise EngineFailed("stream ended before any output")
                 await asgi.stream_chunk(send, _error_event("the engine stream ended early",
                                                            "engine_disconnected"), more=False)
-                return
+                return False
             rep = feed(chunk)
             if rep.first_output:
                 self._first_output(p)
@@ -172,12 +185,12 @@ class Relayer:
                 await asgi.stream_chunk(send, _error_event(
                     f"engine stream rejected: {rep.fault_message}", rep.fault_reason),
                     more=False)
-                return
+                return False
             if rep.done:
                 await asgi.stream_chunk(send, b"", more=False)
                 p.output_tokens = tokens
                 self._done(p, tokens, first_at)
-                return
+                return True
 
     def _done(self, p: Placed, tokens: int, first_at: float) -> None:
         m, name = self.metrics, p.engine.name
@@ -195,17 +208,14 @@ class Relayer:
         if tokens > 1 and first_at:
             m.tpot.labels(name).observe((time.monotonic() - first_at) / (tokens - 1))
 
-    async def _assemble(self, p: Placed, resp: aiohttp.ClientResponse, send: Send) -> None:
+    async def _assemble(self, p: Placed, resp: Exchange, send: Send) -> bool:
         e = p.engine
         asm = Assembler(p.intake.kind, keep_token_ids=p.intake.wants_token_ids,
                         require_token_ids=e.spec.token_ids)
         first_at = 0.0
         try:
             while not asm.done:
-                try:
-                    chunk = await self._read(p, resp, False)
-                except (aiohttp.ClientError, OSError):
-                    chunk = b""
+                chunk = await self._read(p, resp, False)
                 if not chunk:
                     self.metrics.stream_faults.labels(e.name, "engine_disconnected").inc()
                     self.pool.mark_failed(e, "stream ended early")
@@ -225,3 +235,4 @@ class Relayer:
         self.metrics.ttfb.labels(e.name).observe(time.monotonic() - p.arrived)
         await asgi.send_bytes(send, 200, body)
         self._done(p, asm.measured_output_tokens, first_at)
+        return True

@@ -5,12 +5,14 @@
 //! - [`json_read`]: a strict single-pass reader for frames of the common shape;
 //! - [`json_scan`]: pass-through edits of frames (token-ID stripping) without re-serializing;
 //! - [`assemble`]: one non-streaming response from a stream's frames;
+//! - [`http1`]: incremental HTTP/1.1 response de-framing for upstream connections;
 //! - [`think`]: streaming reasoning/content separation with delimiter holdback;
 //! - [`relay`]: per-chunk pipelines combining the above for the router.
 
 pub mod assemble;
 pub mod few;
 pub mod frame;
+pub mod http1;
 pub mod json_read;
 pub mod json_scan;
 pub mod relay;

@@ -2,15 +2,17 @@
 //! whole network chunk (or a whole text delta) so the boundary is crossed once per chunk.
 
 use narwhal_core::assemble::Kind;
+use narwhal_core::http1::ResponseDecoder as CoreResponse;
 use narwhal_core::relay::{ChunkReport, Relay, StreamAssembler};
 use narwhal_core::sse::{SseDecoder as CoreDecoder, DEFAULT_MAX_EVENT_BYTES};
 use narwhal_core::think::ThinkSplitter as CoreSplitter;
 use pyo3::create_exception;
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyString};
+use pyo3::types::{PyByteArray, PyBytes, PyString};
 
 create_exception!(_native, SseError, PyValueError, "The event stream is malformed.");
+create_exception!(_native, HttpError, PyValueError, "The engine's HTTP/1.1 response is malformed.");
 create_exception!(
     _native,
     AssemblyError,
@@ -254,17 +256,89 @@ impl ThinkSplitter {
     }
 }
 
+/// Incremental HTTP/1.1 response decoder for one upstream exchange: whole socket reads in,
+/// de-framed body bytes out.
+#[pyclass(module = "narwhal._native")]
+struct ResponseDecoder {
+    inner: CoreResponse,
+    body: Vec<u8>,
+}
+
+#[pymethods]
+impl ResponseDecoder {
+    #[new]
+    fn new() -> Self {
+        ResponseDecoder { inner: CoreResponse::new(), body: Vec::new() }
+    }
+
+    /// Decode one socket read; returns the body bytes it carried (often empty before the
+    /// head is complete). Raises `HttpError` on a malformed response.
+    fn feed<'py>(&mut self, py: Python<'py>, data: &[u8]) -> PyResult<Bound<'py, PyBytes>> {
+        self.body.clear();
+        self.inner.feed(data, &mut self.body).map_err(|e| HttpError::new_err(e.0))?;
+        Ok(PyBytes::new(py, &self.body))
+    }
+
+    /// `feed` for a receive buffer the socket filled in place (`asyncio.BufferedProtocol`):
+    /// decodes its first `n` bytes without copying them into a `bytes` first.
+    fn feed_buffer<'py>(&mut self, py: Python<'py>, buf: &Bound<'py, PyByteArray>, n: usize) -> PyResult<Bound<'py, PyBytes>> {
+        // SAFETY: no Python code runs while the slice is borrowed, so the bytearray
+        // cannot be resized or freed under it.
+        let data = unsafe { buf.as_bytes() };
+        let data = data.get(..n).ok_or_else(|| PyValueError::new_err("n is past the buffer's end"))?;
+        self.body.clear();
+        self.inner.feed(data, &mut self.body).map_err(|e| HttpError::new_err(e.0))?;
+        Ok(PyBytes::new(py, &self.body))
+    }
+
+    /// The connection closed: completes a close-delimited body, else raises `HttpError`.
+    fn eof(&mut self) -> PyResult<()> {
+        self.inner.eof().map_err(|e| HttpError::new_err(e.0))
+    }
+
+    /// The final response's status line and header fields have been read.
+    #[getter]
+    fn head_done(&self) -> bool {
+        self.inner.head_done()
+    }
+
+    /// The final response's status code (0 until its head is read).
+    #[getter]
+    fn status(&self) -> u16 {
+        self.inner.status
+    }
+
+    #[getter]
+    fn content_type(&self) -> Option<&str> {
+        self.inner.content_type.as_deref()
+    }
+
+    /// The whole response, body and trailers included, has been read.
+    #[getter]
+    fn complete(&self) -> bool {
+        self.inner.complete()
+    }
+
+    /// Whether the connection may carry another request once the response is complete.
+    #[getter]
+    fn keep_alive(&self) -> bool {
+        self.inner.keep_alive
+    }
+}
+
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add("SseError", py.get_type::<SseError>())?;
     m.add("AssemblyError", py.get_type::<AssemblyError>())?;
+    m.add("HttpError", py.get_type::<HttpError>())?;
     m.add_class::<SseEvent>()?;
     m.add_class::<SseDecoder>()?;
     m.add_class::<RelayChunk>()?;
     m.add_class::<StreamRelay>()?;
     m.add_class::<Assembler>()?;
     m.add_class::<ThinkSplitter>()?;
+    m.add_class::<ResponseDecoder>()?;
     Ok(())
 }

@@ -1,0 +1,334 @@
+"""Upstream HTTP/1.1 client for completion requests.
+
+An engine's streamed answer is one chunked response with (usually) one SSE frame per
+chunk, so a general-purpose client spends a few Python calls per token de-framing it.
+Here each socket read is de-framed by the native `ResponseDecoder` in one call, and the
+relay wakes once per read, not once per chunk. Connections are kept alive and reused,
+most recently used first; health probes and other rare calls stay on aiohttp.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+import time
+from collections import deque
+from urllib.parse import urlsplit
+
+from narwhal._native import HttpError, ResponseDecoder
+
+# One socket read's buffer, per connection.
+_READ_BYTES = 64 * 1024
+# Body bytes buffered for a slow reader before the socket stops being read.
+_HIGH_WATER = 1 << 20
+# An idle connection older than this is closed rather than reused.
+_IDLE_S = 60.0
+# After the relay saw the stream's end, how long the rest of the response may take before
+# the connection is closed instead of being reused.
+_DRAIN_S = 5.0
+
+
+class UpstreamError(ConnectionError):
+    """The engine could not be reached, broke the connection, or answered malformed HTTP."""
+
+
+class _Connection(asyncio.BufferedProtocol):
+    """One keep-alive connection; carries one exchange at a time.
+
+    A buffered protocol: the socket reads into a buffer the connection owns. A plain
+    `Protocol` gets a fresh `bytes` per read, which asyncio allocates at 256 KiB and then
+    shrinks: an mmap, page faults and an mremap per read, more than the rest of the read.
+    """
+
+    def __init__(self, pool: Upstream) -> None:
+        self.pool = pool
+        self.buffer = bytearray(_READ_BYTES)
+        self.transport: asyncio.Transport | None = None
+        self.decoder: ResponseDecoder | None = None
+        self.body: deque[bytes] = deque()
+        self.buffered = 0
+        self.waiter: asyncio.Future[None] | None = None
+        self.error: Exception | None = None
+        self.closed = False
+        self.paused = False
+        self.received = False  # any response byte on the current exchange
+        self.draining: asyncio.TimerHandle | None = None
+        self.idle_since = 0.0
+
+    # asyncio.Protocol
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+
+    def get_buffer(self, sizehint: int) -> bytearray:
+        return self.buffer
+
+    def buffer_updated(self, nbytes: int) -> None:
+        d = self.decoder
+        if d is None:  # bytes on an idle connection: it cannot be trusted any more
+            self.close()
+            return
+        self.received = True
+        try:
+            body = d.feed_buffer(self.buffer, nbytes)
+        except HttpError as exc:
+            self._broken(UpstreamError(f"malformed HTTP response from the engine: {exc}"))
+            return
+        if self.draining is not None:
+            if d.complete:
+                self._drained()
+            return
+        if body:
+            self.body.append(body)
+            self.buffered += len(body)
+            if self.buffered > _HIGH_WATER and not self.paused and self.transport is not None:
+                self.transport.pause_reading()
+                self.paused = True
+        self._wake()
+
+    def eof_received(self) -> bool | None:
+        d = self.decoder
+        if d is not None:
+            try:
+                d.eof()
+            except HttpError as exc:
+                self.error = self.error or UpstreamError(str(exc))
+        return None  # let the transport close
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        d = self.decoder
+        if d is not None and not d.complete and self.error is None:
+            self.error = UpstreamError(f"the engine closed the connection ({exc or 'EOF'})")
+        if self.draining is not None:
+            self.draining.cancel()
+            self.draining = None
+        self.pool._forget(self)
+        self._wake()
+
+    # exchange side
+
+    def start(self, request: bytes) -> None:
+        assert self.transport is not None
+        self.decoder = ResponseDecoder()
+        self.received = False
+        self.error = None
+        self.transport.write(request)
+
+    async def wait(self, deadline: float | None) -> None:
+        """Until something new happened on the connection (or the deadline passed)."""
+        loop = asyncio.get_running_loop()
+        fut = self.waiter = loop.create_future()
+        timer = None
+        if deadline is not None:
+            timer = loop.call_at(deadline, _expire, fut)
+        try:
+            await fut
+        finally:
+            self.waiter = None
+            if timer is not None:
+                timer.cancel()
+
+    def _wake(self) -> None:
+        w = self.waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    def take(self) -> bytes:
+        body = self.body
+        data = body.popleft() if len(body) == 1 else b"".join(body)
+        body.clear()
+        self.buffered = 0
+        if self.paused and self.transport is not None and not self.closed:
+            self.transport.resume_reading()
+            self.paused = False
+        return data
+
+    def _broken(self, exc: Exception) -> None:
+        self.error = exc
+        self.close()
+        self._wake()
+
+    def close(self) -> None:
+        if self.transport is not None and not self.closed:
+            self.transport.close()
+        self.closed = True
+        self.pool._forget(self)
+
+    def finish(self, done: bool) -> None:
+        """The exchange is over: reuse the connection when that is safe, else close it."""
+        d = self.decoder
+        self.body.clear()
+        self.buffered = 0
+        if not done or d is None or not d.keep_alive or self.error is not None or self.closed:
+            self.close()
+        elif d.complete:
+            self.pool._idle(self)
+        else:
+            # The stream's end was seen but not the response's end (the terminating chunk
+            # is usually in the next read): finish reading it off the event loop's path.
+            if self.paused and self.transport is not None:
+                self.transport.resume_reading()
+                self.paused = False
+            loop = asyncio.get_running_loop()
+            self.draining = loop.call_later(_DRAIN_S, self.close)
+
+    def _drained(self) -> None:
+        assert self.draining is not None
+        self.draining.cancel()
+        self.draining = None
+        d = self.decoder
+        if d is not None and d.keep_alive and self.error is None:
+            self.pool._idle(self)
+        else:
+            self.close()
+
+
+def _expire(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_exception(asyncio.TimeoutError())
+
+
+class Exchange:
+    """One request's response: status, content type, then the body as it arrives."""
+
+    def __init__(self, conn: _Connection) -> None:
+        self._conn = conn
+        d = conn.decoder
+        assert d is not None
+        self.status = d.status
+        self.content_type = d.content_type
+
+    async def read(self, deadline: float | None = None) -> bytes:
+        """The body bytes that arrived since the last read; b"" once the body is complete.
+
+        Raises `UpstreamError` when the connection broke first, and `asyncio.TimeoutError`
+        when `deadline` (event-loop time) passes with nothing new.
+        """
+        c = self._conn
+        while True:
+            if c.body:
+                return c.take()
+            if c.error is not None:
+                raise c.error
+            d = c.decoder
+            if d is not None and d.complete:
+                return b""
+            if c.closed:
+                raise UpstreamError("the engine closed the connection")
+            await c.wait(deadline)
+
+    async def read_all(self) -> bytes:
+        parts = []
+        while chunk := await self.read():
+            parts.append(chunk)
+        return b"".join(parts)
+
+    def release(self, done: bool) -> None:
+        """Hand the connection back; `done`: the relay saw the stream through to its end."""
+        self._conn.finish(done)
+
+
+class Upstream:
+    """Keep-alive connections to one engine base URL (http or https)."""
+
+    def __init__(self, url: str, connect_timeout: float = 5.0) -> None:
+        u = urlsplit(url)
+        if u.scheme not in ("http", "https") or not u.hostname:
+            raise ValueError(f"unsupported engine URL {url!r}")
+        self.host = u.hostname
+        self.port = u.port or (443 if u.scheme == "https" else 80)
+        self.ssl: ssl.SSLContext | None = (ssl.create_default_context()
+                                           if u.scheme == "https" else None)
+        self.prefix = u.path.rstrip("/")
+        netloc = u.netloc.rpartition("@")[2]
+        self._head = f"Host: {netloc}\r\nUser-Agent: narwhal\r\nContent-Type: application/json\r\n"
+        self.connect_timeout = connect_timeout
+        self._free: list[_Connection] = []
+        self._all: set[_Connection] = set()
+
+    async def request(self, path: str, body: bytes, deadline: float | None = None) -> Exchange:
+        """POST `body` to `path`; returns once the response head arrived.
+
+        A reused connection that breaks before any response byte is retried once on a
+        fresh one: the engine closed it while idle, so it never saw the request.
+        """
+        head = (f"POST {self.prefix}{path} HTTP/1.1\r\n{self._head}"
+                f"Content-Length: {len(body)}\r\n\r\n").encode("latin-1")
+        for _attempt in range(2):
+            conn = self._reuse()
+            reused = conn is not None
+            if conn is None:
+                conn = await self._connect(deadline)
+            conn.start(head + body)
+            try:
+                while True:
+                    d = conn.decoder
+                    assert d is not None
+                    if d.head_done:
+                        return Exchange(conn)
+                    if conn.error is not None:
+                        raise conn.error
+                    if conn.closed:
+                        raise UpstreamError("the engine closed the connection before answering")
+                    await conn.wait(deadline)
+            except UpstreamError:
+                conn.close()
+                if reused and not conn.received:
+                    continue
+                raise
+            except BaseException:
+                conn.close()
+                raise
+        raise AssertionError("unreachable")
+
+    def _reuse(self) -> _Connection | None:
+        now = time.monotonic()
+        while self._free:
+            conn = self._free.pop()
+            if not conn.closed and now - conn.idle_since < _IDLE_S:
+                return conn
+            conn.close()
+        return None
+
+    async def _connect(self, deadline: float | None) -> _Connection:
+        loop = asyncio.get_running_loop()
+        timeout = self.connect_timeout
+        if deadline is not None:
+            timeout = min(timeout, max(deadline - loop.time(), 0.0))
+        try:
+            _, proto = await asyncio.wait_for(loop.create_connection(
+                lambda: _Connection(self), self.host, self.port, ssl=self.ssl,
+                server_hostname=self.host if self.ssl else None), timeout)
+        except asyncio.TimeoutError:
+            if deadline is not None and loop.time() >= deadline:
+                raise
+            raise UpstreamError(f"connecting to {self.host}:{self.port} timed out") from None
+        except OSError as exc:
+            raise UpstreamError(f"cannot connect to {self.host}:{self.port}: {exc}") from exc
+        self._all.add(proto)
+        return proto
+
+    def _idle(self, conn: _Connection) -> None:
+        conn.decoder = None
+        conn.idle_since = time.monotonic()
+        self._free.append(conn)
+        # The oldest idle connections sit at the bottom; retire those past their time.
+        while self._free and conn.idle_since - self._free[0].idle_since > _IDLE_S:
+            self._free.pop(0).close()
+
+    def _forget(self, conn: _Connection) -> None:
+        self._all.discard(conn)
+        if conn in self._free:
+            self._free.remove(conn)
+
+    @property
+    def connections(self) -> int:
+        """Open connections, busy and idle."""
+        return len(self._all)
+
+    def close(self) -> None:
+        for conn in list(self._all):
+            conn.close()
+        self._free.clear()
