@@ -51,6 +51,74 @@ def _error_event(message: str, code: str) -> bytes:
                                                 "param": None, "code": code}}) + b"\n\n"
 
 
+def _completes_at_call(sent: object) -> bool:
+    # Granian's ASGI `send` does its work in the call and returns an empty awaitable; a
+    # coroutine or future (other servers) must be awaited for the message to go out.
+    return type(sent).__name__ == "PyEmptyAwaitable"
+
+
+class _Stream:
+    """One streamed response's accounting, fed one socket read's body at a time."""
+
+    __slots__ = (
+        "feed",
+        "first_at",
+        "p",
+        "prompt_ids",
+        "relayer",
+        "started",
+        "sync_send",
+        "tokens",
+    )
+
+    def __init__(self, relayer: Relayer, p: Placed, relay: StreamRelay) -> None:
+        self.relayer = relayer
+        self.p = p
+        self.feed = relay.feed
+        self.started = False
+        self.sync_send = False
+        self.tokens = 0
+        self.first_at = 0.0
+        self.prompt_ids: int | None = None
+
+    def broken(self) -> bytes:
+        """The engine closed the stream without `[DONE]`: it broke mid-stream."""
+        e = self.p.engine
+        self.relayer.metrics.stream_faults.labels(e.name, "engine_disconnected").inc()
+        self.relayer.pool.mark_failed(e, "stream ended early")
+        return _error_event("the engine stream ended early", "engine_disconnected")
+
+    def step(self, chunk: bytes) -> tuple[bytes, bytes | None, bool | None]:
+        """(bytes to forward, the last bytes to send if the stream ends here, and then
+        whether it ended well)."""
+        if not chunk:
+            return b"", self.broken(), False
+        p = self.p
+        rep = self.feed(chunk)
+        if rep.first_output:
+            self.relayer._first_output(p)
+            self.first_at = time.monotonic()
+        self.tokens += rep.output_tokens or rep.generation_events
+        # The prompt IDs the relay counted are exact; a usage frame (always last) only
+        # fills in when the engine sent none.
+        self.prompt_ids = rep.prompt_ids or self.prompt_ids
+        p.prompt_tokens = self.prompt_ids or rep.prompt_tokens or p.prompt_tokens
+        if rep.cached_tokens is not None:
+            p.cached_tokens = rep.cached_tokens
+        if rep.fault_reason is not None:
+            r = self.relayer
+            r.metrics.stream_faults.labels(p.engine.name, rep.fault_reason).inc()
+            if r.predictor is not None:  # its timing cannot be trusted
+                r.predictor.profiles[p.engine.name].discarded += 1
+            return rep.forward, _error_event(f"engine stream rejected: {rep.fault_message}",
+                                             rep.fault_reason), False
+        if rep.done:
+            p.output_tokens = self.tokens
+            self.relayer._done(p, self.tokens, self.first_at)
+            return rep.forward, b"", True
+        return rep.forward, None, None
+
+
 class Relayer:
     def __init__(self, pool: Pool, admission: Admission, metrics: RouterMetrics,
                  predictor: Predictor | None) -> None:
@@ -133,64 +201,75 @@ class Relayer:
             return b""
 
     async def _stream(self, p: Placed, resp: Exchange, send: Send) -> bool:
-        e, m = p.engine, self.metrics
-        relay = StreamRelay(strip_token_ids=not p.intake.wants_token_ids,
-                            require_token_ids=e.spec.token_ids,
-                            drop_usage=not p.intake.include_usage)
-        started = False
-        tokens = 0
-        first_at = 0.0
-        prompt_ids: int | None = None
-        # Bound once: this loop runs once per socket read (often one token).
-        read = resp.read
-        feed = relay.feed
+        e = p.engine
+        st = _Stream(self, p, StreamRelay(strip_token_ids=not p.intake.wants_token_ids,
+                                          require_token_ids=e.spec.token_ids,
+                                          drop_usage=not p.intake.include_usage))
+        # Until the first bytes are out, a fault can still be an HTTP error and the deadline
+        # applies: the stream is pulled read by read.
+        while not st.started:
+            chunk = await self._read(p, resp, False)
+            if not chunk and not st.started:
+                st.broken()
+                raise EngineFailed("stream ended before any output")
+            forward, final, outcome = st.step(chunk)
+            if forward or final is not None:
+                await asgi.start_stream(send)
+                st.started = True
+                if forward:
+                    self.metrics.ttfb.labels(e.name).observe(time.monotonic() - p.arrived)
+                    sent = send({"type": "http.response.body", "body": forward,
+                                 "more_body": True})
+                    st.sync_send = _completes_at_call(sent)
+                    await sent
+            if final is not None:
+                await asgi.stream_chunk(send, final, more=False)
+            if outcome is not None:
+                return outcome
+        if st.sync_send:
+            return await self._push(st, resp, send)
+        read = resp.read  # bound once: this loop runs once per socket read (often a token)
         while True:
             try:
-                chunk = await (read() if started else self._read(p, resp, started))
+                chunk = await read()
             except UpstreamError:
                 chunk = b""
-            if not chunk:
-                # The engine closed the stream without `[DONE]`: it broke mid-stream.
-                m.stream_faults.labels(e.name, "engine_disconnected").inc()
-                self.pool.mark_failed(e, "stream ended early")
-                if not started:
-                    raise EngineFailed("stream ended before any output")
-                await asgi.stream_chunk(send, _error_event("the engine stream ended early",
-                                                           "engine_disconnected"), more=False)
-                return False
-            rep = feed(chunk)
-            if rep.first_output:
-                self._first_output(p)
-                first_at = time.monotonic()
-            tokens += rep.output_tokens or rep.generation_events
-            forward = rep.forward
-            # The prompt IDs the relay counted are exact; a usage frame (always last) only
-            # fills in when the engine sent none.
-            prompt_ids = rep.prompt_ids or prompt_ids
-            p.prompt_tokens = prompt_ids or rep.prompt_tokens or p.prompt_tokens
-            if rep.cached_tokens is not None:
-                p.cached_tokens = rep.cached_tokens
+            forward, final, outcome = st.step(chunk)
             if forward:
-                if not started:
-                    await asgi.start_stream(send)
-                    started = True
-                    m.ttfb.labels(e.name).observe(time.monotonic() - p.arrived)
                 await send({"type": "http.response.body", "body": forward, "more_body": True})
-            if rep.fault_reason is not None:
-                m.stream_faults.labels(e.name, rep.fault_reason).inc()
-                if self.predictor is not None:  # its timing cannot be trusted
-                    self.predictor.profiles[e.name].discarded += 1
-                if not started:
-                    await asgi.start_stream(send)
-                await asgi.stream_chunk(send, _error_event(
-                    f"engine stream rejected: {rep.fault_message}", rep.fault_reason),
-                    more=False)
-                return False
-            if rep.done:
-                await asgi.stream_chunk(send, b"", more=False)
-                p.output_tokens = tokens
-                self._done(p, tokens, first_at)
-                return True
+            if final is not None:
+                await asgi.stream_chunk(send, final, more=False)
+            if outcome is not None:
+                return outcome
+
+    async def _push(self, st: _Stream, resp: Exchange, send: Send) -> bool:
+        """Relay the rest of the stream from the connection's read callback.
+
+        Only for a server whose `send` finishes its work when called (Granian's does): each
+        read is then forwarded without waking this coroutine, which only waits for the end.
+        """
+        ended: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+
+        def on_body(chunk: bytes) -> None:
+            if ended.done():
+                return
+            try:
+                forward, final, outcome = st.step(chunk)
+                if forward:
+                    send({"type": "http.response.body", "body": forward, "more_body": True})
+                if final is not None:
+                    send({"type": "http.response.body", "body": final, "more_body": False})
+            except Exception as exc:  # the client went away, say: the coroutine decides
+                ended.set_exception(exc)
+                return
+            if outcome is not None:
+                ended.set_result(outcome)
+
+        resp.push(on_body)
+        try:
+            return await ended
+        finally:
+            resp.push(None)
 
     def _done(self, p: Placed, tokens: int, first_at: float) -> None:
         m, name = self.metrics, p.engine.name

@@ -13,6 +13,8 @@ import asyncio
 import ssl
 import time
 from collections import deque
+from collections.abc import Callable
+from typing import cast
 from urllib.parse import urlsplit
 
 from narwhal._native import HttpError, ResponseDecoder
@@ -54,12 +56,15 @@ class _Connection(asyncio.BufferedProtocol):
         self.received = False  # any response byte on the current exchange
         self.draining: asyncio.TimerHandle | None = None
         self.idle_since = 0.0
+        # Push mode: each read's body goes straight to this callback (b"": the body ended
+        # or the connection broke) instead of waiting for `Exchange.read`.
+        self.on_body: Callable[[bytes], None] | None = None
 
     # asyncio.Protocol
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        # uvloop's transports are not asyncio.Transport subclasses, only alike.
+        self.transport = cast(asyncio.Transport, transport)
 
     def get_buffer(self, sizehint: int) -> bytearray:
         return self.buffer
@@ -78,6 +83,12 @@ class _Connection(asyncio.BufferedProtocol):
         if self.draining is not None:
             if d.complete:
                 self._drained()
+            return
+        if self.on_body is not None:
+            if body:
+                self.on_body(body)
+            if d.complete and self.on_body is not None:
+                self.on_body(b"")
             return
         if body:
             self.body.append(body)
@@ -131,6 +142,10 @@ class _Connection(asyncio.BufferedProtocol):
                 timer.cancel()
 
     def _wake(self) -> None:
+        if self.on_body is not None:
+            if self.error is not None or self.closed:
+                self.on_body(b"")
+            return
         w = self.waiter
         if w is not None and not w.done():
             w.set_result(None)
@@ -161,6 +176,7 @@ class _Connection(asyncio.BufferedProtocol):
         d = self.decoder
         self.body.clear()
         self.buffered = 0
+        self.on_body = None
         if not done or d is None or not d.keep_alive or self.error is not None or self.closed:
             self.close()
         elif d.complete:
@@ -224,6 +240,21 @@ class Exchange:
         while chunk := await self.read():
             parts.append(chunk)
         return b"".join(parts)
+
+    def push(self, on_body: Callable[[bytes], None] | None) -> None:
+        """Deliver the body to `on_body` as it arrives (None: back to `read`). Called with
+        b"" once when the body ends or the connection breaks; what is already buffered is
+        delivered at once."""
+        c = self._conn
+        c.on_body = on_body
+        if on_body is None:
+            return
+        if c.body:
+            on_body(c.take())
+        d = c.decoder
+        if c.on_body is not None and (c.error is not None or c.closed or
+                                      (d is not None and d.complete)):
+            on_body(b"")
 
     def release(self, done: bool) -> None:
         """Hand the connection back; `done`: the relay saw the stream through to its end."""
