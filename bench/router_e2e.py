@@ -6,6 +6,7 @@ chat requests goes through; the harness records time to first byte per request, 
 relayed, and the CPU time the front door's process tree spent (utime + stime from /proc).
 
     .venv/bin/python -m bench.router_e2e [--sglang PATH] [--vllm PATH] [--tokens 64]
+        [--pace-ms 5]   # tokens 5 ms apart, one per read, as from a decoding engine
 
 Loopback only; every loop is bounded in count and time.
 """
@@ -125,6 +126,11 @@ def doors(engine: str, a: argparse.Namespace) -> list[tuple[str, list[str], str,
                        f"engines:\n  - {{name: e, url: '{engine}', dialect: {dialect}}}\n")
         out.append((f"narwhal ({dialect} dialect)", [str(BIN / "narwhal"), "serve", "--config",
                                                      str(cfg)], "/ready", port))
+    # No upstream at all: what Granian + asyncio cost per streamed chunk by themselves.
+    port = free_port()
+    out.append(("floor: Granian app, no upstream", [sys.executable, "-m", "granian", "--interface",
+                "asgi", "--loop", "uvloop", "--host", "127.0.0.1", "--port", str(port),
+                "--no-ws", "bench.floor_app:app"], "/health", port))
     for name, exe in (("sglang-router", a.sglang), ("vllm-router", a.vllm)):
         if exe:
             port = free_port()
@@ -141,6 +147,8 @@ def main() -> None:
     ap.add_argument("--vllm")
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--levels", default="1,64,256")
+    ap.add_argument("--pace-ms", type=float, default=0.0,
+                    help="the engine emits tokens this far apart (0: as fast as it can)")
     ap.add_argument("--rounds", type=int, default=1,
                     help="measure each level this many times (median and range reported)")
     ap.add_argument("--scale", type=int, default=1,
@@ -167,11 +175,11 @@ def main() -> None:
             try:
                 for c in levels:
                     n = max(20, 2 * c) * a.scale
-                    asyncio.run(load(url, min(c, 8), 8, a.tokens))  # warm up
+                    asyncio.run(load(url, min(c, 8), 8, a.tokens, a.pace_ms))  # warm up
                     r = Result(door, c, 0, 0, 0.0, [], [])
                     for _ in range(a.rounds):
                         before = tree_cpu(proc.pid) if proc else tree_cpu(eng.pid)
-                        tokens, ttfb = asyncio.run(load(url, c, n, a.tokens))
+                        tokens, ttfb = asyncio.run(load(url, c, n, a.tokens, a.pace_ms))
                         cpu = (tree_cpu(proc.pid) if proc else tree_cpu(eng.pid)) - before
                         r.requests += n
                         r.tokens += tokens
