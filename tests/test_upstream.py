@@ -222,3 +222,22 @@ def test_the_deadline_bounds_the_wait_for_the_head() -> None:
             assert up.connections == 0
 
     run(scenario)
+
+
+def test_a_slow_reader_pauses_the_socket_and_gets_every_byte() -> None:
+    piece = bytes(range(256)) * 256  # 64 KiB
+
+    async def answer(conn: int, n: int, w: asyncio.StreamWriter) -> bool:
+        w.write(chunked(*([piece] * 48)))  # 3 MiB: past the buffering high-water mark
+        return True
+
+    async def scenario() -> None:
+        async with serving(answer) as (raw, up):
+            for _ in range(2):
+                ex = await up.request("/x", b"{}")
+                await asyncio.sleep(0.3)  # the client is slow: the socket must be paused
+                assert await ex.read_all() == piece * 48
+                ex.release(True)
+            assert raw.connections == 1  # and read again once pooled
+
+    run(scenario)

@@ -173,7 +173,10 @@ class Relayer:
         try:
             if resp.status != 200:
                 # The engine's own refusal (a bad grammar, say) reaches the client as it is.
-                data = await self._read(p, resp, False, all=True)
+                try:
+                    data = await resp.read_all()
+                except UpstreamError:
+                    data = b""  # the status is the engine's word; a cut body adds nothing
                 ctype = (resp.content_type or "application/json").encode()
                 done = True
                 await asgi.send_bytes(send, resp.status, data, ctype)
@@ -187,13 +190,11 @@ class Relayer:
             # away) closes the connection: that is how the engine learns to stop.
             resp.release(done)
 
-    async def _read(self, p: Placed, resp: Exchange, started: bool, all: bool = False) -> bytes:
-        """Next body bytes (b"" if the engine broke off); before headers are out, the
-        deadline bounds the wait."""
+    async def _read(self, p: Placed, resp: Exchange) -> bytes:
+        """Next body bytes (b"" if the engine broke off), for as long as nothing has gone
+        to the client: the deadline bounds the wait."""
         try:
-            if all:
-                return await resp.read_all()
-            return await resp.read(None if started else p.deadline)
+            return await resp.read(p.deadline)
         except asyncio.TimeoutError:
             raise ApiError(504, "the request deadline passed before the first token",
                            type="timeout_error", code="deadline_exceeded") from None
@@ -208,8 +209,8 @@ class Relayer:
         # Until the first bytes are out, a fault can still be an HTTP error and the deadline
         # applies: the stream is pulled read by read.
         while not st.started:
-            chunk = await self._read(p, resp, False)
-            if not chunk and not st.started:
+            chunk = await self._read(p, resp)
+            if not chunk:
                 st.broken()
                 raise EngineFailed("stream ended before any output")
             forward, final, outcome = st.step(chunk)
@@ -294,7 +295,7 @@ class Relayer:
         first_at = 0.0
         try:
             while not asm.done:
-                chunk = await self._read(p, resp, False)
+                chunk = await self._read(p, resp)
                 if not chunk:
                     self.metrics.stream_faults.labels(e.name, "engine_disconnected").inc()
                     self.pool.mark_failed(e, "stream ended early")

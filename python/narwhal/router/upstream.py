@@ -177,16 +177,17 @@ class _Connection(asyncio.BufferedProtocol):
         self.body.clear()
         self.buffered = 0
         self.on_body = None
+        if self.paused and self.transport is not None and not self.closed:
+            self.transport.resume_reading()  # a pooled connection must be read again
+            self.paused = False
         if not done or d is None or not d.keep_alive or self.error is not None or self.closed:
             self.close()
         elif d.complete:
             self.pool._idle(self)
         else:
             # The stream's end was seen but not the response's end (the terminating chunk
-            # is usually in the next read): finish reading it off the event loop's path.
-            if self.paused and self.transport is not None:
-                self.transport.resume_reading()
-                self.paused = False
+            # is usually in the next read): the read callback pools the connection once it
+            # arrives, or the timer closes it.
             loop = asyncio.get_running_loop()
             self.draining = loop.call_later(_DRAIN_S, self.close)
 
