@@ -1,10 +1,12 @@
 """Continuous batching: aggregate output tokens/s and time per output token at 1, 2, 4 and 8
 concurrent streams, LexiEngine `--parallel 8` vs `--parallel 1` vs llama-cpp-python's own
-server, same model, same prompts, same run (one server at a time, so none competes with
-another for the 2 cores).
+server (and llama.cpp's own llama-server when given), same model, same prompts, same run.
+All servers are started first and the waves interleaved, so each comparison is made within
+seconds of the machine's state; each figure is the median over `--rounds`.
 
     .venv/bin/python -m bench.engine_batching [--tokens 96] [--threads N] [--model GGUF]
                                               [--plot bench/engine_batching.png]
+                                              [--llama-server PATH]
 
 Each stream is a streaming text completion of a distinct prompt at temperature 0; a token is
 one streamed chunk with text (both servers send one token a chunk). Per stream: TPOT = time
@@ -184,12 +186,23 @@ def llama_cpp_server(model: str, n_threads: str) -> Server:
                   timeout=120)
 
 
+def llama_server(exe: str, model: str, n_threads: str) -> Server:
+    """llama.cpp's own server (built from the llama.cpp that llama-cpp-python vendors), with
+    the same slots and context as LexiEngine --parallel 8."""
+    port = free_port()
+    return Server([exe, "-m", model, "--port", str(port), "--host", "127.0.0.1",
+                   "-np", "8", "-c", "8192", "-t", n_threads, "-tb", n_threads],
+                  "/health", port, timeout=120)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--tokens", type=int, default=96)
     p.add_argument("--plot", default=None)
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     p.add_argument("--model", help="GGUF model (default: the SmolLM2 test model)")
+    p.add_argument("--llama-server", help="llama.cpp's llama-server binary, measured too")
+    p.add_argument("--rounds", type=int, default=3)
     a = p.parse_args()
     model = a.model or str(smollm2_path())
     n_threads = str(a.threads)  # the same for every server
@@ -201,23 +214,48 @@ def main() -> None:
                                                         "--queue-wait", "600", *threads),
         "llama-cpp-python server": lambda: llama_cpp_server(model, n_threads),
     }
-    results: dict[str, dict[int, dict[str, float]]] = {}
-    for name, start in servers.items():
-        s = start()
-        try:
-            wave(s.url, 1, 8)  # warm-up
-            results[name] = {c: wave(s.url, c, a.tokens) for c in LEVELS}
-        finally:
+    if a.llama_server:
+        exe = a.llama_server
+        servers["llama.cpp llama-server -np 8"] = lambda: llama_server(exe, model, n_threads)
+    # All servers up at once (an idle one costs nothing) and the waves interleaved: round
+    # by round, level by level, server by server. The machine's speed drifts over minutes;
+    # interleaving keeps every comparison within seconds, and each figure is a median.
+    started: dict[str, Server] = {}
+    rounds: dict[str, dict[int, list[dict[str, float]]]] = {}
+    try:
+        for name, start in servers.items():
+            started[name] = start()
+            wave(started[name].url, 1, 8)  # warm-up
+            rounds[name] = {c: [] for c in LEVELS}
+        for _ in range(a.rounds):
+            for c in LEVELS:
+                for name, s in started.items():
+                    rounds[name][c].append(wave(s.url, c, a.tokens))
+    finally:
+        for s in started.values():
             s.stop()
-    print("| server | streams | aggregate tok/s | scaling vs 1 stream | p50 TPOT ms "
+
+    def med(name: str, c: int, key: str) -> float:
+        return statistics.median(r[key] for r in rounds[name][c])
+
+    def scaling(name: str, c: int, base: str | None = None) -> list[float]:
+        """Per round: aggregate at `c` streams over `base`'s (default: own) at one stream."""
+        ref = rounds[base or name][c if base else 1]
+        return sorted(r["agg"] / b["agg"] for r, b in zip(rounds[name][c], ref, strict=True))
+
+    print(f"{a.rounds} rounds; medians, and the range of the per-round scaling\n")
+    print("| server | streams | aggregate tok/s | scaling vs 1 stream (range) | p50 TPOT ms "
           "| p99 TPOT ms | worst stream TPOT / 1-stream TPOT |")
     print("|---|---|---|---|---|---|---|")
-    for name, by in results.items():
+    for name in rounds:
         for c in LEVELS:
-            r = by[c]
-            print(f"| {name} | {c} | {r['agg']:.1f} | {r['agg'] / by[1]['agg']:.2f}x "
-                  f"| {r['p50'] * 1e3:.1f} | {r['p99'] * 1e3:.1f} "
-                  f"| {r['worst'] / by[1]['p50']:.2f}x |")
+            sc = scaling(name, c)
+            worst = statistics.median(r["worst"] / b["p50"] for r, b in
+                                      zip(rounds[name][c], rounds[name][1], strict=True))
+            print(f"| {name} | {c} | {med(name, c, 'agg'):.1f} "
+                  f"| {statistics.median(sc):.2f}x ({sc[0]:.2f}-{sc[-1]:.2f}) "
+                  f"| {med(name, c, 'p50') * 1e3:.1f} | {med(name, c, 'p99') * 1e3:.1f} "
+                  f"| {worst:.2f}x |")
     print("\n| decode loop in process (no HTTP) | streams | tok/s | scaling | time in "
           "llama_decode |\n|---|---|---|---|---|")
     ip = in_process(model, a.threads)
@@ -229,8 +267,9 @@ def main() -> None:
     ceil = decode_ceiling(model, a.threads)
     for c in LEVELS:
         print(f"| {os.path.basename(model)} | {c} | {ceil[c]:.1f} | {ceil[c] / ceil[1]:.2f}x |")
-    p8, p1 = results["LexiEngine --parallel 8"][8], results["LexiEngine --parallel 1"][8]
-    print(f"\nat 8 streams: --parallel 8 / --parallel 1 aggregate = {p8['agg'] / p1['agg']:.2f}x")
+    vs = scaling("LexiEngine --parallel 8", 8, "LexiEngine --parallel 1")
+    print(f"\nat 8 streams: --parallel 8 / --parallel 1 aggregate = {statistics.median(vs):.2f}x "
+          f"({vs[0]:.2f}-{vs[-1]:.2f} over rounds)")
     if a.plot:
         import matplotlib
 
@@ -238,8 +277,8 @@ def main() -> None:
         import matplotlib.pyplot as plt
 
         fig, ax = plt.subplots(figsize=(6, 4))
-        for name, by in results.items():
-            ax.plot(LEVELS, [by[c]["agg"] for c in LEVELS], marker="o", label=name)
+        for name in rounds:
+            ax.plot(LEVELS, [med(name, c, "agg") for c in LEVELS], marker="o", label=name)
         ax.set_xlabel("concurrent streams")
         ax.set_ylabel("aggregate output tokens/s")
         ax.set_xticks(LEVELS)

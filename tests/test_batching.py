@@ -177,3 +177,44 @@ def test_cancellation_frees_the_slot_at_once(model_path: str) -> None:
         assert busy == ["lexi_slots_busy 0.0"]
     finally:
         s.stop()
+
+
+def test_each_step_lists_sequences_in_slot_order(model_path: str) -> None:
+    """Slots are handed out as requests arrive, but llama.cpp decodes a batch whose sequence
+    IDs come out of order about a quarter slower: every step must list them in order."""
+    import asyncio
+
+    import llama_cpp
+
+    from narwhal.engine.batch import DecodeLoop
+    from narwhal.engine.config import EngineConfig
+    from narwhal.engine.generation import Finish, Request, Sampling
+    from narwhal.engine.model import Model
+
+    m = Model(EngineConfig(model=model_path, parallel=4, ctx_size=2048, threads=1))
+    loop = DecodeLoop(m, 4, 8, 1)  # a small prefill chunk: prefill and decode share steps
+    inner = llama_cpp.llama_decode
+    steps: list[list[int]] = []
+
+    def recording(ctx: Any, batch: Any) -> int:
+        steps.append([batch.seq_id[i][0] for i in range(batch.n_tokens)])
+        return int(inner(ctx, batch))
+
+    async def run() -> None:
+        reqs = [Request(m.tokenize(f"Tell me about {w}s and more {w}s."), Sampling(0, 1, 0, 0, 6))
+                for w in WORDS]
+        for slot, r in zip((2, 0, 3, 1), reqs, strict=True):  # arrival order != slot order
+            loop.submit(slot, r)
+            await asyncio.sleep(0.01)
+        for r in reqs:
+            while not isinstance(await r.queue.get(), Finish):
+                pass
+
+    llama_cpp.llama_decode = recording
+    try:
+        asyncio.run(run())
+    finally:
+        llama_cpp.llama_decode = inner
+        loop.stop()
+    assert any(len(set(s)) > 1 for s in steps)  # sequences did share steps
+    assert all(s == sorted(s) for s in steps), steps
