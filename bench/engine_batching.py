@@ -87,7 +87,7 @@ def wave(url: str, concurrency: int, n: int) -> dict[str, float]:
             "worst": tpots[-1]}
 
 
-def in_process(model: str, threads: int) -> dict[int, tuple[float, float]]:
+def in_process(model: str, threads: int, rounds: int = 3) -> dict[int, tuple[float, float]]:
     """The decode loop without HTTP: tokens/s and the share of wall time inside llama_decode
     (what llama.cpp itself costs), at each level."""
     import llama_cpp
@@ -127,19 +127,26 @@ def in_process(model: str, threads: int) -> dict[int, tuple[float, float]]:
         wall = time.perf_counter() - t
         out[c] = (tokens / wall, spent[0] / wall)
 
+    got: dict[int, list[tuple[float, float]]] = {c: [] for c in LEVELS}
     try:
-        for c in LEVELS:
-            asyncio.run(level(c))
+        for _ in range(rounds):  # interleaved, like the servers: drift hits all levels alike
+            for c in LEVELS:
+                asyncio.run(level(c))
+                got[c].append(out[c])
     finally:
         llama_cpp.llama_decode = inner
         loop.stop()
-    return out
+    return {c: (statistics.median(r for r, _ in got[c]), statistics.median(f for _, f in got[c]))
+            for c in LEVELS}
 
 
-def decode_ceiling(model: str, threads: int, steps: int = 100) -> dict[int, float]:
+def decode_ceiling(model: str, threads: int, rounds: int = 5,
+                   block: int = 20) -> dict[int, tuple[float, float, float]]:
     """Tokens/s of bare `llama_decode` steps of 1, 2, 4 and 8 tokens (one per sequence, all
     with logits), nothing else: what any batching engine over this build and model can reach.
-    Its 8-token figure over its 1-token figure bounds the scaling at 8 streams."""
+    Its 8-token figure over its 1-token figure bounds the scaling at 8 streams. The sizes are
+    interleaved in short blocks (same positions each time) so machine drift hits them alike;
+    returns, per size, the median tok/s and the range of its per-round ratio to 1 token."""
     import llama_cpp as lc
 
     lc.llama_backend_init()
@@ -151,29 +158,34 @@ def decode_ceiling(model: str, threads: int, steps: int = 100) -> dict[int, floa
     cp.n_threads = cp.n_threads_batch = threads
     ctx = lc.llama_init_from_model(llm, cp)
     batch = lc.llama_batch_init(512, 0, 8)
-    out: dict[int, float] = {}
+
+    def step(pos: int, n: int) -> None:
+        batch.n_tokens = n
+        for i in range(n):
+            batch.token[i], batch.pos[i], batch.n_seq_id[i] = 100 + i, pos, 1
+            batch.seq_id[i][0], batch.logits[i] = i, 1
+        if lc.llama_decode(ctx, batch) != 0:
+            raise RuntimeError("llama_decode failed")
+
+    rates: dict[int, list[float]] = {n: [] for n in LEVELS}
     try:
-        for n in LEVELS:
-            lc.llama_memory_clear(lc.llama_get_memory(ctx), True)
-
-            def step(pos: int, n: int = n) -> None:
-                batch.n_tokens = n
-                for i in range(n):
-                    batch.token[i], batch.pos[i], batch.n_seq_id[i] = 100 + i, pos, 1
-                    batch.seq_id[i][0], batch.logits[i] = i, 1
-                if lc.llama_decode(ctx, batch) != 0:
-                    raise RuntimeError("llama_decode failed")
-
-            for pos in range(10):
-                step(pos)
-            t = time.perf_counter()
-            for pos in range(10, 10 + steps):
-                step(pos)
-            out[n] = n * steps / (time.perf_counter() - t)
+        for _ in range(rounds):
+            for n in LEVELS:
+                lc.llama_memory_clear(lc.llama_get_memory(ctx), True)
+                for pos in range(5):
+                    step(pos, n)
+                t = time.perf_counter()
+                for pos in range(5, 5 + block):
+                    step(pos, n)
+                rates[n].append(n * block / (time.perf_counter() - t))
     finally:
         lc.llama_batch_free(batch)
         lc.llama_free(ctx)
         lc.llama_model_free(llm)
+    out = {}
+    for n in LEVELS:
+        ratios = sorted(r / b for r, b in zip(rates[n], rates[1], strict=True))
+        out[n] = (statistics.median(rates[n]), ratios[0], ratios[-1])
     return out
 
 
@@ -258,15 +270,17 @@ def main() -> None:
                   f"| {worst:.2f}x |")
     print("\n| decode loop in process (no HTTP) | streams | tok/s | scaling | time in "
           "llama_decode |\n|---|---|---|---|---|")
-    ip = in_process(model, a.threads)
+    ip = in_process(model, a.threads, a.rounds)
     for c in LEVELS:
         print(f"| DecodeLoop, 8 slots | {c} | {ip[c][0]:.1f} | {ip[c][0] / ip[1][0]:.2f}x "
               f"| {ip[c][1]:.0%} |")
-    print("\n| bare llama_decode (the ceiling) | tokens per step | tok/s | scaling |\n"
-          "|---|---|---|---|")
+    print("\n| bare llama_decode (the ceiling) | tokens per step | tok/s (median) "
+          "| scaling (range over rounds) |\n|---|---|---|---|")
     ceil = decode_ceiling(model, a.threads)
     for c in LEVELS:
-        print(f"| {os.path.basename(model)} | {c} | {ceil[c]:.1f} | {ceil[c] / ceil[1]:.2f}x |")
+        rate, lo, hi = ceil[c]
+        print(f"| {os.path.basename(model)} | {c} | {rate:.1f} | {rate / ceil[1][0]:.2f}x "
+              f"({lo:.2f}-{hi:.2f}) |")
     vs = scaling("LexiEngine --parallel 8", 8, "LexiEngine --parallel 1")
     print(f"\nat 8 streams: --parallel 8 / --parallel 1 aggregate = {statistics.median(vs):.2f}x "
           f"({vs[0]:.2f}-{vs[-1]:.2f} over rounds)")

@@ -66,3 +66,16 @@ def test_no_wait_means_busy_at_once() -> None:
 
     with pytest.raises(Busy):
         asyncio.run(go())
+
+
+def test_short_prefixes_give_way_to_keeping_busy_slots_packed() -> None:
+    from narwhal.engine.slots import REUSE_WORTH
+
+    async def go(held_by_7: int) -> int:
+        s = Slots(8, 0)
+        for _ in range(2):
+            await s.acquire(lambda i: 0)  # slots 0 and 1 are busy
+        return await s.acquire(lambda i: held_by_7 if i == 7 else 0)
+
+    assert asyncio.run(go(20)) == 2  # a short prefix on slot 7 is not worth the spread
+    assert asyncio.run(go(REUSE_WORTH)) == 7  # a long one is reused
