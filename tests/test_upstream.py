@@ -241,3 +241,22 @@ def test_a_slow_reader_pauses_the_socket_and_gets_every_byte() -> None:
             assert raw.connections == 1  # and read again once pooled
 
     run(scenario)
+
+
+def test_the_retry_goes_to_a_fresh_connection_not_another_idle_one() -> None:
+    async def answer(conn: int, n: int, w: asyncio.StreamWriter) -> bool:
+        if n == 2:  # every idle connection was dropped by the engine meanwhile
+            return False
+        w.write(chunked(b"data: ok\n\n"))
+        return True
+
+    async def scenario() -> None:
+        async with serving(answer) as (raw, up):
+            first = await asyncio.gather(up.request("/x", b"{}"), up.request("/x", b"{}"))
+            for ex in first:  # two connections go idle together
+                assert await ex.read_all() == b"data: ok\n\n"
+                ex.release(True)
+            assert await fetch(up) == (200, b"data: ok\n\n")
+            assert raw.connections == 3
+
+    run(scenario)

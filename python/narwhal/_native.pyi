@@ -141,15 +141,14 @@ class HttpError(ValueError):
 class ResponseDecoder:
     """Incremental HTTP/1.1 response decoder for one upstream exchange.
 
-    Whole socket reads go in; the de-framed body bytes (chunked, length- or
-    close-delimited) come out. ``1xx`` interim responses are skipped.
+    Whole socket reads go in (from the receive buffer); the de-framed body bytes
+    (chunked, length- or close-delimited) come out. ``1xx`` interim responses are skipped.
     """
 
     def __init__(self) -> None: ...
-    def feed(self, data: bytes) -> bytes:
-        """Decode one socket read; returns the body bytes in it. Raises `HttpError`."""
     def feed_buffer(self, buf: bytearray, n: int) -> bytes:
-        """`feed` of ``buf[:n]``, for a buffer the socket filled in place."""
+        """Decode one socket read, ``buf[:n]`` of a buffer the socket filled in place;
+        returns the body bytes in it. Raises `HttpError`."""
     def eof(self) -> None:
         """The connection closed: completes a close-delimited body, else `HttpError`."""
     @property

@@ -60,23 +60,12 @@ def _completes_at_call(sent: object) -> bool:
 class _Stream:
     """One streamed response's accounting, fed one socket read's body at a time."""
 
-    __slots__ = (
-        "feed",
-        "first_at",
-        "p",
-        "prompt_ids",
-        "relayer",
-        "started",
-        "sync_send",
-        "tokens",
-    )
+    __slots__ = ("feed", "first_at", "p", "prompt_ids", "relayer", "tokens")
 
     def __init__(self, relayer: Relayer, p: Placed, relay: StreamRelay) -> None:
         self.relayer = relayer
         self.p = p
         self.feed = relay.feed
-        self.started = False
-        self.sync_send = False
         self.tokens = 0
         self.first_at = 0.0
         self.prompt_ids: int | None = None
@@ -208,7 +197,8 @@ class Relayer:
                                           drop_usage=not p.intake.include_usage))
         # Until the first bytes are out, a fault can still be an HTTP error and the deadline
         # applies: the stream is pulled read by read.
-        while not st.started:
+        sync_send = False
+        while True:
             chunk = await self._read(p, resp)
             if not chunk:
                 st.broken()
@@ -216,18 +206,19 @@ class Relayer:
             forward, final, outcome = st.step(chunk)
             if forward or final is not None:
                 await asgi.start_stream(send)
-                st.started = True
                 if forward:
                     self.metrics.ttfb.labels(e.name).observe(time.monotonic() - p.arrived)
                     sent = send({"type": "http.response.body", "body": forward,
                                  "more_body": True})
-                    st.sync_send = _completes_at_call(sent)
+                    sync_send = _completes_at_call(sent)
                     await sent
             if final is not None:
                 await asgi.stream_chunk(send, final, more=False)
             if outcome is not None:
                 return outcome
-        if st.sync_send:
+            if forward:
+                break
+        if sync_send:
             return await self._push(st, resp, send)
         read = resp.read  # bound once: this loop runs once per socket read (often a token)
         while True:

@@ -288,8 +288,8 @@ class Upstream:
         """
         head = (f"POST {self.prefix}{path} HTTP/1.1\r\n{self._head}"
                 f"Content-Length: {len(body)}\r\n\r\n").encode("latin-1")
-        for _attempt in range(2):
-            conn = self._reuse()
+        for attempt in range(2):
+            conn = self._reuse() if attempt == 0 else None
             reused = conn is not None
             if conn is None:
                 conn = await self._connect(deadline)

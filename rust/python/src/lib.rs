@@ -256,8 +256,8 @@ impl ThinkSplitter {
     }
 }
 
-/// Incremental HTTP/1.1 response decoder for one upstream exchange: whole socket reads in,
-/// de-framed body bytes out.
+/// Incremental HTTP/1.1 response decoder for one upstream exchange: whole socket reads in
+/// (straight from the receive buffer), de-framed body bytes out.
 #[pyclass(module = "narwhal._native")]
 struct ResponseDecoder {
     inner: CoreResponse,
@@ -271,16 +271,9 @@ impl ResponseDecoder {
         ResponseDecoder { inner: CoreResponse::new(), body: Vec::new() }
     }
 
-    /// Decode one socket read; returns the body bytes it carried (often empty before the
-    /// head is complete). Raises `HttpError` on a malformed response.
-    fn feed<'py>(&mut self, py: Python<'py>, data: &[u8]) -> PyResult<Bound<'py, PyBytes>> {
-        self.body.clear();
-        self.inner.feed(data, &mut self.body).map_err(|e| HttpError::new_err(e.0))?;
-        Ok(PyBytes::new(py, &self.body))
-    }
-
-    /// `feed` for a receive buffer the socket filled in place (`asyncio.BufferedProtocol`):
-    /// decodes its first `n` bytes without copying them into a `bytes` first.
+    /// Decode one socket read, the first `n` bytes of a receive buffer the socket filled in
+    /// place (`asyncio.BufferedProtocol`); returns the body bytes it carried (often empty
+    /// before the head is complete). Raises `HttpError` on a malformed response.
     fn feed_buffer<'py>(&mut self, py: Python<'py>, buf: &Bound<'py, PyByteArray>, n: usize) -> PyResult<Bound<'py, PyBytes>> {
         // SAFETY: no Python code runs while the slice is borrowed, so the bytearray
         // cannot be resized or freed under it.
