@@ -3,10 +3,13 @@
 For each front door (none = the engine directly, Narwhal, and sglang-router / vllm-router
 when their binaries are given) and each concurrency level, a bounded number of streaming
 chat requests goes through; the harness records time to first byte per request, the tokens
-relayed, and the CPU time the front door's process tree spent (utime + stime from /proc).
+relayed, and the CPU time the front door's process tree spent (every thread, from /proc).
+All doors run for the whole harness; rounds interleave them, and each door's CPU per token
+is also given as a ratio to the best Rust router of the same round.
 
     .venv/bin/python -m bench.router_e2e [--sglang PATH] [--vllm PATH] [--tokens 64]
         [--pace-ms 5]   # tokens 5 ms apart, one per read, as from a decoding engine
+        [--rounds 7] [--scale 4]
 
 Loopback only; every loop is bounded in count and time.
 """
@@ -28,22 +31,19 @@ import aiohttp
 
 from tests.conftest import BIN, ROOT, free_port, wait_http
 
-TICK = os.sysconf("SC_CLK_TCK")
-
 
 def tree_cpu(pid: int) -> float:
-    """CPU seconds of `pid` and all its descendants (live ones)."""
+    """CPU seconds `pid` and all its live descendants have run, every thread counted to the
+    nanosecond (/proc/PID/task/TID/schedstat: clock ticks would round a one-stream round by
+    ±10 %)."""
     parents: dict[int, int] = {}
-    cpu: dict[int, float] = {}
     for d in Path("/proc").iterdir():
         if not d.name.isdigit():
             continue
         try:
-            f = (d / "stat").read_text().rsplit(")", 1)[1].split()
+            parents[int(d.name)] = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
         except OSError:
             continue
-        parents[int(d.name)] = int(f[1])
-        cpu[int(d.name)] = (int(f[11]) + int(f[12])) / TICK
     family = {pid}
     grew = True
     while grew:
@@ -52,7 +52,14 @@ def tree_cpu(pid: int) -> float:
             if pp in family and p not in family:
                 family.add(p)
                 grew = True
-    return sum(cpu.get(p, 0.0) for p in family)
+    ns = 0
+    for p in family:
+        try:
+            for t in (Path("/proc") / str(p) / "task").iterdir():
+                ns += int((t / "schedstat").read_text().split()[0])
+        except OSError:  # ended meanwhile
+            continue
+    return ns / 1e9
 
 
 @dataclass
@@ -126,19 +133,31 @@ def doors(engine: str, a: argparse.Namespace) -> list[tuple[str, list[str], str,
                        f"engines:\n  - {{name: e, url: '{engine}', dialect: {dialect}}}\n")
         out.append((f"narwhal ({dialect} dialect)", [str(BIN / "narwhal"), "serve", "--config",
                                                      str(cfg)], "/ready", port))
+    # The floors keep to one CPU as Narwhal does by default (serving.cpu_affinity: auto).
+    one_cpu = ["taskset", "-c", str(max(os.sched_getaffinity(0)))]
+    granian = [*one_cpu, sys.executable, "-m", "granian", "--interface", "asgi", "--loop",
+               "uvloop", "--host", "127.0.0.1", "--no-ws"]
     # No upstream at all: what Granian + asyncio cost per streamed chunk by themselves.
     port = free_port()
-    out.append(("floor: Granian app, no upstream", [sys.executable, "-m", "granian", "--interface",
-                "asgi", "--loop", "uvloop", "--host", "127.0.0.1", "--port", str(port),
-                "--no-ws", "bench.floor_app:app"], "/health", port))
-    for name, exe in (("sglang-router", a.sglang), ("vllm-router", a.vllm)):
+    out.append((FLOOR, [*granian, "--port", str(port), "bench.floor_app:app"], "/health", port))
+    # An upstream but no logic: each read of the engine's answer handed to `send` as is.
+    port = free_port()
+    out.append((PROXY_FLOOR, [*granian, "--port", str(port), "bench.floor_proxy:app"],
+                "/health", port))
+    for name, exe in ((SGLANG, a.sglang), (VLLM, a.vllm)):
         if exe:
             port = free_port()
-            sub = ["launch"] if name == "sglang-router" else []
+            sub = ["launch"] if name == SGLANG else []
+            # Both default their metrics listener to port 29000: one each, so both can run.
             out.append((name, [exe, *sub, "--host", "127.0.0.1", "--port", str(port),
-                               "--worker-urls", engine, "--policy", "round_robin"],
-                        "/health", port))
+                               "--worker-urls", engine, "--policy", "round_robin",
+                               "--prometheus-port", str(free_port())], "/health", port))
     return out
+
+
+FLOOR = "floor: Granian app, no upstream"
+PROXY_FLOOR = "proxy floor: Granian, reads forwarded as they come"
+SGLANG, VLLM = "sglang-router", "vllm-router"
 
 
 def main() -> None:
@@ -157,54 +176,83 @@ def main() -> None:
     levels = [int(x) for x in a.levels.split(",")]
     eport = free_port()
     engine = f"http://127.0.0.1:{eport}"
+    os.environ["NARWHAL_FLOOR_ENGINE"] = engine
     eng = start([sys.executable, "-m", "tests.scripted_engine", "--port", str(eport)],
                 "/health", eport)
-    results: list[Result] = []
+    results: dict[tuple[str, int], Result] = {}
+    running: list[tuple[str, subprocess.Popen[bytes] | None, int]] = [("direct", None, eport)]
     try:
-        plan: list[tuple[str, list[str] | None, str, int]] = [("direct", None, "", eport)]
-        plan += doors(engine, a)
-        for door, cmd, health, port in plan:
-            proc = None
+        # Every door runs for the whole harness and the rounds interleave them (round, level,
+        # door): the machine's speed drifts by tens of percent over minutes, and a door
+        # measured a minute after another is not measured side by side.
+        for door, cmd, health, port in doors(engine, a):
             try:
-                if cmd is not None:
-                    proc = start(cmd, health, port)
+                running.append((door, start(cmd, health, port), port))
             except Exception as e:  # a peer that cannot start is reported, not fatal
                 print(f"{door}: did not start ({e})", file=sys.stderr)
-                continue
-            url = f"http://127.0.0.1:{port}"
-            try:
-                for c in levels:
-                    n = max(20, 2 * c) * a.scale
-                    asyncio.run(load(url, min(c, 8), 8, a.tokens, a.pace_ms))  # warm up
-                    r = Result(door, c, 0, 0, 0.0, [], [])
-                    for _ in range(a.rounds):
-                        before = tree_cpu(proc.pid) if proc else tree_cpu(eng.pid)
-                        tokens, ttfb = asyncio.run(load(url, c, n, a.tokens, a.pace_ms))
-                        cpu = (tree_cpu(proc.pid) if proc else tree_cpu(eng.pid)) - before
-                        r.requests += n
-                        r.tokens += tokens
-                        r.cpu_s += cpu
-                        r.ttfb += ttfb
-                        r.rounds.append(cpu / max(tokens, 1) * 1e6)
-                    results.append(r)
-            finally:
-                if proc:
-                    stop(proc)
+        for door, _, port in running:
+            for c in levels:
+                asyncio.run(load(f"http://127.0.0.1:{port}", min(c, 8), 8, a.tokens,
+                                 a.pace_ms))  # warm up
+                results[door, c] = Result(door, c, 0, 0, 0.0, [], [])
+        for _ in range(a.rounds):
+            for c in levels:
+                n = max(20, 2 * c) * a.scale
+                for door, proc, port in running:
+                    pid = proc.pid if proc else eng.pid
+                    before = tree_cpu(pid)
+                    tokens, ttfb = asyncio.run(load(f"http://127.0.0.1:{port}", c, n,
+                                                    a.tokens, a.pace_ms))
+                    cpu = tree_cpu(pid) - before
+                    r = results[door, c]
+                    r.requests += n
+                    r.tokens += tokens
+                    r.cpu_s += cpu
+                    r.ttfb += ttfb
+                    r.rounds.append(cpu / max(tokens, 1) * 1e6)
     finally:
+        for _, proc, _ in running:
+            if proc:
+                stop(proc)
         stop(eng)
-    direct = {r.concurrency: r for r in results if r.door == "direct"}
+    report(results, levels, [d for d, _, _ in running])
+
+
+def report(results: dict[tuple[str, int], Result], levels: list[int], order: list[str]) -> None:
     print("| front door | streams | tokens | CPU µs/token (median) | range over rounds "
           "| CPU ms/request | TTFB p50 ms | TTFB p99 ms | added p50 ms | added p99 ms |")
     print("|---|---|---|---|---|---|---|---|---|---|")
-    for r in results:
-        d = direct[r.concurrency]
-        cpu_tok = "engine" if r.door == "direct" else f"{statistics.median(r.rounds):.1f}"
-        spread = "" if r.door == "direct" else f"{min(r.rounds):.1f}-{max(r.rounds):.1f}"
-        cpu_req = "" if r.door == "direct" else f"{r.cpu_s / r.requests * 1e3:.2f}"
-        added50 = "" if r.door == "direct" else f"{r.pct(0.5) - d.pct(0.5):.1f}"
-        added99 = "" if r.door == "direct" else f"{r.pct(0.99) - d.pct(0.99):.1f}"
-        print(f"| {r.door} | {r.concurrency} | {r.tokens} | {cpu_tok} | {spread} | {cpu_req} "
-              f"| {r.pct(0.5):.1f} | {r.pct(0.99):.1f} | {added50} | {added99} |")
+    for door in order:
+        for c in levels:
+            r, d = results[door, c], results["direct", c]
+            direct = door == "direct"
+            cpu_tok = "engine" if direct else f"{statistics.median(r.rounds):.1f}"
+            spread = "" if direct else f"{min(r.rounds):.1f}-{max(r.rounds):.1f}"
+            cpu_req = "" if direct else f"{r.cpu_s / r.requests * 1e3:.2f}"
+            added50 = "" if direct else f"{r.pct(0.5) - d.pct(0.5):.1f}"
+            added99 = "" if direct else f"{r.pct(0.99) - d.pct(0.99):.1f}"
+            print(f"| {r.door} | {r.concurrency} | {r.tokens} | {cpu_tok} | {spread} | {cpu_req} "
+                  f"| {r.pct(0.5):.1f} | {r.pct(0.99):.1f} | {added50} | {added99} |")
+    peers = [p for p in (SGLANG, VLLM) if (p, levels[0]) in results]
+    if not peers:
+        return
+    # Each round's CPU per token against the best Rust router in that same round; the
+    # median over rounds is the side-by-side ratio (drift between rounds cancels out).
+    print()
+    print("| front door | " + " | ".join(f"{c} streams: / best Rust router (range)"
+                                          for c in levels) + " |")
+    print("|---|" + "---|" * len(levels))
+    for door in order:
+        if door == "direct" or door in peers:
+            continue
+        cells = []
+        for c in levels:
+            rounds = results[door, c].rounds
+            best = [min(results[p, c].rounds[i] for p in peers) for i in range(len(rounds))]
+            ratios = [x / b for x, b in zip(rounds, best, strict=True) if b > 0]
+            cells.append(f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f})"
+                         if ratios else "n/a")
+        print(f"| {door} | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":

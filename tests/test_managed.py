@@ -70,6 +70,10 @@ engines:
         assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] >= 1
         pid = _engine_pid(r.proc.pid)
         assert pid is not None
+        # The router keeps to one CPU; the engine it launched gets back all of them.
+        assert os.sched_getaffinity(pid) == os.sched_getaffinity(0)
+        if len(os.sched_getaffinity(0)) > 1:
+            assert len(os.sched_getaffinity(r.proc.pid)) == 1
         os.kill(pid, signal.SIGKILL)
         end = time.monotonic() + 60
         while True:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -287,3 +288,69 @@ def test_bad_config_is_refused_with_its_path(tmp_path: Path) -> None:
                         str(cfg)], capture_output=True, text=True, timeout=30)
     assert p.returncode == 2
     assert "engines.0.dialect" in p.stderr and "queue.size" in p.stderr
+
+
+def _cpus(pid: int) -> set[str]:
+    """The CPU lists (`Cpus_allowed_list`) of every thread of `pid` and its descendants."""
+    family, grew = {pid}, True
+    while grew:
+        grew = False
+        for d in Path("/proc").iterdir():
+            if d.name.isdigit() and int(d.name) not in family:
+                try:
+                    ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                except OSError:
+                    continue
+                if ppid in family:
+                    family.add(int(d.name))
+                    grew = True
+    out = set()
+    for p in family:
+        try:
+            for t in Path(f"/proc/{p}/task").iterdir():
+                status = (t / "status").read_text()
+                out.add(status.split("Cpus_allowed_list:")[1].split()[0])
+        except OSError:  # a thread or process that ended meanwhile
+            continue
+    return out
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")
+def test_router_keeps_to_one_cpu_unless_told(router: Server, scripted: Server,
+                                            tmp_path: Path) -> None:
+    mine = os.sched_getaffinity(0)
+    # Default (auto): every thread of the router, Granian's included, on one CPU.
+    assert _cpus(router.proc.pid) == {str(max(mine))}
+    listed = f"{min(mine)}-{max(mine)}" if len(mine) == max(mine) - min(mine) + 1 else None
+    free = start_router(tmp_path, CONFIG.replace("URL", scripted.url).replace(
+        "request_timeout_s: 30}", "request_timeout_s: 30, cpu_affinity: none}"))
+    try:
+        assert httpx.get(free.url + "/ready").status_code == 200
+        if listed:
+            assert _cpus(free.proc.pid) == {listed}
+    finally:
+        free.stop()
+    chosen = start_router(tmp_path, CONFIG.replace("URL", scripted.url).replace(
+        "request_timeout_s: 30}", f"request_timeout_s: 30, cpu_affinity: [{min(mine)}]}}"))
+    try:
+        assert _cpus(chosen.proc.pid) == {str(min(mine))}
+    finally:
+        chosen.stop()
+
+
+@pytest.mark.parametrize(("value", "says"), [
+    ("[4096]", "serving.cpu_affinity: CPU 4096 is not available"),
+    ("sometimes", "serving.cpu_affinity"),
+    ("[]", "serving.cpu_affinity"),
+])
+def test_bad_cpu_affinity_is_refused(tmp_path: Path, value: str, says: str) -> None:
+    import subprocess
+    import sys
+
+    cfg = tmp_path / "bad.yaml"
+    cfg.write_text(f"serving: {{cpu_affinity: {value}}}\nengines:\n  - name: a\n"
+                   "    url: http://127.0.0.1:9\n")
+    p = subprocess.run([str(Path(sys.executable).parent / "narwhal"), "serve", "--config",
+                        str(cfg)], capture_output=True, text=True, timeout=30)
+    assert p.returncode == 2
+    assert says in p.stderr

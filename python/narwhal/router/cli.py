@@ -54,13 +54,19 @@ def main(argv: list[str] | None = None) -> int:
     from granian import Granian
     from granian.constants import Interfaces, Loops
 
+    from narwhal.router import affinity
     from narwhal.router.app import CONFIG_ENV
 
+    try:
+        cpus = affinity.pin(config.cpu_affinity)
+    except ConfigError as e:
+        print(f"narwhal: config error: {e}", file=sys.stderr)
+        return 2
     os.environ[CONFIG_ENV] = pickle.dumps(config).hex()
     engines = ", ".join(e.name + (f" ({e.url})" if e.url else " (managed)")
                         for e in config.engines)
     print(f"narwhal {__version__}: model '{config.model}' on http://{config.host}:{config.port} "
-          f"-> engines: {engines}", file=sys.stderr)
+          f"-> engines: {engines}; router on {affinity.describe(cpus)}", file=sys.stderr)
     # uvloop: the upstream reads run through the loop's transports once per token; its C
     # transports take ~10% off the router's CPU per relayed token (bench/README.md).
     Granian("narwhal.router.app:create_app", factory=True, address=config.host,

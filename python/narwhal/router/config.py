@@ -30,7 +30,11 @@ SCHEMA: dict[str, Any] = {
         "serving": {
             "type": "object", "additionalProperties": False,
             "properties": {"max_request_bytes": _pos_int, "http_retention_limit": _pos_int,
-                           "request_timeout_s": _pos_num},
+                           "request_timeout_s": _pos_num,
+                           "cpu_affinity": {"anyOf": [
+                               {"enum": ["auto", "none"]},
+                               {"type": "array", "minItems": 1, "uniqueItems": True,
+                                "items": {"type": "integer", "minimum": 0}}]}},
         },
         "queue": {
             "type": "object", "additionalProperties": False,
@@ -111,6 +115,8 @@ class RouterConfig:
     max_request_bytes: int = 1048576
     http_retention_limit: int = 1024
     request_timeout_s: float = 600.0
+    # "auto" (one CPU), "none" (the OS decides) or the CPU numbers: router/affinity.py.
+    cpu_affinity: str | tuple[int, ...] = "auto"
     queue_size: int = 256
     queue_wait_s: float = 30.0
     prefill_concurrency: int = 4
@@ -160,6 +166,7 @@ def parse(data: Any) -> RouterConfig:
         max_request_bytes=g("serving", "max_request_bytes", 1048576),
         http_retention_limit=g("serving", "http_retention_limit", 1024),
         request_timeout_s=float(g("serving", "request_timeout_s", 600)),
+        cpu_affinity=_affinity(g("serving", "cpu_affinity", "auto")),
         queue_size=g("queue", "size", 256),
         queue_wait_s=float(g("queue", "wait_s", 30)),
         prefill_concurrency=g("phases", "prefill_concurrency", 4),
@@ -172,6 +179,10 @@ def parse(data: Any) -> RouterConfig:
         health_interval_s=float(g("health", "interval_s", 2.0)),
         health_timeout_s=float(g("health", "timeout_s", 2.0)),
     )
+
+
+def _affinity(value: str | list[int]) -> str | tuple[int, ...]:
+    return value if isinstance(value, str) else tuple(value)
 
 
 def load(path: str | Path) -> RouterConfig:

@@ -11,6 +11,7 @@ import socket
 import sys
 from pathlib import Path
 
+from narwhal.router import affinity
 from narwhal.router.config import EngineSpec
 
 log = logging.getLogger("narwhal.supervisor")
@@ -18,8 +19,10 @@ log = logging.getLogger("narwhal.supervisor")
 PR_SET_PDEATHSIG = 1
 
 
-def _die_with_parent() -> None:
-    """Runs in the child before exec: the kernel kills it if the router dies (no orphans)."""
+def _prepare_child() -> None:
+    """Runs in the child before exec: the kernel kills it if the router dies (no orphans),
+    and it may use every CPU the router was started with, not only the router's own."""
+    affinity.release_child()
     if sys.platform.startswith("linux"):
         import ctypes
 
@@ -67,7 +70,7 @@ class ManagedEngine:
         while not self._stopping:
             log.info("starting engine %s on port %d", self.spec.name, self.port)
             self.proc = await asyncio.create_subprocess_exec(
-                *self.command(), preexec_fn=_die_with_parent,
+                *self.command(), preexec_fn=_prepare_child,
                 stdout=asyncio.subprocess.DEVNULL if os.environ.get("NARWHAL_QUIET_ENGINES")
                 else None)
             code = await self.proc.wait()
