@@ -124,15 +124,20 @@ def stop(p: subprocess.Popen[bytes]) -> None:
 def doors(engine: str, a: argparse.Namespace) -> list[tuple[str, list[str], str, int]]:
     out = []
     tmp = Path(tempfile.mkdtemp())
-    for dialect in ("openai", "lexi"):
+    # The last one leaves its threads to the OS scheduler (serving.cpu_affinity: none) to
+    # show what keeping to one CPU, the default, is worth.
+    for dialect, affinity, label in (("openai", "auto", "openai dialect"),
+                                     ("lexi", "auto", "lexi dialect"),
+                                     ("openai", "none", "openai dialect, cpu_affinity: none")):
         port = free_port()
-        cfg = tmp / f"{dialect}.yaml"
+        cfg = tmp / f"{port}.yaml"
         cfg.write_text(f"model: main\nlisten: {{port: {port}}}\nadmission: open\n"
+                       f"serving: {{cpu_affinity: {affinity}}}\n"
                        f"phases: {{prefill_concurrency: 512, decode_concurrency: 512}}\n"
                        f"queue: {{size: 1024}}\n"
                        f"engines:\n  - {{name: e, url: '{engine}', dialect: {dialect}}}\n")
-        out.append((f"narwhal ({dialect} dialect)", [str(BIN / "narwhal"), "serve", "--config",
-                                                     str(cfg)], "/ready", port))
+        out.append((f"narwhal ({label})", [str(BIN / "narwhal"), "serve", "--config", str(cfg)],
+                    "/ready", port))
     # The floors keep to one CPU as Narwhal does by default (serving.cpu_affinity: auto).
     one_cpu = ["taskset", "-c", str(max(os.sched_getaffinity(0)))]
     granian = [*one_cpu, sys.executable, "-m", "granian", "--interface", "asgi", "--loop",
