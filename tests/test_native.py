@@ -103,6 +103,29 @@ def test_relay_matches_reference(n: int, strip: bool, reasoning: bool, cuts: lis
     assert (b"token_ids" in forwarded) is (not strip)
 
 
+@settings(max_examples=100, deadline=None)
+@given(st.integers(1, 30), st.booleans(), st.lists(st.integers(0, 100_000), max_size=8))
+def test_relay_push_answers_bytes_only_for_plain_output(n: int, ids: bool,
+                                                        cuts: list[int]) -> None:
+    """`push` forwards what `feed` forwards; a read that starts the output, carries prompt
+    IDs or usage, or ends the stream comes back as the full report; `counted` is the
+    stream's output tokens either way."""
+    stream = sse(chat_stream(n, token_ids=ids))
+    pushed, fed = StreamRelay(True, ids), StreamRelay(True, ids)
+    summed = 0
+    for c in chunked(stream, cuts):
+        got, rep = pushed.push(c), fed.feed(c)
+        summed += rep.output_tokens or rep.generation_events
+        plain = not (rep.first_output or rep.done or rep.fault_reason or
+                     rep.prompt_ids is not None or rep.prompt_tokens is not None or
+                     rep.cached_tokens is not None)
+        assert isinstance(got, bytes) is plain
+        assert (got if isinstance(got, bytes) else got.forward) == rep.forward
+    assert pushed.counted == fed.counted == summed
+    if ids:
+        assert pushed.counted == n
+
+
 def test_relay_leaves_frames_without_ids_byte_identical() -> None:
     frames = chat_stream(5, token_ids=False)
     stream = sse(frames)

@@ -92,6 +92,12 @@ class StreamRelay:
         """`drop_usage`: read usage-only frames but do not forward them (the router asked
         the engine for usage its client did not ask for)."""
     def feed(self, chunk: bytes) -> RelayChunk: ...
+    def push(self, chunk: bytes) -> bytes | RelayChunk:
+        """`feed`, answering only the bytes to forward when the chunk held nothing but
+        output (no first output, prompt IDs, usage, fault or end)."""
+    @property
+    def counted(self) -> int:
+        """Output tokens so far (token IDs, else one per generation event)."""
     @property
     def has_pending(self) -> bool: ...
 

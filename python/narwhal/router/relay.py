@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import orjson
 
 from narwhal import asgi
-from narwhal._native import Assembler, AssemblyError, StreamRelay
+from narwhal._native import Assembler, AssemblyError, RelayChunk, StreamRelay
 from narwhal.asgi import Send
 from narwhal.errors import ApiError
 from narwhal.router.admission import Admission
@@ -60,13 +60,14 @@ def _completes_at_call(sent: object) -> bool:
 class _Stream:
     """One streamed response's accounting, fed one socket read's body at a time."""
 
-    __slots__ = ("feed", "first_at", "p", "prompt_ids", "relayer", "tokens")
+    __slots__ = ("first_at", "p", "prompt_ids", "push", "relay", "relayer")
 
     def __init__(self, relayer: Relayer, p: Placed, relay: StreamRelay) -> None:
         self.relayer = relayer
         self.p = p
-        self.feed = relay.feed
-        self.tokens = 0
+        self.relay = relay
+        # The bytes to forward, or a RelayChunk when the read held more than output.
+        self.push = relay.push
         self.first_at = 0.0
         self.prompt_ids: int | None = None
 
@@ -82,12 +83,17 @@ class _Stream:
         whether it ended well)."""
         if not chunk:
             return b"", self.broken(), False
+        rep = self.push(chunk)
+        if isinstance(rep, bytes):
+            return rep, None, None
+        return self.report(rep)
+
+    def report(self, rep: RelayChunk) -> tuple[bytes, bytes | None, bool | None]:
+        """`step` for a read that held more than output tokens."""
         p = self.p
-        rep = self.feed(chunk)
         if rep.first_output:
             self.relayer._first_output(p)
             self.first_at = time.monotonic()
-        self.tokens += rep.output_tokens or rep.generation_events
         # The prompt IDs the relay counted are exact; a usage frame (always last) only
         # fills in when the engine sent none.
         self.prompt_ids = rep.prompt_ids or self.prompt_ids
@@ -102,8 +108,8 @@ class _Stream:
             return rep.forward, _error_event(f"engine stream rejected: {rep.fault_message}",
                                              rep.fault_reason), False
         if rep.done:
-            p.output_tokens = self.tokens
-            self.relayer._done(p, self.tokens, self.first_at)
+            p.output_tokens = tokens = self.relay.counted
+            self.relayer._done(p, tokens, self.first_at)
             return rep.forward, b"", True
         return rep.forward, None, None
 
@@ -242,11 +248,21 @@ class Relayer:
         """
         ended: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
 
+        push = st.push
+
         def on_body(chunk: bytes) -> None:
             if ended.done():
                 return
             try:
-                forward, final, outcome = st.step(chunk)
+                if chunk:
+                    rep = push(chunk)
+                    if isinstance(rep, bytes):  # output only: the common case, kept short
+                        if rep:
+                            send({"type": "http.response.body", "body": rep, "more_body": True})
+                        return
+                    forward, final, outcome = st.report(rep)
+                else:
+                    forward, final, outcome = b"", st.broken(), False
                 if forward:
                     send({"type": "http.response.body", "body": forward, "more_body": True})
                 if final is not None:

@@ -121,6 +121,7 @@ impl RelayChunk {
 #[pyclass(module = "narwhal._native")]
 struct StreamRelay {
     inner: Relay,
+    counted: u64,
 }
 
 #[pymethods]
@@ -129,18 +130,52 @@ impl StreamRelay {
     #[pyo3(signature = (strip_token_ids, require_token_ids, drop_usage = false, max_event_bytes = DEFAULT_MAX_EVENT_BYTES))]
     fn new(strip_token_ids: bool, require_token_ids: bool, drop_usage: bool, max_event_bytes: usize) -> Self {
         let inner = Relay::new(strip_token_ids, require_token_ids, max_event_bytes).drop_usage_frames(drop_usage);
-        StreamRelay { inner }
+        StreamRelay { inner, counted: 0 }
     }
 
     fn feed(&mut self, py: Python<'_>, chunk: &[u8]) -> RelayChunk {
         let report = self.inner.feed(chunk);
+        self.count(&report);
         RelayChunk::from_report(py, report)
+    }
+
+    /// `feed` for the per-read hot path: just the bytes to forward when the chunk held
+    /// nothing but output (no first output, prompt IDs, usage, fault or end of stream),
+    /// else the whole `RelayChunk`. Called once per token on an idle router, where every
+    /// object and attribute touched is a cache miss, so the common case is one object.
+    fn push(&mut self, py: Python<'_>, chunk: &[u8]) -> PyResult<Py<PyAny>> {
+        let r = self.inner.feed(chunk);
+        self.count(&r);
+        let plain = !r.first_output
+            && !r.done
+            && r.fault.is_none()
+            && r.prompt_ids.is_none()
+            && r.prompt_tokens.is_none()
+            && r.cached_tokens.is_none();
+        if plain {
+            Ok(PyBytes::new(py, &r.forward).into_any().unbind())
+        } else {
+            Ok(Py::new(py, RelayChunk::from_report(py, r))?.into_any())
+        }
+    }
+
+    /// Output tokens relayed so far: validated token IDs, or one per generation event from
+    /// an engine that sends none (summed per chunk as `output_tokens or generation_events`).
+    #[getter]
+    fn counted(&self) -> u64 {
+        self.counted
     }
 
     /// Whether the stream ended mid-event.
     #[getter]
     fn has_pending(&self) -> bool {
         self.inner.has_pending()
+    }
+}
+
+impl StreamRelay {
+    fn count(&mut self, r: &ChunkReport) {
+        self.counted += if r.output_tokens > 0 { r.output_tokens } else { u64::from(r.generation_events) };
     }
 }
 
