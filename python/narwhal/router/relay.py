@@ -213,7 +213,7 @@ class Relayer:
             if forward or final is not None:
                 await asgi.start_stream(send)
                 if forward:
-                    self.metrics.ttfb.labels(e.name).observe(time.monotonic() - p.arrived)
+                    self.metrics.engine(e.name).ttfb.observe(time.monotonic() - p.arrived)
                     sent = send({"type": "http.response.body", "body": forward,
                                  "more_body": True})
                     sync_send = _completes_at_call(sent)
@@ -280,20 +280,20 @@ class Relayer:
             resp.push(None)
 
     def _done(self, p: Placed, tokens: int, first_at: float) -> None:
-        m, name = self.metrics, p.engine.name
+        m, name = self.metrics.engine(p.engine.name), p.engine.name
         if self.predictor is not None:
             ttft = p.first_at - p.sent_at if p.first_at else None
             if ttft is not None and p.predicted_s is not None:
-                m.predicted_ttft.labels(name).observe(p.predicted_s)
-                m.observed_ttft.labels(name).observe(ttft)
+                self.metrics.predicted_ttft.labels(name).observe(p.predicted_s)
+                self.metrics.observed_ttft.labels(name).observe(ttft)
             self.predictor.profiles[name].observe(
                 p.intake.prompt_bytes, p.prompt_tokens, ttft, p.alone, tokens,
                 time.monotonic() - first_at if first_at else 0.0, p.predicted_s,
                 cached_tokens=p.cached_tokens or 0)
-        m.completed.labels(name).inc()
-        m.output_tokens.labels(name).inc(tokens)
+        m.completed.inc()
+        m.output_tokens.inc(tokens)
         if tokens > 1 and first_at:
-            m.tpot.labels(name).observe((time.monotonic() - first_at) / (tokens - 1))
+            m.tpot.observe((time.monotonic() - first_at) / (tokens - 1))
 
     async def _assemble(self, p: Placed, resp: Exchange, send: Send) -> bool:
         e = p.engine
@@ -319,7 +319,7 @@ class Relayer:
             raise ApiError(502, f"the engine's output cannot be assembled: {exc}",
                            type="server_error", param=getattr(exc, "field", None),
                            code="bad_engine_output") from None
-        self.metrics.ttfb.labels(e.name).observe(time.monotonic() - p.arrived)
+        self.metrics.engine(e.name).ttfb.observe(time.monotonic() - p.arrived)
         await asgi.send_bytes(send, 200, body)
         self._done(p, asm.measured_output_tokens, first_at)
         return True
