@@ -10,6 +10,7 @@ every CPU the router was given.
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 from narwhal.router.config import ConfigError
@@ -43,8 +44,12 @@ def pin(setting: str | tuple[int, ...]) -> set[int] | None:
     cpus = choose(setting, allowed)
     if cpus is None:
         return None
+    try:
+        os.sched_setaffinity(0, cpus)
+    except OSError as e:
+        raise ConfigError(f"serving.cpu_affinity: cannot keep the router to CPU "
+                          f"{_ranges(cpus)}: {e.strerror}") from e
     os.environ[ENGINE_CPUS_ENV] = ",".join(map(str, sorted(allowed)))
-    os.sched_setaffinity(0, cpus)
     return cpus
 
 
@@ -52,7 +57,9 @@ def release_child() -> None:
     """In a process the router starts, before it runs: back to the router's original CPUs."""
     cpus = os.environ.get(ENGINE_CPUS_ENV)
     if cpus and hasattr(os, "sched_setaffinity"):
-        os.sched_setaffinity(0, {int(c) for c in cpus.split(",")})
+        # Best effort: a CPU taken away since the router started must not stop the engine.
+        with contextlib.suppress(OSError):
+            os.sched_setaffinity(0, {int(c) for c in cpus.split(",")})
 
 
 def describe(cpus: set[int] | None) -> str:
