@@ -22,15 +22,23 @@ def _frame(i: int) -> bytes:
                      "finish_reason": None}]}) + b"\n\n"
 
 
-async def app(scope: dict[str, Any], receive: asgi.Receive, send: asgi.Send) -> None:
+async def answered_alone(scope: dict[str, Any], receive: asgi.Receive,
+                         send: asgi.Send) -> bool:
+    """Lifespan and `/health`, which every bench door answers the same way."""
     if scope["type"] == "lifespan":
         async def nothing() -> None:
             return None
 
         await asgi.lifespan(receive, send, nothing, nothing)
-        return
+        return True
     if scope["path"] == "/health":
         await asgi.send_json(send, 200, {"ok": True})
+        return True
+    return False
+
+
+async def app(scope: dict[str, Any], receive: asgi.Receive, send: asgi.Send) -> None:
+    if await answered_alone(scope, receive, send):
         return
     body = orjson.loads(await asgi.read_body(receive, 1 << 20))
     _, name, *args = body["messages"][-1]["content"].split(":")

@@ -16,6 +16,7 @@ import asyncio
 import os
 from typing import Any
 
+from bench.floor_app import answered_alone
 from narwhal import asgi
 from narwhal.router.upstream import Upstream
 
@@ -24,14 +25,7 @@ _upstream: Upstream | None = None
 
 async def app(scope: dict[str, Any], receive: asgi.Receive, send: asgi.Send) -> None:
     global _upstream
-    if scope["type"] == "lifespan":
-        async def nothing() -> None:
-            return None
-
-        await asgi.lifespan(receive, send, nothing, nothing)
-        return
-    if scope["path"] == "/health":
-        await asgi.send_json(send, 200, {"ok": True})
+    if await answered_alone(scope, receive, send):
         return
     if _upstream is None:
         _upstream = Upstream(os.environ["NARWHAL_FLOOR_ENGINE"])

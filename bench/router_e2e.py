@@ -29,6 +29,7 @@ from pathlib import Path
 
 import aiohttp
 
+from narwhal.router import affinity
 from tests.conftest import BIN, ROOT, free_port, wait_http
 
 
@@ -126,21 +127,22 @@ def doors(engine: str, a: argparse.Namespace) -> list[tuple[str, list[str], str,
     tmp = Path(tempfile.mkdtemp())
     # The last one leaves its threads to the OS scheduler (serving.cpu_affinity: none) to
     # show what keeping to one CPU, the default, is worth.
-    for dialect, affinity, label in (("openai", "auto", "openai dialect"),
+    for dialect, placement, label in (("openai", "auto", "openai dialect"),
                                      ("lexi", "auto", "lexi dialect"),
                                      ("openai", "none", "openai dialect, cpu_affinity: none")):
         port = free_port()
         cfg = tmp / f"{port}.yaml"
         cfg.write_text(f"model: main\nlisten: {{port: {port}}}\nadmission: open\n"
-                       f"serving: {{cpu_affinity: {affinity}}}\n"
+                       f"serving: {{cpu_affinity: {placement}}}\n"
                        f"phases: {{prefill_concurrency: 512, decode_concurrency: 512}}\n"
                        f"queue: {{size: 1024}}\n"
                        f"engines:\n  - {{name: e, url: '{engine}', dialect: {dialect}}}\n")
         out.append((f"narwhal ({label})", [str(BIN / "narwhal"), "serve", "--config", str(cfg)],
                     "/ready", port))
-    # The floors keep to one CPU as Narwhal does by default (serving.cpu_affinity: auto).
-    one_cpu = ["taskset", "-c", str(max(os.sched_getaffinity(0)))]
-    granian = [*one_cpu, sys.executable, "-m", "granian", "--interface", "asgi", "--loop",
+    # The floors keep to the CPU Narwhal keeps to by default (serving.cpu_affinity: auto).
+    cpus = affinity.choose("auto", os.sched_getaffinity(0))
+    pinned = ["taskset", "-c", ",".join(map(str, sorted(cpus)))] if cpus else []
+    granian = [*pinned, sys.executable, "-m", "granian", "--interface", "asgi", "--loop",
                "uvloop", "--host", "127.0.0.1", "--no-ws"]
     # No upstream at all: what Granian + asyncio cost per streamed chunk by themselves.
     port = free_port()

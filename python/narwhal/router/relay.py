@@ -1,7 +1,7 @@
 """Relay: one placed request's upstream call, streamed through or assembled.
 
 Each socket read from the engine crosses into Rust twice: HTTP de-framing
-(`upstream.py`) and then `StreamRelay.feed` or `Assembler.feed`; Python only moves the
+(`upstream.py`) and then `StreamRelay.push` or `Assembler.feed`; Python only moves the
 resulting bytes and updates counters.
 """
 
@@ -247,7 +247,6 @@ class Relayer:
         read is then forwarded without waking this coroutine, which only waits for the end.
         """
         ended: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
-
         push = st.push
 
         def on_body(chunk: bytes) -> None:
@@ -262,7 +261,7 @@ class Relayer:
                         return
                     forward, final, outcome = st.report(rep)
                 else:
-                    forward, final, outcome = b"", st.broken(), False
+                    forward, final, outcome = st.step(chunk)  # the engine broke off
                 if forward:
                     send({"type": "http.response.body", "body": forward, "more_body": True})
                 if final is not None:

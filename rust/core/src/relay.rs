@@ -47,6 +47,29 @@ pub struct ChunkReport {
     pub fault: Option<StreamFault>,
 }
 
+impl ChunkReport {
+    /// Output tokens in this chunk: validated token IDs, else one per generation event
+    /// (engines that send no IDs).
+    pub fn tokens(&self) -> u64 {
+        if self.output_tokens > 0 {
+            self.output_tokens
+        } else {
+            u64::from(self.generation_events)
+        }
+    }
+
+    /// The chunk held nothing a caller must act on besides its bytes and tokens: no first
+    /// output, prompt IDs, usage, fault or end of stream (most chunks of a stream).
+    pub fn output_only(&self) -> bool {
+        !self.first_output
+            && !self.done
+            && self.fault.is_none()
+            && self.prompt_ids.is_none()
+            && self.prompt_tokens.is_none()
+            && self.cached_tokens.is_none()
+    }
+}
+
 pub struct Relay {
     decoder: SseDecoder,
     strip: bool,

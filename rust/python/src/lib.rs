@@ -135,7 +135,7 @@ impl StreamRelay {
 
     fn feed(&mut self, py: Python<'_>, chunk: &[u8]) -> RelayChunk {
         let report = self.inner.feed(chunk);
-        self.count(&report);
+        self.counted += report.tokens();
         RelayChunk::from_report(py, report)
     }
 
@@ -145,22 +145,15 @@ impl StreamRelay {
     /// object and attribute touched is a cache miss, so the common case is one object.
     fn push(&mut self, py: Python<'_>, chunk: &[u8]) -> PyResult<Py<PyAny>> {
         let r = self.inner.feed(chunk);
-        self.count(&r);
-        let plain = !r.first_output
-            && !r.done
-            && r.fault.is_none()
-            && r.prompt_ids.is_none()
-            && r.prompt_tokens.is_none()
-            && r.cached_tokens.is_none();
-        if plain {
+        self.counted += r.tokens();
+        if r.output_only() {
             Ok(PyBytes::new(py, &r.forward).into_any().unbind())
         } else {
             Ok(Py::new(py, RelayChunk::from_report(py, r))?.into_any())
         }
     }
 
-    /// Output tokens relayed so far: validated token IDs, or one per generation event from
-    /// an engine that sends none (summed per chunk as `output_tokens or generation_events`).
+    /// Output tokens relayed so far (`ChunkReport::tokens` summed over the chunks).
     #[getter]
     fn counted(&self) -> u64 {
         self.counted
@@ -170,12 +163,6 @@ impl StreamRelay {
     #[getter]
     fn has_pending(&self) -> bool {
         self.inner.has_pending()
-    }
-}
-
-impl StreamRelay {
-    fn count(&mut self, r: &ChunkReport) {
-        self.counted += if r.output_tokens > 0 { r.output_tokens } else { u64::from(r.generation_events) };
     }
 }
 
