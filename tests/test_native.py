@@ -11,10 +11,13 @@ from hypothesis import strategies as st
 from narwhal._native import (
     Assembler,
     AssemblyError,
+    RelayChunk,
+    ResponseDecoder,
     SseDecoder,
     SseError,
     StreamRelay,
     ThinkSplitter,
+    UpstreamReader,
 )
 from tests.reference import RefSseDecoder, RefThinkSplitter, ref_assemble, ref_relay_event
 from tests.streams import chat_stream, completion_stream, sse, tool_stream
@@ -124,6 +127,101 @@ def test_relay_push_answers_bytes_only_for_plain_output(n: int, ids: bool,
     assert pushed.counted == fed.counted == summed
     if ids:
         assert pushed.counted == n
+
+
+HEAD = (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+        b"transfer-encoding: chunked\r\n\r\n")
+
+
+def http_chunked(frames: list[bytes]) -> bytes:
+    return b"".join(b"%x\r\n%s\r\n" % (len(f), f) for f in frames) + b"0\r\n\r\n"
+
+
+class Loop:
+    """Drives an `UpstreamReader` as asyncio drives a BufferedProtocol, and logs where
+    each read's bytes went."""
+
+    def __init__(self) -> None:
+        self.log: list[tuple[str, object]] = []
+        self.reader = UpstreamReader(4096, lambda b: self.log.append(("body", b)),
+                                     lambda m: self.log.append(("fault", m)))
+
+    def read(self, data: bytes) -> None:
+        buf = self.reader.get_buffer(-1)
+        buf[:len(data)] = data
+        self.reader.buffer_updated(len(data))
+
+    def send(self, message: dict[str, object]) -> None:
+        assert message["type"] == "http.response.body" and message["more_body"] is True
+        self.log.append(("send", message["body"]))
+
+    def report(self, rep: RelayChunk | BaseException) -> None:
+        self.log.append(("report", rep))
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(1, 30), st.booleans(), st.lists(st.integers(0, 100_000), max_size=8))
+def test_upstream_reader_relays_reads_to_send(n: int, ids: bool, cuts: list[int]) -> None:
+    """While relaying, a read of nothing but output goes to `send` as the relay would
+    forward it; any other read reaches `on_report` as the relay's full report; the
+    response's end reaches `on_body` as b"" once, after the last report."""
+    frames = [sse([f]) for f in chat_stream(n, token_ids=ids)]
+    body = http_chunked(frames)
+    loop, relay, reference = Loop(), StreamRelay(True, ids), StreamRelay(True, ids)
+    loop.reader.decoder = ResponseDecoder()
+    loop.read(HEAD)
+    assert loop.log == [("body", b"")]
+    loop.log.clear()
+    loop.reader.start_relay(relay, loop.send, loop.report)
+    decoder, expect = ResponseDecoder(), []
+    decoder.feed_buffer(bytearray(HEAD), len(HEAD))
+    for c in chunked(body, cuts):
+        if not c:
+            continue
+        loop.read(c)
+        part = decoder.feed_buffer(bytearray(c), len(c))
+        if part:
+            rep = reference.push(part)
+            if isinstance(rep, bytes):
+                if rep:
+                    expect.append(("send", rep))
+            else:
+                expect.append(("report", rep.forward))
+    expect.append(("body", b""))
+    got = [(k, v.forward if isinstance(v, RelayChunk) else v) for k, v in loop.log]
+    assert got == expect
+    assert relay.counted == reference.counted == n
+    assert b"".join(v for k, v in got if k != "body") == b"".join(
+        StreamRelay(True, ids).feed(f).forward for f in frames)
+
+
+def test_upstream_reader_faults_and_failed_sends() -> None:
+    loop = Loop()
+    loop.read(b"stray bytes")  # no exchange on the connection
+    assert loop.log == [("fault", None)]
+    loop.log.clear()
+    loop.reader.decoder = ResponseDecoder()
+    loop.read(HEAD + b"zz\r\n")  # not a chunk size
+    assert len(loop.log) == 1 and loop.log[0][0] == "fault"
+    assert "chunk" in str(loop.log[0][1])
+
+    loop = Loop()
+    loop.reader.decoder = ResponseDecoder()
+    loop.read(HEAD)
+    gone = ConnectionResetError("client went away")
+
+    def send(message: dict[str, object]) -> None:
+        raise gone
+
+    relay = StreamRelay(True, False)
+    loop.reader.start_relay(relay, send, loop.report)
+    frames = [sse([f]) for f in chat_stream(2, token_ids=False)]
+    loop.read(http_chunked(frames[:2])[:-5])  # the first output: a report, no send
+    assert loop.log[-1][0] == "report"
+    loop.read(http_chunked(frames[2:3])[:-5])  # plain output: `send` raises
+    assert loop.log[-1] == ("report", gone)
+    loop.reader.stop_relay()
+    assert not loop.reader.relaying
 
 
 def test_relay_leaves_frames_without_ids_byte_identical() -> None:

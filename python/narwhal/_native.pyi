@@ -4,6 +4,7 @@ Every method takes a whole network chunk or text delta: the boundary is crossed 
 chunk, never once per event or token.
 """
 
+from collections.abc import Callable
 from typing import Literal
 
 __version__: str
@@ -170,3 +171,26 @@ class ResponseDecoder:
     @property
     def keep_alive(self) -> bool:
         """The connection may carry another request once the response is complete."""
+
+class UpstreamReader:
+    """One upstream connection's receive side, bound as its asyncio protocol's
+    ``get_buffer`` and ``buffer_updated``.
+
+    Each read is de-framed by ``decoder``; its body goes to ``on_body`` — except while a
+    stream is relayed (`start_relay`): a read holding only output then goes through the
+    relay to ``send`` in Rust, and only a `RelayChunk` with more than output (or the
+    exception ``send`` raised) goes to ``on_report``; when such a read also completed the
+    response, ``on_body(b"")`` follows. ``on_fault`` gets a malformed response's message,
+    or None for bytes on a connection with no ``decoder``.
+    """
+
+    decoder: ResponseDecoder | None
+    def __init__(self, size: int, on_body: Callable[[bytes], object],
+                 on_fault: Callable[[str | None], object]) -> None: ...
+    def get_buffer(self, sizehint: int) -> bytearray: ...
+    def buffer_updated(self, nbytes: int) -> None: ...
+    def start_relay(self, relay: StreamRelay, send: Callable[[dict[str, object]], object],
+                    on_report: Callable[[RelayChunk | BaseException], object]) -> None: ...
+    def stop_relay(self) -> None: ...
+    @property
+    def relaying(self) -> bool: ...

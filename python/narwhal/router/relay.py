@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import orjson
@@ -243,36 +244,38 @@ class Relayer:
     async def _push(self, st: _Stream, resp: Exchange, send: Send) -> bool:
         """Relay the rest of the stream from the connection's read callback.
 
-        Only for a server whose `send` finishes its work when called (Granian's does): each
-        read is then forwarded without waking this coroutine, which only waits for the end.
+        Only for a server whose `send` finishes its work when called (Granian's does): a
+        read that holds only output goes from the socket through the relay to `send` in
+        Rust (`UpstreamReader`); this coroutine only waits for the end, and the callbacks
+        below see the rest (first output, usage, the end, faults).
         """
         ended: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
-        push = st.push
 
-        def on_body(chunk: bytes) -> None:
+        def deliver(step: Callable[[], tuple[bytes, bytes | None, bool | None]]) -> None:
             if ended.done():
                 return
             try:
-                if chunk:
-                    rep = push(chunk)
-                    if isinstance(rep, bytes):  # output only: the common case, kept short
-                        if rep:
-                            send({"type": "http.response.body", "body": rep, "more_body": True})
-                        return
-                    forward, final, outcome = st.report(rep)
-                else:
-                    forward, final, outcome = st.step(chunk)  # the engine broke off
-                if forward:
+                forward, final, outcome = step()
+                if final is not None:  # the last bytes go out with the stream's end: one send
+                    send({"type": "http.response.body", "body": forward + final,
+                          "more_body": False})
+                elif forward:
                     send({"type": "http.response.body", "body": forward, "more_body": True})
-                if final is not None:
-                    send({"type": "http.response.body", "body": final, "more_body": False})
             except Exception as exc:  # the client went away, say: the coroutine decides
                 ended.set_exception(exc)
                 return
             if outcome is not None:
                 ended.set_result(outcome)
+                resp.push(None)  # nothing more goes to the client
 
-        resp.push(on_body)
+        def on_report(rep: RelayChunk | BaseException) -> None:
+            if isinstance(rep, BaseException):  # raised by `send`
+                if not ended.done():
+                    ended.set_exception(rep)
+            else:
+                deliver(lambda: st.report(rep))
+
+        resp.push(lambda chunk: deliver(lambda: st.step(chunk)), (st.relay, send, on_report))
         try:
             return await ended
         finally:

@@ -3,8 +3,10 @@
 An engine's streamed answer is one chunked response with (usually) one SSE frame per
 chunk, so a general-purpose client spends a few Python calls per token de-framing it.
 Here each socket read is de-framed by the native `ResponseDecoder` in one call, and the
-relay wakes once per read, not once per chunk. Connections are kept alive and reused,
-most recently used first; health probes and other rare calls stay on aiohttp.
+relay wakes once per read, not once per chunk. While a stream is relayed, a read that
+holds only output goes from the socket to the client without a Python frame
+(`UpstreamReader`). Connections are kept alive and reused, most recently used first;
+health probes and other rare calls stay on aiohttp.
 """
 
 from __future__ import annotations
@@ -14,10 +16,14 @@ import ssl
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import cast
+from typing import TYPE_CHECKING, cast
 from urllib.parse import urlsplit
 
-from narwhal._native import HttpError, ResponseDecoder
+from narwhal._native import HttpError, ResponseDecoder, UpstreamReader
+
+if TYPE_CHECKING:
+    from narwhal._native import RelayChunk, StreamRelay
+    from narwhal.asgi import Send
 
 # One socket read's buffer, per connection.
 _READ_BYTES = 64 * 1024
@@ -40,13 +46,18 @@ class _Connection(asyncio.BufferedProtocol):
     A buffered protocol: the socket reads into a buffer the connection owns. A plain
     `Protocol` gets a fresh `bytes` per read, which asyncio allocates at 256 KiB and then
     shrinks: an mmap, page faults and an mremap per read, more than the rest of the read.
+    The buffer and the read callback are the native `UpstreamReader`'s; it hands what it
+    does not relay itself to `_read`.
     """
 
     def __init__(self, pool: Upstream) -> None:
         self.pool = pool
-        self.buffer = bytearray(_READ_BYTES)
+        self.reader = UpstreamReader(_READ_BYTES, self._read, self._fault)
+        # The event loop looks these up once per connection and then calls them per read:
+        # bound to the native reader, a read enters Rust directly.
+        self.get_buffer = self.reader.get_buffer  # type: ignore[method-assign]
+        self.buffer_updated = self.reader.buffer_updated  # type: ignore[method-assign]
         self.transport: asyncio.Transport | None = None
-        self.decoder: ResponseDecoder | None = None
         self.body: deque[bytes] = deque()
         self.buffered = 0
         self.waiter: asyncio.Future[None] | None = None
@@ -66,20 +77,26 @@ class _Connection(asyncio.BufferedProtocol):
         # uvloop's transports are not asyncio.Transport subclasses, only alike.
         self.transport = cast(asyncio.Transport, transport)
 
-    def get_buffer(self, sizehint: int) -> bytearray:
-        return self.buffer
+    @property
+    def decoder(self) -> ResponseDecoder | None:
+        """The current exchange's response decoder; None while the connection is idle."""
+        return self.reader.decoder
 
-    def buffer_updated(self, nbytes: int) -> None:
-        d = self.decoder
-        if d is None:  # bytes on an idle connection: it cannot be trusted any more
+    @decoder.setter
+    def decoder(self, d: ResponseDecoder | None) -> None:
+        self.reader.decoder = d
+
+    def _fault(self, message: str | None) -> None:
+        if message is None:  # bytes on an idle connection: it cannot be trusted any more
             self.close()
-            return
+        else:
+            self._broken(UpstreamError(f"malformed HTTP response from the engine: {message}"))
+
+    def _read(self, body: bytes) -> None:
+        """One read's de-framed body (maybe empty), unless the reader relayed it."""
+        d = self.decoder
+        assert d is not None
         self.received = True
-        try:
-            body = d.feed_buffer(self.buffer, nbytes)
-        except HttpError as exc:
-            self._broken(UpstreamError(f"malformed HTTP response from the engine: {exc}"))
-            return
         if self.draining is not None:
             if d.complete:
                 self._drained()
@@ -177,6 +194,7 @@ class _Connection(asyncio.BufferedProtocol):
         self.body.clear()
         self.buffered = 0
         self.on_body = None
+        self.reader.stop_relay()
         if self.paused and self.transport is not None and not self.closed:
             self.transport.resume_reading()  # a pooled connection must be read again
             self.paused = False
@@ -242,13 +260,21 @@ class Exchange:
             parts.append(chunk)
         return b"".join(parts)
 
-    def push(self, on_body: Callable[[bytes], None] | None) -> None:
+    def push(self, on_body: Callable[[bytes], None] | None,
+             relay: tuple[StreamRelay, Send, Callable[[RelayChunk | BaseException], None]]
+             | None = None) -> None:
         """Deliver the body to `on_body` as it arrives (None: back to `read`). Called with
         b"" once when the body ends or the connection breaks; what is already buffered is
-        delivered at once."""
+        delivered at once.
+
+        With `relay` (a `StreamRelay`, an ASGI `send` that completes when called, and
+        `on_report`), later reads go through the relay to `send` natively instead; only
+        reports with more than output, or an exception from `send`, reach `on_report`.
+        """
         c = self._conn
         c.on_body = on_body
         if on_body is None:
+            c.reader.stop_relay()
             return
         if c.body:
             on_body(c.take())
@@ -256,6 +282,8 @@ class Exchange:
         if c.on_body is not None and (c.error is not None or c.closed or
                                       (d is not None and d.complete)):
             on_body(b"")
+        elif relay is not None and c.on_body is not None:
+            c.reader.start_relay(*relay)
 
     def release(self, done: bool) -> None:
         """Hand the connection back; `done`: the relay saw the stream through to its end."""

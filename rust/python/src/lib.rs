@@ -2,17 +2,17 @@
 //! whole network chunk (or a whole text delta) so the boundary is crossed once per chunk.
 
 use narwhal_core::assemble::Kind;
-use narwhal_core::http1::ResponseDecoder as CoreResponse;
 use narwhal_core::relay::{ChunkReport, Relay, StreamAssembler};
 use narwhal_core::sse::{SseDecoder as CoreDecoder, DEFAULT_MAX_EVENT_BYTES};
 use narwhal_core::think::ThinkSplitter as CoreSplitter;
 use pyo3::create_exception;
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
-use pyo3::types::{PyByteArray, PyBytes, PyString};
+use pyo3::types::{PyBytes, PyString};
+
+mod upstream;
 
 create_exception!(_native, SseError, PyValueError, "The event stream is malformed.");
-create_exception!(_native, HttpError, PyValueError, "The engine's HTTP/1.1 response is malformed.");
 create_exception!(
     _native,
     AssemblyError,
@@ -124,6 +124,15 @@ struct StreamRelay {
     counted: u64,
 }
 
+impl StreamRelay {
+    /// Relay one body chunk, counting its tokens.
+    fn relay(&mut self, chunk: &[u8]) -> ChunkReport {
+        let report = self.inner.feed(chunk);
+        self.counted += report.tokens();
+        report
+    }
+}
+
 #[pymethods]
 impl StreamRelay {
     #[new]
@@ -134,9 +143,7 @@ impl StreamRelay {
     }
 
     fn feed(&mut self, py: Python<'_>, chunk: &[u8]) -> RelayChunk {
-        let report = self.inner.feed(chunk);
-        self.counted += report.tokens();
-        RelayChunk::from_report(py, report)
+        RelayChunk::from_report(py, self.relay(chunk))
     }
 
     /// `feed` for the per-read hot path: just the bytes to forward when the chunk held
@@ -144,8 +151,7 @@ impl StreamRelay {
     /// else the whole `RelayChunk`. Called once per token on an idle router, where every
     /// object and attribute touched is a cache miss, so the common case is one object.
     fn push(&mut self, py: Python<'_>, chunk: &[u8]) -> PyResult<Py<PyAny>> {
-        let r = self.inner.feed(chunk);
-        self.counted += r.tokens();
+        let r = self.relay(chunk);
         if r.output_only() {
             Ok(PyBytes::new(py, &r.forward).into_any().unbind())
         } else {
@@ -278,82 +284,20 @@ impl ThinkSplitter {
     }
 }
 
-/// Incremental HTTP/1.1 response decoder for one upstream exchange: whole socket reads in
-/// (straight from the receive buffer), de-framed body bytes out.
-#[pyclass(module = "narwhal._native")]
-struct ResponseDecoder {
-    inner: CoreResponse,
-    body: Vec<u8>,
-}
-
-#[pymethods]
-impl ResponseDecoder {
-    #[new]
-    fn new() -> Self {
-        ResponseDecoder { inner: CoreResponse::new(), body: Vec::new() }
-    }
-
-    /// Decode one socket read, the first `n` bytes of a receive buffer the socket filled in
-    /// place (`asyncio.BufferedProtocol`); returns the body bytes it carried (often empty
-    /// before the head is complete). Raises `HttpError` on a malformed response.
-    fn feed_buffer<'py>(&mut self, py: Python<'py>, buf: &Bound<'py, PyByteArray>, n: usize) -> PyResult<Bound<'py, PyBytes>> {
-        // SAFETY: no Python code runs while the slice is borrowed, so the bytearray
-        // cannot be resized or freed under it.
-        let data = unsafe { buf.as_bytes() };
-        let data = data.get(..n).ok_or_else(|| PyValueError::new_err("n is past the buffer's end"))?;
-        self.body.clear();
-        self.inner.feed(data, &mut self.body).map_err(|e| HttpError::new_err(e.0))?;
-        Ok(PyBytes::new(py, &self.body))
-    }
-
-    /// The connection closed: completes a close-delimited body, else raises `HttpError`.
-    fn eof(&mut self) -> PyResult<()> {
-        self.inner.eof().map_err(|e| HttpError::new_err(e.0))
-    }
-
-    /// The final response's status line and header fields have been read.
-    #[getter]
-    fn head_done(&self) -> bool {
-        self.inner.head_done()
-    }
-
-    /// The final response's status code (0 until its head is read).
-    #[getter]
-    fn status(&self) -> u16 {
-        self.inner.status
-    }
-
-    #[getter]
-    fn content_type(&self) -> Option<&str> {
-        self.inner.content_type.as_deref()
-    }
-
-    /// The whole response, body and trailers included, has been read.
-    #[getter]
-    fn complete(&self) -> bool {
-        self.inner.complete()
-    }
-
-    /// Whether the connection may carry another request once the response is complete.
-    #[getter]
-    fn keep_alive(&self) -> bool {
-        self.inner.keep_alive
-    }
-}
-
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add("SseError", py.get_type::<SseError>())?;
     m.add("AssemblyError", py.get_type::<AssemblyError>())?;
-    m.add("HttpError", py.get_type::<HttpError>())?;
+    m.add("HttpError", py.get_type::<upstream::HttpError>())?;
     m.add_class::<SseEvent>()?;
     m.add_class::<SseDecoder>()?;
     m.add_class::<RelayChunk>()?;
     m.add_class::<StreamRelay>()?;
     m.add_class::<Assembler>()?;
     m.add_class::<ThinkSplitter>()?;
-    m.add_class::<ResponseDecoder>()?;
+    m.add_class::<upstream::ResponseDecoder>()?;
+    m.add_class::<upstream::UpstreamReader>()?;
     Ok(())
 }

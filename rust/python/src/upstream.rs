@@ -1,0 +1,235 @@
+//! The receive side of an upstream (router -> engine) connection: HTTP/1.1 de-framing of
+//! whole socket reads and, while a stream is relayed, the per-read relay itself.
+
+use narwhal_core::http1::ResponseDecoder as CoreResponse;
+use pyo3::create_exception;
+use pyo3::exceptions::PyValueError;
+use pyo3::intern;
+use pyo3::prelude::*;
+use pyo3::types::{PyByteArray, PyBytes, PyDict};
+
+use super::{RelayChunk, StreamRelay};
+
+create_exception!(_native, HttpError, PyValueError, "The engine's HTTP/1.1 response is malformed.");
+
+/// Incremental HTTP/1.1 response decoder for one upstream exchange: whole socket reads in
+/// (straight from the receive buffer), de-framed body bytes out.
+#[pyclass(module = "narwhal._native")]
+pub(crate) struct ResponseDecoder {
+    inner: CoreResponse,
+    body: Vec<u8>,
+}
+
+impl ResponseDecoder {
+    /// De-frame one read into `self.body`.
+    fn decode(&mut self, data: &[u8]) -> Result<(), String> {
+        self.body.clear();
+        self.inner.feed(data, &mut self.body).map_err(|e| e.0)
+    }
+}
+
+#[pymethods]
+impl ResponseDecoder {
+    #[new]
+    fn new() -> Self {
+        ResponseDecoder { inner: CoreResponse::new(), body: Vec::new() }
+    }
+
+    /// Decode one socket read, the first `n` bytes of a receive buffer the socket filled in
+    /// place (`asyncio.BufferedProtocol`); returns the body bytes it carried (often empty
+    /// before the head is complete). Raises `HttpError` on a malformed response.
+    fn feed_buffer<'py>(&mut self, py: Python<'py>, buf: &Bound<'py, PyByteArray>, n: usize) -> PyResult<Bound<'py, PyBytes>> {
+        // SAFETY: no Python code runs while the slice is borrowed, so the bytearray
+        // cannot be resized or freed under it.
+        let data = unsafe { buf.as_bytes() };
+        let data = data.get(..n).ok_or_else(|| PyValueError::new_err("n is past the buffer's end"))?;
+        self.decode(data).map_err(HttpError::new_err)?;
+        Ok(PyBytes::new(py, &self.body))
+    }
+
+    /// The connection closed: completes a close-delimited body, else raises `HttpError`.
+    fn eof(&mut self) -> PyResult<()> {
+        self.inner.eof().map_err(|e| HttpError::new_err(e.0))
+    }
+
+    /// The final response's status line and header fields have been read.
+    #[getter]
+    fn head_done(&self) -> bool {
+        self.inner.head_done()
+    }
+
+    /// The final response's status code (0 until its head is read).
+    #[getter]
+    fn status(&self) -> u16 {
+        self.inner.status
+    }
+
+    #[getter]
+    fn content_type(&self) -> Option<&str> {
+        self.inner.content_type.as_deref()
+    }
+
+    /// The whole response, body and trailers included, has been read.
+    #[getter]
+    fn complete(&self) -> bool {
+        self.inner.complete()
+    }
+
+    /// Whether the connection may carry another request once the response is complete.
+    #[getter]
+    fn keep_alive(&self) -> bool {
+        self.inner.keep_alive
+    }
+}
+
+/// Where a relayed stream's reads go.
+struct Relaying {
+    relay: Py<StreamRelay>,
+    send: Py<PyAny>,
+    on_report: Py<PyAny>,
+}
+
+impl Relaying {
+    fn clone_ref(&self, py: Python<'_>) -> Self {
+        Relaying { relay: self.relay.clone_ref(py), send: self.send.clone_ref(py), on_report: self.on_report.clone_ref(py) }
+    }
+}
+
+/// One upstream connection's receive side, installed as its asyncio protocol's
+/// `get_buffer` and `buffer_updated`: the event loop reads the socket into `buffer` and
+/// calls straight into Rust.
+///
+/// Every read is de-framed by the connection's `decoder`; its body goes to `on_body`
+/// (Python) — except while a stream is relayed (`start_relay`), when a read that holds
+/// nothing but output is relayed and handed to the ASGI `send` here, with no Python frame
+/// at all. That is the path of nearly every token, and on an idle router each Python
+/// frame it used to run was a string of cache misses. Anything else a relayed read holds
+/// (first output, usage, the end, a fault) goes to `on_report` as a `RelayChunk`, and an
+/// exception `send` raised goes there too. `on_fault` gets the message of a malformed
+/// response, or None for bytes on a connection with no exchange.
+#[pyclass(module = "narwhal._native")]
+pub(crate) struct UpstreamReader {
+    buffer: Py<PyByteArray>,
+    #[pyo3(get, set)]
+    decoder: Option<Py<ResponseDecoder>>,
+    on_body: Py<PyAny>,
+    on_fault: Py<PyAny>,
+    relaying: Option<Relaying>,
+}
+
+/// What one read came to, decided with the reader's borrows held; the callbacks it leads
+/// to run after they are released (a callback may set a new decoder or stop the relay).
+enum Read {
+    Fault(Option<String>),
+    Body(Py<PyBytes>),
+    Relayed { send: Option<(Py<PyAny>, Py<PyBytes>)>, report: Option<RelayChunk>, complete: bool, on_report: Py<PyAny> },
+}
+
+#[pymethods]
+impl UpstreamReader {
+    #[new]
+    fn new(py: Python<'_>, size: usize, on_body: Py<PyAny>, on_fault: Py<PyAny>) -> Self {
+        UpstreamReader {
+            buffer: PyByteArray::new_with(py, size, |_| Ok(())).expect("a zeroed bytearray").unbind(),
+            decoder: None,
+            on_body,
+            on_fault,
+            relaying: None,
+        }
+    }
+
+    /// The buffer the next read fills (`asyncio.BufferedProtocol.get_buffer`).
+    fn get_buffer(&self, py: Python<'_>, _sizehint: isize) -> Py<PyByteArray> {
+        self.buffer.clone_ref(py)
+    }
+
+    /// Relay reads through `relay` to the ASGI `send` from now on; reports that need the
+    /// router's attention go to `on_report`.
+    fn start_relay(&mut self, relay: Py<StreamRelay>, send: Py<PyAny>, on_report: Py<PyAny>) {
+        self.relaying = Some(Relaying { relay, send, on_report });
+    }
+
+    /// Back to handing every body to `on_body`.
+    fn stop_relay(&mut self) {
+        self.relaying = None;
+    }
+
+    #[getter]
+    fn relaying(&self) -> bool {
+        self.relaying.is_some()
+    }
+
+    /// `n` bytes were read into the buffer (`asyncio.BufferedProtocol.buffer_updated`).
+    fn buffer_updated(slf: &Bound<'_, Self>, nbytes: usize) -> PyResult<()> {
+        let py = slf.py();
+        let (read, on_body) = {
+            let this = slf.borrow();
+            (this.read(py, nbytes)?, this.on_body.clone_ref(py))
+        };
+        match read {
+            Read::Fault(message) => {
+                let on_fault = slf.borrow().on_fault.clone_ref(py);
+                on_fault.call1(py, (message,))?;
+            }
+            Read::Body(body) => {
+                on_body.call1(py, (body,))?;
+            }
+            Read::Relayed { send, report, complete, on_report } => {
+                if let Some((send, forward)) = send {
+                    let message = PyDict::new(py);
+                    message.set_item(intern!(py, "type"), intern!(py, "http.response.body"))?;
+                    message.set_item(intern!(py, "body"), forward)?;
+                    message.set_item(intern!(py, "more_body"), true)?;
+                    // Granian's `send` does its work in the call; the awaitable it returns
+                    // is empty. A client that went away raises here: the router decides.
+                    if let Err(e) = send.call1(py, (message,)) {
+                        on_report.call1(py, (e.into_value(py),))?;
+                        return Ok(());
+                    }
+                }
+                if let Some(chunk) = report {
+                    on_report.call1(py, (Py::new(py, chunk)?,))?;
+                }
+                if complete {
+                    on_body.call1(py, (PyBytes::new(py, b""),))?;
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+impl UpstreamReader {
+    fn read(&self, py: Python<'_>, n: usize) -> PyResult<Read> {
+        let Some(decoder) = &self.decoder else {
+            return Ok(Read::Fault(None));
+        };
+        let mut d = decoder.borrow_mut(py);
+        {
+            let buffer = self.buffer.bind(py);
+            // SAFETY: no Python code runs while the slice is borrowed, so the bytearray
+            // cannot be resized or freed under it.
+            let data = unsafe { buffer.as_bytes() };
+            let data = data.get(..n).ok_or_else(|| PyValueError::new_err("n is past the buffer's end"))?;
+            if let Err(message) = d.decode(data) {
+                return Ok(Read::Fault(Some(message)));
+            }
+        }
+        let Some(relaying) = &self.relaying else {
+            return Ok(Read::Body(PyBytes::new(py, &d.body).unbind()));
+        };
+        let relaying = relaying.clone_ref(py);
+        let complete = d.inner.complete();
+        if d.body.is_empty() {
+            // Framing only (a chunk-size line, the last chunk): nothing to relay.
+            return Ok(Read::Relayed { send: None, report: None, complete, on_report: relaying.on_report });
+        }
+        let report = relaying.relay.borrow_mut(py).relay(&d.body);
+        let (send, report) = if report.output_only() {
+            ((!report.forward.is_empty()).then(|| (relaying.send, PyBytes::new(py, &report.forward).unbind())), None)
+        } else {
+            (None, Some(RelayChunk::from_report(py, report)))
+        };
+        Ok(Read::Relayed { send, report, complete, on_report: relaying.on_report })
+    }
+}
