@@ -15,7 +15,14 @@ import pytest
 from narwhal.router.app import CONFIG_ENV
 from narwhal.router.config import load
 from tests.conftest import Server, free_port
-from tests.test_router import CONFIG, _wait_ready, chat, sse_frames
+from tests.test_router import (
+    CONFIG,
+    _wait_idle,
+    _wait_ready,
+    chat,
+    leave_before_first_byte,
+    sse_frames,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -57,3 +64,9 @@ def test_death_mid_stream_and_assembly(uvicorn_router: Server) -> None:
     assert r.json()["choices"][0]["message"]["content"] == "w0 w1 w2 "
 
 
+
+
+def test_client_gone_before_first_byte_cancels_at_once(uvicorn_router: Server) -> None:
+    """uvicorn's `receive` is a coroutine: the disconnect watch wraps it in a task."""
+    leave_before_first_byte(uvicorn_router.url, "script:slow_first:8000")
+    _wait_idle(uvicorn_router, within=3)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -195,8 +196,25 @@ def test_client_disconnect_cancels_upstream(router: Server, scripted: Server) ->
     _wait_idle(router)
 
 
-def _wait_idle(router: Server) -> None:
-    end = time.monotonic() + 5
+def leave_before_first_byte(url: str, content: str) -> None:
+    """A client that sends a streaming request and hangs up before any answer."""
+    body = orjson.dumps(chat(content, stream=True))
+    u = httpx.URL(url)
+    with socket.create_connection((u.host, u.port)) as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\n"
+                     b"content-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
+                     % (len(body), body))
+        time.sleep(0.3)
+
+
+def test_client_gone_before_first_byte_cancels_at_once(router: Server) -> None:
+    """The engine takes 8 s to its first token; the router lets go when the client does."""
+    leave_before_first_byte(router.url, "script:slow_first:8000")
+    _wait_idle(router, within=3)
+
+
+def _wait_idle(router: Server, within: float = 5) -> None:
+    end = time.monotonic() + within
     while time.monotonic() < end:
         m = httpx.get(router.url + "/metrics").text
         if "narwhal_retained 0.0" in m and 'phase="prefill"} 0.0' in m and \
