@@ -251,6 +251,13 @@ class Relayer:
         """
         ended: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
 
+        def end(outcome: bool | BaseException) -> None:
+            if isinstance(outcome, BaseException):  # the client went away, say
+                ended.set_exception(outcome)  # the coroutine decides
+            else:
+                ended.set_result(outcome)
+            resp.push(None)  # nothing more goes to the client
+
         def deliver(step: Callable[[], tuple[bytes, bytes | None, bool | None]]) -> None:
             if ended.done():
                 return
@@ -261,19 +268,17 @@ class Relayer:
                           "more_body": False})
                 elif forward:
                     send({"type": "http.response.body", "body": forward, "more_body": True})
-            except Exception as exc:  # the client went away, say: the coroutine decides
-                ended.set_exception(exc)
+            except Exception as exc:
+                end(exc)
                 return
             if outcome is not None:
-                ended.set_result(outcome)
-                resp.push(None)  # nothing more goes to the client
+                end(outcome)
 
         def on_report(rep: RelayChunk | BaseException) -> None:
-            if isinstance(rep, BaseException):  # raised by `send`
-                if not ended.done():
-                    ended.set_exception(rep)
-            else:
+            if not isinstance(rep, BaseException):
                 deliver(lambda: st.report(rep))
+            elif not ended.done():  # raised by `send`
+                end(rep)
 
         resp.push(lambda chunk: deliver(lambda: st.step(chunk)), (st.relay, send, on_report))
         try:
