@@ -220,8 +220,10 @@ def test_upstream_reader_faults_and_failed_sends() -> None:
     assert loop.log[-1][0] == "report"
     loop.read(http_chunked(frames[2:3])[:-5])  # plain output: `send` raises
     assert loop.log[-1] == ("report", gone)
-    loop.reader.stop_relay()
-    assert not loop.reader.relaying
+    loop.reader.stop_relay()  # from now on every body goes to `on_body`, unrelayed
+    plain = http_chunked(frames[3:4])[:-5]
+    loop.read(plain)
+    assert loop.log[-1] == ("body", frames[3])
 
 
 def test_relay_leaves_frames_without_ids_byte_identical() -> None:

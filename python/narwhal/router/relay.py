@@ -1,8 +1,10 @@
 """Relay: one placed request's upstream call, streamed through or assembled.
 
-Each socket read from the engine crosses into Rust twice: HTTP de-framing
-(`upstream.py`) and then `StreamRelay.push` or `Assembler.feed`; Python only moves the
-resulting bytes and updates counters.
+A streamed answer on Granian is relayed by the connection's native read callback
+(`UpstreamReader`, set up in `Relayer._push`): Python only sees first output, usage, the
+end and faults. Before that (or on a server whose `send` must be awaited), and for an
+assembled answer, each read crosses into Rust twice: HTTP de-framing (`upstream.py`), then
+`StreamRelay.push` or `Assembler.feed`.
 """
 
 from __future__ import annotations

@@ -89,12 +89,6 @@ struct Relaying {
     on_report: Py<PyAny>,
 }
 
-impl Relaying {
-    fn clone_ref(&self, py: Python<'_>) -> Self {
-        Relaying { relay: self.relay.clone_ref(py), send: self.send.clone_ref(py), on_report: self.on_report.clone_ref(py) }
-    }
-}
-
 /// One upstream connection's receive side, installed as its asyncio protocol's
 /// `get_buffer` and `buffer_updated`: the event loop reads the socket into `buffer` and
 /// calls straight into Rust.
@@ -117,12 +111,17 @@ pub(crate) struct UpstreamReader {
     relaying: Option<Relaying>,
 }
 
-/// What one read came to, decided with the reader's borrows held; the callbacks it leads
-/// to run after they are released (a callback may set a new decoder or stop the relay).
+/// What one read came to, with the callbacks it leads to. Decided with the reader's
+/// borrows held; the callbacks run after they are released (one may set a new decoder or
+/// stop the relay).
 enum Read {
-    Fault(Option<String>),
-    Body(Py<PyBytes>),
-    Relayed { send: Option<(Py<PyAny>, Py<PyBytes>)>, report: Option<RelayChunk>, complete: bool, on_report: Py<PyAny> },
+    /// `on_fault(message)`.
+    Fault(Py<PyAny>, Option<String>),
+    /// `on_body(body)`.
+    Body(Py<PyAny>, Py<PyBytes>),
+    /// `send` the bytes, or `on_report` the chunk; then `on_body(b"")` (`end`) if the
+    /// response is complete.
+    Relayed { send: Option<(Py<PyAny>, Py<PyBytes>)>, report: Option<RelayChunk>, on_report: Py<PyAny>, end: Option<Py<PyAny>> },
 }
 
 #[pymethods]
@@ -154,27 +153,18 @@ impl UpstreamReader {
         self.relaying = None;
     }
 
-    #[getter]
-    fn relaying(&self) -> bool {
-        self.relaying.is_some()
-    }
-
-    /// `n` bytes were read into the buffer (`asyncio.BufferedProtocol.buffer_updated`).
+    /// `nbytes` were read into the buffer (`asyncio.BufferedProtocol.buffer_updated`).
     fn buffer_updated(slf: &Bound<'_, Self>, nbytes: usize) -> PyResult<()> {
         let py = slf.py();
-        let (read, on_body) = {
-            let this = slf.borrow();
-            (this.read(py, nbytes)?, this.on_body.clone_ref(py))
-        };
+        let read = slf.borrow().read(py, nbytes)?;
         match read {
-            Read::Fault(message) => {
-                let on_fault = slf.borrow().on_fault.clone_ref(py);
+            Read::Fault(on_fault, message) => {
                 on_fault.call1(py, (message,))?;
             }
-            Read::Body(body) => {
+            Read::Body(on_body, body) => {
                 on_body.call1(py, (body,))?;
             }
-            Read::Relayed { send, report, complete, on_report } => {
+            Read::Relayed { send, report, on_report, end } => {
                 if let Some((send, forward)) = send {
                     let message = PyDict::new(py);
                     message.set_item(intern!(py, "type"), intern!(py, "http.response.body"))?;
@@ -190,7 +180,7 @@ impl UpstreamReader {
                 if let Some(chunk) = report {
                     on_report.call1(py, (Py::new(py, chunk)?,))?;
                 }
-                if complete {
+                if let Some(on_body) = end {
                     on_body.call1(py, (PyBytes::new(py, b""),))?;
                 }
             }
@@ -202,7 +192,7 @@ impl UpstreamReader {
 impl UpstreamReader {
     fn read(&self, py: Python<'_>, n: usize) -> PyResult<Read> {
         let Some(decoder) = &self.decoder else {
-            return Ok(Read::Fault(None));
+            return Ok(Read::Fault(self.on_fault.clone_ref(py), None));
         };
         let mut d = decoder.borrow_mut(py);
         {
@@ -212,24 +202,26 @@ impl UpstreamReader {
             let data = unsafe { buffer.as_bytes() };
             let data = data.get(..n).ok_or_else(|| PyValueError::new_err("n is past the buffer's end"))?;
             if let Err(message) = d.decode(data) {
-                return Ok(Read::Fault(Some(message)));
+                return Ok(Read::Fault(self.on_fault.clone_ref(py), Some(message)));
             }
         }
-        let Some(relaying) = &self.relaying else {
-            return Ok(Read::Body(PyBytes::new(py, &d.body).unbind()));
+        let Some(r) = &self.relaying else {
+            return Ok(Read::Body(self.on_body.clone_ref(py), PyBytes::new(py, &d.body).unbind()));
         };
-        let relaying = relaying.clone_ref(py);
-        let complete = d.inner.complete();
-        if d.body.is_empty() {
-            // Framing only (a chunk-size line, the last chunk): nothing to relay.
-            return Ok(Read::Relayed { send: None, report: None, complete, on_report: relaying.on_report });
-        }
-        let report = relaying.relay.borrow_mut(py).relay(&d.body);
-        let (send, report) = if report.output_only() {
-            ((!report.forward.is_empty()).then(|| (relaying.send, PyBytes::new(py, &report.forward).unbind())), None)
+        // An empty body is framing only (a chunk-size line, the last chunk): nothing to relay.
+        let (send, report) = if d.body.is_empty() {
+            (None, None)
         } else {
-            (None, Some(RelayChunk::from_report(py, report)))
+            let report = r.relay.borrow_mut(py).relay(&d.body);
+            if !report.output_only() {
+                (None, Some(RelayChunk::from_report(py, report)))
+            } else if report.forward.is_empty() {
+                (None, None)
+            } else {
+                (Some((r.send.clone_ref(py), PyBytes::new(py, &report.forward).unbind())), None)
+            }
         };
-        Ok(Read::Relayed { send, report, complete, on_report: relaying.on_report })
+        let end = d.inner.complete().then(|| self.on_body.clone_ref(py));
+        Ok(Read::Relayed { send, report, on_report: r.on_report.clone_ref(py), end })
     }
 }
