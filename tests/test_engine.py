@@ -86,8 +86,10 @@ def test_reasoning_is_separated_streaming_and_not(engine: Server) -> None:
 
 
 def test_unclosed_reasoning_leaves_content_empty(engine: Server) -> None:
-    g = 'root ::= "<think>still going and going and going"'
-    r = post(engine, "/v1/chat/completions", chat(grammar=g, max_tokens=12))
+    # Far more text than 40 tokens can hold under any tokenization, and 40 tokens hold
+    # "still go" under any (at worst a byte a token).
+    g = 'root ::= "<think>' + "still going " * 60 + '"'
+    r = post(engine, "/v1/chat/completions", chat(grammar=g, max_tokens=40))
     msg = r.json()["choices"][0]["message"]
     assert msg["content"] == ""
     assert msg["reasoning_content"].startswith("still go")

@@ -3,6 +3,7 @@ dies, and leaves no process behind when it stops."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -142,3 +143,62 @@ engines:
         assert prof["time_per_output_token_s"] > 0
     finally:
         r.stop()
+
+
+def _restarts(url: str) -> str | None:
+    for line in httpx.get(url + "/metrics").text.splitlines():
+        if line.startswith('narwhal_engine_restarts_total{engine="local"}'):
+            return line.split()[-1]
+    return None
+
+
+def test_a_crash_is_named_and_nothing_outlives_a_killed_router(model_path: str,
+                                                               tmp_path: Path) -> None:
+    r = start_router(tmp_path, f"""
+listen: {{port: $PORT}}
+admission: open
+health: {{interval_s: 0.2}}
+engines:
+  - name: local
+    launch: {{model: {model_path}, parallel: 1, args: ["--ctx-size", "512"]}}
+""")
+    tree: set[int] = set()
+    try:
+        assert _restarts(r.url) == "0.0"  # exported from the start
+        engine = _engine_pid(r.proc.pid)
+        assert engine is not None
+        (worker,) = _descendants(engine) - {engine}
+        os.kill(worker, signal.SIGSEGV)  # what a crash inside llama.cpp looks like
+        end = time.monotonic() + 60
+        while _restarts(r.url) != "1.0":
+            assert time.monotonic() < end, "the crash was not counted"
+            time.sleep(0.1)
+        (desc,) = httpx.get(r.url + "/ready").json()["engines"]
+        assert desc["process"]["last_exit"].startswith("was killed by SIGSEGV")
+        assert desc["process"]["restarts"] == 1
+        while httpx.get(r.url + "/ready").status_code != 200:  # restarted, serving again
+            assert time.monotonic() < end, "the engine did not come back"
+            time.sleep(0.2)
+        tree = _descendants(r.proc.pid)
+        assert len(tree) >= 4  # router main, its worker, the engine's main and worker
+        os.kill(r.proc.pid, signal.SIGKILL)
+        r.proc.wait()
+        end = time.monotonic() + 30
+        while [p for p in tree if _alive(p)]:
+            assert time.monotonic() < end, [p for p in tree if _alive(p)]
+            time.sleep(0.1)
+    finally:
+        r.stop()
+        for p in tree:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p, signal.SIGKILL)
+    err = r.proc.stderr.read().decode() if r.proc.stderr else ""
+    assert "engine local was killed by SIGSEGV" in err and "--no-repack" in err
+    assert "[engine local]" in err  # the engine's own lines, labelled
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return "Z" not in Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False

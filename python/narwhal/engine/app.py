@@ -19,7 +19,7 @@ from narwhal.engine import protocol
 from narwhal.engine.batch import DecodeLoop
 from narwhal.engine.config import EngineConfig
 from narwhal.engine.generation import Finish, Piece, Request
-from narwhal.engine.model import Model
+from narwhal.engine.model import Model, ModelLoadError
 from narwhal.engine.render import Output, ToolCallFailed, writer_for
 from narwhal.engine.slots import Busy, Slots
 from narwhal.errors import ApiError, json_object
@@ -227,14 +227,20 @@ class Engine:
 
 def create_app() -> Engine:
     """Granian factory: reads the validated config the CLI left in the environment."""
+    from narwhal import service
     from narwhal.engine.cli import CONFIG_ENV
 
+    service.guard_worker()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     # The decode thread hands the GIL back and forth with the event loop every step; the
     # default 5 ms switch interval would let either side stall the other for that long.
     sys.setswitchinterval(0.0005)
     config = EngineConfig.from_json(os.environ[CONFIG_ENV])
-    model = Model(config)
+    try:
+        model = Model(config)
+    except ModelLoadError as e:
+        print(f"lexi-engine: error: {e}", file=sys.stderr, flush=True)
+        sys.exit(3)
     log.info("serving %s as %s (%d slots, ctx %d)", config.model, ", ".join(model.names),
              config.parallel, model.n_ctx)
     return Engine(config, model)

@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 
-from narwhal import __version__
+from narwhal import __version__, service
 from narwhal.engine.config import ConfigError, add_arguments, from_args
 
 CONFIG_ENV = "LEXI_ENGINE_CONFIG"
@@ -26,23 +26,19 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         config = from_args(args)
+        addr = service.resolve(config.host, config.port)
+        service.check_free(addr)
     except ConfigError as e:
         print(f"lexi-engine: error: {e}", file=sys.stderr)
         return 2
-    from granian import Granian
+    except service.StartError as e:
+        print(f"lexi-engine: error: {e}", file=sys.stderr)
+        return 2
     from granian.constants import Interfaces
 
     os.environ[CONFIG_ENV] = config.to_json().decode()
-    Granian(
-        "narwhal.engine.app:create_app",
-        factory=True,
-        address=config.host,
-        port=config.port,
-        interface=Interfaces.ASGI,
-        workers=1,
-        log_access=False,
-    ).serve()
-    return 0
+    return service.serve("lexi-engine", "narwhal.engine.app:create_app", addr,
+                         config.shutdown_grace_s, interface=Interfaces.ASGI)
 
 
 if __name__ == "__main__":

@@ -50,6 +50,8 @@ class EngineConfig:
     api_keys: tuple[str, ...] = ()
     parallel: int = 1
     prefill_chunk: int = 256
+    repack: bool | None = None  # None: chosen from the build's CPU features (engine.kernels)
+    shutdown_grace_s: float = 25.0
 
     def to_json(self) -> bytes:
         return orjson.dumps(dataclasses.asdict(self))
@@ -91,6 +93,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-chunk", type=int, default=256, metavar="TOKENS",
                    help="prompt tokens prefilled per decode step (a long prompt is split so "
                         "streaming slots keep decoding)")
+    p.add_argument("--repack", action=argparse.BooleanOptionalAction, default=None,
+                   help="put weights in llama.cpp's repacked buffer types (default: on, "
+                        "except where the build has AMX kernels, which crash on some CPUs)")
+    p.add_argument("--shutdown-grace", type=float, default=25.0, metavar="SECONDS",
+                   help="on SIGTERM/Ctrl-C, how long in-flight requests may finish "
+                        "(default 25; a second signal stops at once)")
 
 
 def _read_keys(values: list[str]) -> tuple[str, ...]:
@@ -168,6 +176,8 @@ def from_args(ns: argparse.Namespace) -> EngineConfig:
                           "tokens (the context is split evenly over --parallel)")
     if not (1 <= ns.prefill_chunk <= 8192):
         raise ConfigError("--prefill-chunk", "must be between 1 and 8192")
+    if not (0 < ns.shutdown_grace <= 3600):
+        raise ConfigError("--shutdown-grace", "must be between 0 and 3600 seconds")
     if ns.threads is not None and ns.threads < 1:
         raise ConfigError("--threads", "must be at least 1")
     aliases = tuple(ns.alias)
@@ -191,4 +201,6 @@ def from_args(ns: argparse.Namespace) -> EngineConfig:
         api_keys=_read_keys(ns.api_key),
         parallel=ns.parallel,
         prefill_chunk=ns.prefill_chunk,
+        repack=ns.repack,
+        shutdown_grace_s=ns.shutdown_grace,
     )

@@ -8,6 +8,7 @@ from pathlib import Path
 import llama_cpp
 from llama_cpp import Llama
 
+from narwhal.engine import kernels
 from narwhal.engine.config import EngineConfig
 from narwhal.engine.template import CHATML, ChatTemplate
 
@@ -18,23 +19,45 @@ class GrammarError(ValueError):
     pass
 
 
+class ModelLoadError(RuntimeError):
+    """llama.cpp could not load the model; the message carries llama.cpp's own words."""
+
+
 class Model:
     def __init__(self, config: EngineConfig) -> None:
         gpu = llama_cpp.llama_supports_gpu_offload()
         if config.n_gpu_layers and not gpu:
             log.warning("--n-gpu-layers %d ignored: this llama-cpp-python build is CPU-only",
                         config.n_gpu_layers)
+        info = llama_cpp.llama_print_system_info().decode("utf-8", "replace")
+        choice = kernels.choose_repack(config.repack, info)
+        log.info("loading %s (weight repacking %s: %s)", config.model,
+                 "on" if choice.repack else "off", choice.reason)
         # This context only serves tokenizing and metadata; decoding runs in the decode
         # loop's own batched context (engine.batch), so it is kept tiny.
-        self.llama = Llama(
-            config.model,
-            n_ctx=64,
-            n_batch=64,
-            n_threads=config.threads,
-            n_threads_batch=config.threads,
-            n_gpu_layers=config.n_gpu_layers if gpu else 0,
-            verbose=False,
-        )
+        with kernels.captured_log() as load_log, kernels.extra_buffer_types(choice.repack):
+            try:
+                self.llama = Llama(
+                    config.model,
+                    n_ctx=64,
+                    n_batch=64,
+                    n_threads=config.threads,
+                    n_threads_batch=config.threads,
+                    n_gpu_layers=config.n_gpu_layers if gpu else 0,
+                    verbose=False,
+                )
+            except ValueError as e:
+                said = [ln.strip() for ln in "".join(load_log).splitlines()
+                        if "error" in ln.lower() or "failed" in ln.lower()]
+                raise ModelLoadError(f"cannot load {config.model}: "
+                                     + ("; ".join(said[-3:]) or str(e))) from None
+        if bool(self.llama.model_params.use_extra_bufts) != choice.repack:
+            raise RuntimeError("llama-cpp-python ignored the weight-repacking choice; this "
+                               "version is not one LexiEngine supports")
+        self.repack = choice.repack
+        self.buffers = kernels.buffers("".join(load_log))
+        log.info("weights loaded: %s", ", ".join(f"{k} {v:.1f} MiB"
+                                                 for k, v in self.buffers.items()) or "?")
         meta = self.llama.metadata
         identity = meta.get("general.name") or Path(config.model).name
         self.names: tuple[str, ...] = config.aliases or (identity,)

@@ -7,7 +7,9 @@ import contextlib
 import logging
 import os
 import secrets
+import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 import aiohttp
@@ -39,9 +41,11 @@ class Router:
         engines = []
         for spec in config.engines:
             if spec.launch is not None:
-                me = ManagedEngine(spec, config.model)
+                restarts = self.metrics.engine_restarts.labels(spec.name)
+                me = ManagedEngine(spec, config.model, on_exit=_counting(restarts),
+                                   on_fatal=_fatal)
                 self.managed.append(me)
-                engines.append(Engine(spec, me.url))
+                engines.append(Engine(spec, me.url, managed=me))
             else:
                 assert spec.url is not None
                 engines.append(Engine(spec, spec.url.rstrip("/")))
@@ -288,6 +292,24 @@ class Router:
 
 
 
+def _counting(counter: Any) -> Callable[[str], None]:
+    def count(_: str) -> None:
+        counter.inc()
+
+    return count
+
+
+def _fatal(report: str) -> None:
+    """A managed engine can never start: the router stops with the engine's own words.
+    The worker exits at once; Granian's main process then ends with this status, and the
+    other managed engines follow (each dies with this process, see supervisor)."""
+    print(f"narwhal: error: {report}", file=sys.stderr, flush=True)
+    os._exit(FATAL_EXIT)
+
+
+FATAL_EXIT = 3
+
+
 def _ms_header(scope: Scope, name: bytes) -> int | None:
     """A positive integer of milliseconds from a request header, or a 400."""
     raw = asgi.header(scope, name)
@@ -310,6 +332,9 @@ def create_app() -> Router:
     """Granian factory: the CLI validated the config and left it in the environment."""
     import pickle
 
+    from narwhal import service
+
+    service.guard_worker()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     config: RouterConfig = pickle.loads(bytes.fromhex(os.environ[CONFIG_ENV]))
     return Router(config)

@@ -7,7 +7,7 @@ import os
 import pickle
 import sys
 
-from narwhal import __version__
+from narwhal import __version__, service
 from narwhal.router.config import ConfigError, EngineSpec, Launch, RouterConfig, load
 
 
@@ -24,7 +24,17 @@ def _parser() -> argparse.ArgumentParser:
     u.add_argument("--parallel", type=int, default=4, help="engine slots")
     u.add_argument("--ctx-size", type=int, default=8192,
                    help="engine context in tokens, split evenly over the slots")
+    u.add_argument("--threads", type=int, metavar="N",
+                   help="engine decode threads (default: one fewer than the CPUs, so the "
+                        "router keeps one; see docs/DECISIONS.md)")
     return p
+
+
+def up_threads(cpus: int) -> int:
+    """`narwhal up`'s engine threads: every CPU but the one the router is pinned to.
+    llama.cpp's threads spin at each step's barrier, so one sharing a CPU with the busy
+    router stalls every step (bench/up_threads.py measures the two choices side by side)."""
+    return max(1, cpus - 1)
 
 
 def _up_config(args: argparse.Namespace) -> RouterConfig:
@@ -35,11 +45,18 @@ def _up_config(args: argparse.Namespace) -> RouterConfig:
         try:
             model = str(smollm2_path())
         except ModelNotInstalled as e:
-            raise ConfigError(str(e)) from e
+            raise service.StartError(f"{e} (make serve does this), or pass --model PATH") \
+                from None
+    threads = args.threads
+    if threads is None:
+        threads = up_threads(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                             else os.cpu_count() or 1)
+    elif threads < 1:
+        raise ConfigError("--threads: must be at least 1")
     # The context is split over the slots: 8192 (SmolLM2's trained length) gives each of
     # the default 4 slots 2048 tokens instead of lexi-engine's default 4096 / 4.
     launch = Launch(model=model, parallel=args.parallel,
-                    args=("--ctx-size", str(args.ctx_size)))
+                    args=("--ctx-size", str(args.ctx_size), "--threads", str(threads)))
     return RouterConfig(engines=(EngineSpec("local", "lexi", None, launch),), host=args.host,
                         port=args.port, admission="open")
 
@@ -51,12 +68,20 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"narwhal: config error: {e}", file=sys.stderr)
         return 2
-    from granian import Granian
+    except service.StartError as e:
+        print(f"narwhal: error: {e}", file=sys.stderr)
+        return 2
     from granian.constants import Interfaces, Loops
 
     from narwhal.router import affinity
     from narwhal.router.app import CONFIG_ENV
 
+    try:
+        addr = service.resolve(config.host, config.port)
+        service.check_free(addr)
+    except service.StartError as e:
+        print(f"narwhal: error: {e}", file=sys.stderr)
+        return 2
     try:
         cpus = affinity.pin(config.cpu_affinity)
     except ConfigError as e:
@@ -69,10 +94,9 @@ def main(argv: list[str] | None = None) -> int:
           f"-> engines: {engines}; router on {affinity.describe(cpus)}", file=sys.stderr)
     # uvloop: the upstream reads run through the loop's transports once per token; its C
     # transports take ~10% off the router's CPU per relayed token (bench/README.md).
-    Granian("narwhal.router.app:create_app", factory=True, address=config.host,
-            port=config.port, interface=Interfaces.ASGI, workers=1, log_access=False,
-            loop=Loops.uvloop).serve()
-    return 0
+    return service.serve("narwhal", "narwhal.router.app:create_app", addr,
+                         config.shutdown_grace_s, interface=Interfaces.ASGI,
+                         loop=Loops.uvloop)
 
 
 if __name__ == "__main__":

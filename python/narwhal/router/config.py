@@ -31,6 +31,8 @@ SCHEMA: dict[str, Any] = {
             "type": "object", "additionalProperties": False,
             "properties": {"max_request_bytes": _pos_int, "http_retention_limit": _pos_int,
                            "request_timeout_s": _pos_num,
+                           "shutdown_grace_s": {"type": "number", "exclusiveMinimum": 0,
+                                                "maximum": 3600},
                            "cpu_affinity": {"anyOf": [
                                {"enum": ["auto", "none"]},
                                {"type": "array", "minItems": 1, "uniqueItems": True,
@@ -115,6 +117,7 @@ class RouterConfig:
     max_request_bytes: int = 1048576
     http_retention_limit: int = 1024
     request_timeout_s: float = 600.0
+    shutdown_grace_s: float = 25.0  # in-flight requests' time to finish after SIGTERM
     # "auto" (one CPU), "none" (the OS decides) or the CPU numbers: router/affinity.py.
     cpu_affinity: str | tuple[int, ...] = "auto"
     queue_size: int = 256
@@ -166,6 +169,7 @@ def parse(data: Any) -> RouterConfig:
         max_request_bytes=g("serving", "max_request_bytes", 1048576),
         http_retention_limit=g("serving", "http_retention_limit", 1024),
         request_timeout_s=float(g("serving", "request_timeout_s", 600)),
+        shutdown_grace_s=float(g("serving", "shutdown_grace_s", 25.0)),
         cpu_affinity=_affinity(g("serving", "cpu_affinity", "auto")),
         queue_size=g("queue", "size", 256),
         queue_wait_s=float(g("queue", "wait_s", 30)),

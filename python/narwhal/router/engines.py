@@ -5,10 +5,14 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import aiohttp
 
 from narwhal.router.config import EngineSpec
+
+if TYPE_CHECKING:
+    from narwhal.router.supervisor import ManagedEngine
 
 log = logging.getLogger("narwhal.engines")
 
@@ -24,6 +28,7 @@ class Engine:
     prefill_tokens: int = 0  # sized prompt tokens of the requests in prefill
     failures: int = 0
     extra: dict[str, str] = field(default_factory=dict)
+    managed: ManagedEngine | None = None  # the process behind it, when the router runs it
 
     @property
     def name(self) -> str:
@@ -38,10 +43,18 @@ class Engine:
         return self.prefill + self.decode
 
     def describe(self) -> dict[str, object]:
-        return {"name": self.name, "url": self.url, "dialect": self.spec.dialect,
-                "healthy": self.healthy, "reason": None if self.healthy else self.reason,
-                "token_accounting": self.token_accounting, "prefill": self.prefill,
-                "decode": self.decode}
+        reason = None if self.healthy else self.reason
+        out: dict[str, object] = {
+            "name": self.name, "url": self.url, "dialect": self.spec.dialect,
+            "healthy": self.healthy, "reason": reason,
+            "token_accounting": self.token_accounting, "prefill": self.prefill,
+            "decode": self.decode}
+        if self.managed is not None:
+            out["process"] = self.managed.describe()
+            if reason is not None and self.managed.last_exit is not None:
+                out["reason"] = (f"{reason}; the engine process {self.managed.last_exit} "
+                                 f"(restarts: {self.managed.restarts})")
+        return out
 
 
 class Pool:

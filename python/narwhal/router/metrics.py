@@ -49,6 +49,9 @@ class RouterMetrics:
         self.tpot = Histogram("narwhal_time_per_output_token_seconds",
                               "Mean time per output token after the first", ["engine"],
                               buckets=_TPOT, registry=r)
+        self.engine_restarts = Counter(
+            "narwhal_engine_restarts", "Managed engine processes that exited and were "
+            "restarted", ["engine"], registry=r)
         self._per_engine: dict[str, EngineMetrics] = {}
 
     def engine(self, name: str) -> EngineMetrics:

@@ -1,0 +1,170 @@
+"""How both programs run as a service: bind checks, Granian's process tree, signals, exits.
+
+Both `narwhal` and `lexi-engine` are a Granian main process with one worker process. This
+module is the part they share:
+
+- the address is resolved (a host name works) and the port is checked before Granian starts:
+  Granian binds with SO_REUSEPORT, so a second server on a taken port would otherwise start
+  and share it, and requests would alternate between the two;
+- the first SIGINT/SIGTERM drains in-flight requests for a bounded grace period and says
+  so; a second one stops at once;
+- a worker that dies is reported with its signal name, and the main process exits with
+  128 + the signal number (the shell's convention), so whoever started it can tell a crash
+  from a refusal;
+- the worker dies with the main process (`guard_worker`), whatever killed the main one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import faulthandler
+import logging
+import os
+import signal
+import socket
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+log = logging.getLogger("narwhal.service")
+
+PR_SET_PDEATHSIG = 1
+MAIN_PID_ENV = "NARWHAL_MAIN_PID"
+# Kubernetes sends SIGKILL 30 s after SIGTERM by default: finish draining before that.
+DEFAULT_GRACE_S = 25.0
+
+
+class StartError(Exception):
+    """The program cannot start as asked: one line for the user, exit 2."""
+
+
+@dataclass(frozen=True)
+class Address:
+    host: str  # what the user wrote
+    ip: str  # what Granian binds
+    port: int
+
+
+def resolve(host: str, port: int) -> Address:
+    """The address to bind for `host`: an IP as given, a name through the resolver."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                   flags=socket.AI_PASSIVE)
+    except (socket.gaierror, UnicodeError) as e:
+        reason = e.args[1] if isinstance(e, socket.gaierror) and len(e.args) > 1 else str(e)
+        raise StartError(f"cannot listen on {host!r}: {reason}") from None
+    # IPv4 first: "localhost" resolves to both, and clients try 127.0.0.1 first.
+    infos.sort(key=lambda i: i[0] != socket.AF_INET)
+    return Address(host, str(infos[0][4][0]), port)
+
+
+def check_free(addr: Address) -> None:
+    """Refuse a port another process listens on, SO_REUSEPORT or not."""
+    family = socket.AF_INET6 if ":" in addr.ip else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        # SO_REUSEADDR only lets a port in TIME_WAIT be reused; a listener still blocks it.
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((addr.ip, addr.port))
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                raise StartError(f"port {addr.port} on {addr.host} is already in use by "
+                                 "another process") from None
+            raise StartError(f"cannot listen on {addr.host}:{addr.port}: "
+                             f"{e.strerror}") from None
+
+
+def describe_exit(code: int) -> str:
+    """'exited with 2' or 'was killed by SIGSEGV' for a process's exit status (negative
+    for a signal, as subprocess reports it; 128 + N is a shell's or our main's report)."""
+    sig = -code if code < 0 else code - 128 if 128 < code < 160 else 0
+    if sig:
+        try:
+            return f"was killed by {signal.Signals(sig).name}"
+        except ValueError:
+            return f"was killed by signal {sig}"
+    return f"exited with {code}"
+
+
+def crash_signal(code: int) -> int:
+    """The signal number a crash exit status stands for, or 0."""
+    return -code if code < 0 else code - 128 if 128 < code < 160 else 0
+
+
+def guard_worker() -> None:
+    """In a Granian worker, first thing: die with the main process, and print the Python
+    stack of a fatal signal (a crash inside a C library otherwise leaves no trace)."""
+    faulthandler.enable()
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    main = os.environ.get(MAIN_PID_ENV)
+    if main is not None and os.getppid() != int(main):
+        os._exit(1)  # the main process died before the line above took effect
+
+
+def serve(prog: str, target: str, addr: Address, grace_s: float, **granian: Any) -> int:
+    """Run `target` (an ASGI app factory) under Granian until it stops; the exit status."""
+    from granian import Granian
+
+    class Server(Granian):  # type: ignore[misc, valid-type]
+        interrupted = 0
+        exits: list[int] = []  # statuses of the workers that ended by themselves
+
+        def _stop_workers(self) -> None:
+            # Granian forgets its workers as it stops them: keep how the dead ones ended.
+            self.exits = [w.inner.exitcode for w in self.wrks
+                          if not w.is_alive() and w.inner.exitcode]
+            super()._stop_workers()
+
+        def signal_handler_interrupt(self, *args: Any, **kwargs: Any) -> None:
+            self.interrupted += 1
+            if self.interrupted == 1:
+                super().signal_handler_interrupt(*args, **kwargs)
+                _say(f"{prog}: stopping: draining in-flight requests for up to {grace_s:g} s "
+                     "(signal again to stop now)")
+                return
+            for w in self.wrks:
+                with contextlib.suppress(Exception):
+                    w.kill()
+            _say(f"{prog}: stopping now")
+
+    os.environ[MAIN_PID_ENV] = str(os.getpid())
+    server = Server(target, factory=True, address=addr.ip, port=addr.port, workers=1,
+                    log_access=False, workers_kill_timeout=grace_s, **granian)
+    code = 0
+    try:
+        server.serve()
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 1
+    if server.interrupted:  # asked to stop: however the worker ended, that was the stop
+        return 0
+    for status in server.exits:
+        sig = crash_signal(status)
+        if sig:
+            _say(f"{prog}: error: the worker process {describe_exit(status)}{crash_hint(sig)}")
+            return 128 + sig
+        return int(status)
+    return code
+
+
+def _say(line: str) -> None:
+    """One line to stderr, which may be a pipe whose reader is gone (a managed engine whose
+    router died): a stop must not fail on its own announcement."""
+    with contextlib.suppress(OSError, ValueError):
+        print(line, file=sys.stderr, flush=True)
+
+
+def crash_hint(sig: int) -> str:
+    if sig in (signal.SIGSEGV, signal.SIGILL, signal.SIGBUS, signal.SIGABRT, signal.SIGFPE):
+        return ("; a crash inside native code (llama.cpp). If it happens on the first "
+                "request and the CPU has Intel AMX (amx_int8 in /proc/cpuinfo), start the "
+                "engine with --no-repack; otherwise run with fewer --threads or report it "
+                "with the stack printed above")
+    if sig == signal.SIGKILL:
+        return "; killed from outside (the kernel's out-of-memory killer, or kill -9)"
+    return ""
