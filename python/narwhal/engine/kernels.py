@@ -51,6 +51,14 @@ def choose_repack(requested: bool | None, system_info: str) -> RepackChoice:
                               "turns it off")
 
 
+def for_this_build(requested: bool | None = None) -> RepackChoice:
+    """`choose_repack` on what the installed llama.cpp reports."""
+    import llama_cpp
+
+    info = llama_cpp.llama_print_system_info().decode("utf-8", "replace")
+    return choose_repack(requested, info)
+
+
 def buffers(load_log: str) -> dict[str, float]:
     """MiB of weights per buffer type, from llama.cpp's load log ("CPU_REPACK" -> 34.2)."""
     out: dict[str, float] = {}

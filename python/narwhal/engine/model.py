@@ -29,8 +29,7 @@ class Model:
         if config.n_gpu_layers and not gpu:
             log.warning("--n-gpu-layers %d ignored: this llama-cpp-python build is CPU-only",
                         config.n_gpu_layers)
-        info = llama_cpp.llama_print_system_info().decode("utf-8", "replace")
-        choice = kernels.choose_repack(config.repack, info)
+        choice = kernels.for_this_build(config.repack)
         log.info("loading %s (weight repacking %s: %s)", config.model,
                  "on" if choice.repack else "off", choice.reason)
         # This context only serves tokenizing and metadata; decoding runs in the decode
