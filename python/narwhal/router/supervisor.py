@@ -101,8 +101,7 @@ class ManagedEngine:
             self._tail.clear()
             self.proc = await asyncio.create_subprocess_exec(
                 *self.command(), preexec_fn=_prepare_child,
-                stdout=asyncio.subprocess.DEVNULL if os.environ.get("NARWHAL_QUIET_ENGINES")
-                else None, stderr=asyncio.subprocess.PIPE)
+                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
             started = time.monotonic()
             relay = asyncio.create_task(self._relay_stderr(self.proc))
             healthy_at = await self._wait_healthy(self.proc)
@@ -136,19 +135,23 @@ class ManagedEngine:
             backoff = min(backoff * 2, BACKOFF_MAX_S)
 
     async def _relay_stderr(self, proc: asyncio.subprocess.Process) -> None:
-        """The engine's log lines go on to the router's stderr, labelled, and the last few
-        are kept: a failed start is reported with the engine's own words."""
-        assert proc.stderr is not None
+        """The engine's log lines (stdout and stderr, Granian's own included) go on to the
+        router's stderr, labelled, and the last few are kept: a failed start is reported
+        with the engine's own words."""
+        assert proc.stdout is not None
         label = f"[engine {self.spec.name}] ".encode()
         out = sys.stderr.buffer
+        quiet = bool(os.environ.get("NARWHAL_QUIET_ENGINES"))
         while True:
             try:
-                line = await proc.stderr.readline()
+                line = await proc.stdout.readline()
             except ValueError:  # a line over the stream's limit: skip what is buffered
                 continue
             if not line:
                 return
             self._tail.append(line.decode("utf-8", "replace").rstrip())
+            if quiet:
+                continue
             with contextlib.suppress(OSError, ValueError):
                 out.write(label + line)
                 out.flush()
