@@ -80,8 +80,10 @@ impl ResponseDecoder {
                keep_alive: false, line: 0 }
     }
 
+    /// The final response's head was read and is well formed (a malformed head leaves the
+    /// decoder failed with no status: there is nothing to hand on).
     pub fn head_done(&self) -> bool {
-        !matches!(self.state, State::Head)
+        self.status != 0
     }
 
     /// The whole response (head, body, trailers) has been read.
@@ -409,5 +411,23 @@ mod tests {
         let huge = vec![b'a'; MAX_HEAD_BYTES + 10];
         let (_, _, r) = decode(&[b"HTTP/1.1 200 OK\r\nx: ", &huge]);
         assert!(r.is_err());
+    }
+
+    #[test]
+    fn a_malformed_head_is_never_a_head() {
+        // The caller hands the status on once the head is done: a failed head must not
+        // look done (status 0 reached the ASGI server, which panicked on it).
+        for bad in [
+            &b"SSH-2.0-OpenSSH_9.2p1 Debian-2\r\n\r\n"[..],
+            b"HTTP/1.1 20 OK\r\n\r\n",
+            b"HTTP/1.1 101 Switching Protocols\r\nupgrade: h2c\r\n\r\n",
+            b"HTTP/1.1 200 OK\r\nx-bad: \xff\xfe\r\n\r\n",
+            b"HTTP/1.1 200 OK\r\nno colon\r\n\r\n",
+        ] {
+            let (d, _, r) = decode(&[bad]);
+            assert!(r.is_err() && !d.head_done() && d.status == 0, "{:?}", String::from_utf8_lossy(bad));
+        }
+        let (d, _, r) = decode(&[b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\nzz\r\n"]);
+        assert!(r.is_err() && d.head_done() && d.status == 200); // the body failed, not the head
     }
 }

@@ -1,0 +1,74 @@
+"""What a misbehaving engine can do to the router: end one request, never the router.
+
+Runs the real router in front of `tests.faulty_engine`, which breaks HTTP on purpose.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.conftest import Server, free_port, start_router
+from tests.faulty_engine import BAD_HEADS
+
+
+@pytest.fixture(scope="module")
+def faulty() -> Iterator[Server]:
+    port = free_port()
+    s = Server([sys.executable, "-m", "tests.faulty_engine", "--port", str(port)], "/health",
+               port)
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def router(faulty: Server, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    r = start_router(tmp_path_factory.mktemp("faults"), f"""
+listen: {{port: $PORT}}
+admission: open
+health: {{interval_s: 0.1}}
+engines: [{{name: f, url: "{faulty.url}", dialect: openai}}]
+""")
+    yield r
+    r.stop()
+
+
+def _ready(url: str) -> None:
+    """A fault is a strike against the engine; the next probe brings it back."""
+    for _ in range(100):
+        if httpx.get(url + "/ready").status_code == 200:
+            return
+        time.sleep(0.05)
+    raise AssertionError("the engine did not come back")
+
+
+@pytest.mark.parametrize("stream", [True, False])
+@pytest.mark.parametrize("fault", [*BAD_HEADS, "ssh_banner"])
+def test_a_malformed_engine_head_is_a_502_for_that_request_alone(
+        router: Server, fault: str, stream: bool) -> None:
+    _ready(router.url)
+    r = httpx.post(router.url + "/v1/chat/completions", timeout=30, json={
+        "messages": [{"role": "user", "content": f"fault:{fault}"}], "stream": stream})
+    assert r.status_code == 502, r.text
+    assert r.json()["error"]["code"] == "engine_failed"
+    assert router.proc.poll() is None  # the router lives
+    _ready(router.url)
+    ok = httpx.post(router.url + "/v1/chat/completions", timeout=30, json={
+        "messages": [{"role": "user", "content": "hello"}]})
+    assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["content"] == "hi"
+
+
+def test_the_worker_survived_every_fault(router: Server, tmp_path: Path) -> None:
+    err = router.proc.stderr
+    assert router.proc.poll() is None and err is not None
+    # Granian logs a worker it lost; none was lost.
+    import os
+
+    os.set_blocking(err.fileno(), False)
+    said = (err.read() or b"").decode("utf-8", "replace")
+    assert "Unexpected exit from worker" not in said and "panicked" not in said
