@@ -158,6 +158,9 @@ def test_response_format_json_and_logprobs(engine: Server) -> None:
 @pytest.mark.parametrize(("body", "param"), [
     (chat(n=2), "n"),
     (chat(grammar="root ::= undefined_rule"), "grammar"),
+    # 30,000 nested groups overflowed llama.cpp's parser stack and killed the engine.
+    (chat(grammar="root ::= " + "(" * 30000 + '"a"' + ")" * 30000), "grammar"),
+    (chat(grammar="root ::= " + '"a" ' * 300_000), "grammar"),  # 1.2 MB of grammar
     (chat(temperature=5), "temperature"),
     (chat(reasoning_effort="extreme"), "reasoning_effort"),
     (chat(chat_template_kwargs={"messages": []}), "chat_template_kwargs.messages"),
@@ -174,6 +177,14 @@ def test_bad_requests_are_400_with_param(engine: Server, body: dict[str, Any],
     r = post(engine, "/v1/chat/completions", body)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
+    assert httpx.get(engine.url + "/health").status_code == 200  # and the engine lives
+
+
+def test_a_grammar_nested_a_few_hundred_deep_still_works(engine: Server) -> None:
+    g = "root ::= " + "(" * 300 + '"deep"' + ")" * 300
+    r = post(engine, "/v1/chat/completions", chat(grammar=g, max_tokens=8))
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["content"] == "deep"
 
 
 def test_history_reasoning_is_accepted_and_not_replayed(engine: Server) -> None:

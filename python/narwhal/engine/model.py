@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 from pathlib import Path
 
 import llama_cpp
@@ -17,6 +18,32 @@ log = logging.getLogger("lexi_engine")
 
 class GrammarError(ValueError):
     pass
+
+
+# llama.cpp parses GBNF by recursive descent, one C stack frame per nested group: 30,000
+# nested parentheses overflow the stack and kill the process (10,000 did not). Real
+# grammars nest a few levels; these bounds leave them all room.
+MAX_GRAMMAR_BYTES = 1 << 20
+MAX_GRAMMAR_DEPTH = 512
+# What does not nest: string literals, character classes (escapes included) and comments.
+_GBNF_PARENS = re.compile(r"[()]")
+_GBNF_FLAT = re.compile(r'"(?:[^"\\]|\\.)*"|\[(?:[^\]\\]|\\.)*\]|#[^\n]*')
+
+
+def check_grammar_bounds(gbnf: str) -> None:
+    """Refuse a grammar too large or too deeply nested to hand to llama.cpp."""
+    if len(gbnf) > MAX_GRAMMAR_BYTES:
+        raise GrammarError(f"is over {MAX_GRAMMAR_BYTES} characters")
+    depth = deepest = 0
+    for c in _GBNF_PARENS.findall(_GBNF_FLAT.sub("", gbnf)):
+        if c == "(":
+            depth += 1
+            if depth > deepest:
+                deepest = depth
+                if deepest > MAX_GRAMMAR_DEPTH:
+                    raise GrammarError(f"nests groups over {MAX_GRAMMAR_DEPTH} levels deep")
+        elif c == ")":
+            depth -= 1
 
 
 class ModelLoadError(RuntimeError):
@@ -97,6 +124,7 @@ class Model:
 
     def grammar(self, gbnf: str) -> str:
         """Compile-check a GBNF grammar against this model's vocabulary; returns it."""
+        check_grammar_bounds(gbnf)
         sampler = llama_cpp.llama_sampler_init_grammar(self.vocab, gbnf.encode("utf-8"), b"root")
         if not sampler:
             raise GrammarError("grammar does not parse")
