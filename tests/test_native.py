@@ -172,7 +172,7 @@ def test_upstream_reader_relays_reads_to_send(n: int, ids: bool, cuts: list[int]
     loop.read(HEAD)
     assert loop.log == [("body", b"")]
     loop.log.clear()
-    loop.reader.start_relay(relay, loop.send, loop.report)
+    loop.reader.start_relay(relay, loop.send, loop.report, type(None))
     decoder, expect = ResponseDecoder(), []
     decoder.feed_buffer(bytearray(HEAD), len(HEAD))
     for c in chunked(body, cuts):
@@ -214,7 +214,7 @@ def test_upstream_reader_faults_and_failed_sends() -> None:
         raise gone
 
     relay = StreamRelay(True, False)
-    loop.reader.start_relay(relay, send, loop.report)
+    loop.reader.start_relay(relay, send, loop.report, type(None))
     frames = [sse([f]) for f in chat_stream(2, token_ids=False)]
     loop.read(http_chunked(frames[:2])[:-5])  # the first output: a report, no send
     assert loop.log[-1][0] == "report"
@@ -224,6 +224,30 @@ def test_upstream_reader_faults_and_failed_sends() -> None:
     plain = http_chunked(frames[3:4])[:-5]
     loop.read(plain)
     assert loop.log[-1] == ("body", frames[3])
+
+
+def test_a_send_that_waits_stops_the_native_relay() -> None:
+    """Granian's `send` returns something else than its empty awaitable when its channel to
+    the client is full: that send has not happened yet, so nothing may go natively after
+    it (it would overtake); the awaitable goes to `on_report` and reads go to `on_body`."""
+    loop = Loop()
+    loop.reader.decoder = ResponseDecoder()
+    loop.read(HEAD)
+    later = object()  # stands for the awaitable of a send still to happen
+    sends: list[object] = []
+
+    def send(message: dict[str, object]) -> object:
+        sends.append(message["body"])
+        return later if len(sends) == 2 else None
+
+    loop.reader.start_relay(StreamRelay(True, False), send, loop.report, type(None))
+    frames = [sse([f]) for f in chat_stream(4, token_ids=False)]
+    loop.read(http_chunked(frames[:2])[:-5])  # first output: a report
+    loop.read(http_chunked(frames[2:3])[:-5])  # sent at once
+    loop.read(http_chunked(frames[3:4])[:-5])  # the send that waits
+    assert loop.log[-1] == ("report", later) and len(sends) == 2
+    loop.read(http_chunked(frames[4:5])[:-5])
+    assert loop.log[-1] == ("body", frames[4]) and len(sends) == 2  # not natively
 
 
 def test_relay_leaves_frames_without_ids_byte_identical() -> None:

@@ -4,7 +4,7 @@ Every method takes a whole network chunk or text delta: the boundary is crossed 
 chunk, never once per event or token.
 """
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Literal
 
 __version__: str
@@ -180,7 +180,9 @@ class UpstreamReader:
     stream is relayed (`start_relay`): a read holding only output then goes through the
     relay to ``send`` in Rust, and only a `RelayChunk` with more than output (or the
     exception ``send`` raised) goes to ``on_report``; when such a read also completed the
-    response, ``on_body(b"")`` follows. ``on_fault`` gets a malformed response's message,
+    response, ``on_body(b"")`` follows. A send whose result is not of ``sent_type`` did not
+    go at once: the relay stops and ``on_report`` gets that awaitable, to see it through
+    before anything else is sent. ``on_fault`` gets a malformed response's message,
     or None for bytes on a connection with no ``decoder``.
     """
 
@@ -190,5 +192,6 @@ class UpstreamReader:
     def get_buffer(self, sizehint: int) -> bytearray: ...
     def buffer_updated(self, nbytes: int) -> None: ...
     def start_relay(self, relay: StreamRelay, send: Callable[[dict[str, object]], object],
-                    on_report: Callable[[RelayChunk | BaseException], object]) -> None: ...
+                    on_report: Callable[[RelayChunk | BaseException | Awaitable[None]], object],
+                    sent_type: type) -> None: ...
     def stop_relay(self) -> None: ...

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import orjson
@@ -117,6 +118,61 @@ class _Stream:
         return rep.forward, None, None
 
 
+class _Outbox:
+    """A pushed stream's sends to Granian, kept in order.
+
+    Granian's `send` puts a body on a small channel to the client's connection; when the
+    channel is full it returns an awaitable that sends later instead of sending now, and a
+    send after it can overtake it (tokens reordered, `[DONE]` before the last frame). A
+    send that did not go at once is awaited before anything after it goes out, and the
+    engine's socket is not read meanwhile (`held`), so a slow client slows the engine
+    instead of filling the router's memory.
+    """
+
+    __slots__ = ("failed", "held", "queue", "send", "sent_type", "task")
+
+    def __init__(self, send: Send, sent_type: type, held: Callable[[bool], None],
+                 failed: Callable[[BaseException], None]) -> None:
+        self.send = send
+        self.sent_type = sent_type
+        self.held = held
+        self.failed = failed
+        self.queue: deque[tuple[bytes, bool]] | None = None  # set while a send waits
+        self.task: asyncio.Task[None] | None = None
+
+    def put(self, body: bytes, more: bool) -> None:
+        if self.queue is not None:
+            self.queue.append((body, more))
+            return
+        sent = self.send({"type": "http.response.body", "body": body, "more_body": more})
+        if type(sent) is not self.sent_type:
+            self.waiting(sent)
+
+    def waiting(self, sent: Awaitable[None]) -> None:
+        """`sent` has not gone out yet: everything after it waits for it."""
+        self.queue = deque()
+        self.held(True)
+        self.task = asyncio.ensure_future(self._drain(sent))
+
+    async def _drain(self, sent: Awaitable[None]) -> None:
+        try:
+            await sent
+            while self.queue:
+                body, more = self.queue.popleft()
+                await self.send({"type": "http.response.body", "body": body,
+                                 "more_body": more})
+        except Exception as exc:  # the client went away
+            self.failed(exc)
+            return
+        finally:
+            self.queue = None
+        self.held(False)
+
+    async def flushed(self) -> None:
+        while self.task is not None and not self.task.done():
+            await asyncio.shield(self.task)
+
+
 class Relayer:
     def __init__(self, pool: Pool, admission: Admission, metrics: RouterMetrics,
                  predictor: Predictor | None) -> None:
@@ -206,7 +262,7 @@ class Relayer:
                                           drop_usage=not p.intake.include_usage))
         # Until the first bytes are out, a fault can still be an HTTP error and the deadline
         # applies: the stream is pulled read by read.
-        sync_send = False
+        sent_type: type | None = None  # what `send` returns when it sent at once
         while True:
             chunk = await self._read(p, resp)
             if not chunk:
@@ -219,7 +275,7 @@ class Relayer:
                     self.metrics.engine(e.name).ttfb.observe(time.monotonic() - p.arrived)
                     sent = send({"type": "http.response.body", "body": forward,
                                  "more_body": True})
-                    sync_send = _completes_at_call(sent)
+                    sent_type = type(sent) if _completes_at_call(sent) else None
                     await sent
             if final is not None:
                 await asgi.stream_chunk(send, final, more=False)
@@ -227,8 +283,8 @@ class Relayer:
                 return outcome
             if forward:
                 break
-        if sync_send:
-            return await self._push(st, resp, send)
+        if sent_type is not None:
+            return await self._push(st, resp, send, sent_type)
         read = resp.read  # bound once: this loop runs once per socket read (often a token)
         while True:
             try:
@@ -243,22 +299,38 @@ class Relayer:
             if outcome is not None:
                 return outcome
 
-    async def _push(self, st: _Stream, resp: Exchange, send: Send) -> bool:
+    async def _push(self, st: _Stream, resp: Exchange, send: Send, sent_type: type) -> bool:
         """Relay the rest of the stream from the connection's read callback.
 
         Only for a server whose `send` finishes its work when called (Granian's does): a
         read that holds only output goes from the socket through the relay to `send` in
         Rust (`UpstreamReader`); this coroutine only waits for the end, and the callbacks
-        below see the rest (first output, usage, the end, faults).
+        below see the rest (first output, usage, the end, faults, a send that waits).
         """
         ended: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
 
         def end(outcome: bool | BaseException) -> None:
+            if ended.done():
+                return
             if isinstance(outcome, BaseException):  # the client went away, say
                 ended.set_exception(outcome)  # the coroutine decides
             else:
                 ended.set_result(outcome)
             resp.push(None)  # nothing more goes to the client
+
+        def on_body(chunk: bytes) -> None:
+            deliver(lambda: st.step(chunk))
+
+        relay = (st.relay, send, lambda rep: on_report(rep), sent_type)
+
+        def held(waiting: bool) -> None:
+            resp.hold(waiting)
+            if waiting:
+                resp.relay_natively(None)  # a native send would overtake the waiting one
+            elif not ended.done():
+                resp.relay_natively(relay)
+
+        out = _Outbox(send, sent_type, held, end)
 
         def deliver(step: Callable[[], tuple[bytes, bytes | None, bool | None]]) -> None:
             if ended.done():
@@ -266,27 +338,31 @@ class Relayer:
             try:
                 forward, final, outcome = step()
                 if final is not None:  # the last bytes go out with the stream's end: one send
-                    send({"type": "http.response.body", "body": forward + final,
-                          "more_body": False})
+                    out.put(forward + final, more=False)
                 elif forward:
-                    send({"type": "http.response.body", "body": forward, "more_body": True})
+                    out.put(forward, more=True)
             except Exception as exc:
                 end(exc)
                 return
             if outcome is not None:
                 end(outcome)
 
-        def on_report(rep: RelayChunk | BaseException) -> None:
-            if not isinstance(rep, BaseException):
+        def on_report(rep: RelayChunk | BaseException | Awaitable[None]) -> None:
+            if isinstance(rep, RelayChunk):
                 deliver(lambda: st.report(rep))
-            elif not ended.done():  # raised by `send`
+            elif isinstance(rep, BaseException):  # raised by `send`
                 end(rep)
+            else:  # a send Granian could not do at once (its channel to the client is full)
+                out.waiting(rep)
 
-        resp.push(lambda chunk: deliver(lambda: st.step(chunk)), (st.relay, send, on_report))
+        resp.push(on_body, relay)
         try:
-            return await ended
+            outcome = await ended
+            await out.flushed()  # the stream's last bytes may still wait for the client
+            return outcome
         finally:
             resp.push(None)
+            resp.hold(False)
 
     def _done(self, p: Placed, tokens: int, first_at: float) -> None:
         m, name = self.metrics.engine(p.engine.name), p.engine.name

@@ -15,7 +15,7 @@ import asyncio
 import ssl
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, cast
 from urllib.parse import urlsplit
 
@@ -261,15 +261,17 @@ class Exchange:
         return b"".join(parts)
 
     def push(self, on_body: Callable[[bytes], None] | None,
-             relay: tuple[StreamRelay, Send, Callable[[RelayChunk | BaseException], None]]
-             | None = None) -> None:
+             relay: tuple[StreamRelay, Send,
+                          Callable[[RelayChunk | BaseException | Awaitable[None]], None],
+                          type] | None = None) -> None:
         """Deliver the body to `on_body` as it arrives (None: back to `read`). Called with
         b"" once when the body ends or the connection breaks; what is already buffered is
         delivered at once.
 
-        With `relay` (a `StreamRelay`, an ASGI `send` that completes when called, and
-        `on_report`), later reads go through the relay to `send` natively instead; only
-        reports with more than output, or an exception from `send`, reach `on_report`.
+        With `relay` (a `StreamRelay`, an ASGI `send` that completes when called, its
+        `on_report`, and the type `send` returns when it sent at once), later reads go
+        through the relay to `send` natively instead; only reports with more than output,
+        an exception from `send`, or a send that did not go at once reach `on_report`.
         """
         c = self._conn
         c.on_body = on_body
@@ -284,6 +286,27 @@ class Exchange:
             on_body(b"")
         elif relay is not None and c.on_body is not None:
             c.reader.start_relay(*relay)
+
+    def relay_natively(self, relay: tuple[StreamRelay, Send, Callable[
+            [RelayChunk | BaseException | Awaitable[None]], None], type] | None) -> None:
+        """While pushing: start (or stop) relaying reads in Rust; reads go to `on_body`
+        otherwise."""
+        if relay is None:
+            self._conn.reader.stop_relay()
+        else:
+            self._conn.reader.start_relay(*relay)
+
+    def hold(self, held: bool) -> None:
+        """Stop (or resume) reading the engine's socket: backpressure from the client reaches
+        the engine through TCP instead of piling up here."""
+        c = self._conn
+        if c.transport is None or c.closed or held == c.paused:
+            return
+        if held:
+            c.transport.pause_reading()
+        else:
+            c.transport.resume_reading()
+        c.paused = held
 
     def release(self, done: bool) -> None:
         """Hand the connection back; `done`: the relay saw the stream through to its end."""

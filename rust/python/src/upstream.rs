@@ -6,7 +6,7 @@ use pyo3::create_exception;
 use pyo3::exceptions::PyValueError;
 use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::types::{PyByteArray, PyBytes, PyDict};
+use pyo3::types::{PyByteArray, PyBytes, PyDict, PyType};
 
 use super::{RelayChunk, StreamRelay};
 
@@ -87,6 +87,8 @@ struct Relaying {
     relay: Py<StreamRelay>,
     send: Py<PyAny>,
     on_report: Py<PyAny>,
+    /// The type of what `send` returns when it sent at once (Granian's empty awaitable).
+    sent_type: Py<PyType>,
 }
 
 /// One upstream connection's receive side, installed as its asyncio protocol's
@@ -99,7 +101,10 @@ struct Relaying {
 /// at all. That is the path of nearly every token, and on an idle router each Python
 /// frame it used to run was a string of cache misses. Anything else a relayed read holds
 /// (first output, usage, the end, a fault) goes to `on_report` as a `RelayChunk`, and an
-/// exception `send` raised goes there too. `on_fault` gets the message of a malformed
+/// exception `send` raised goes there too. So does a send that did not go at once (its
+/// result is not of `sent_type`: Granian's channel to the client was full): the relay
+/// stops at once, and the awaitable goes to `on_report`, which must see it through before
+/// anything else is sent, or a later send would overtake it. `on_fault` gets the message of a malformed
 /// response, or None for bytes on a connection with no exchange.
 #[pyclass(module = "narwhal._native")]
 pub(crate) struct UpstreamReader {
@@ -121,7 +126,7 @@ enum Read {
     Body(Py<PyAny>, Py<PyBytes>),
     /// `send` the bytes, or `on_report` the chunk; then `on_body(b"")` (`end`) if the
     /// response is complete.
-    Relayed { send: Option<(Py<PyAny>, Py<PyBytes>)>, report: Option<RelayChunk>, on_report: Py<PyAny>, end: Option<Py<PyAny>> },
+    Relayed { send: Option<(Py<PyAny>, Py<PyBytes>, Py<PyType>)>, report: Option<RelayChunk>, on_report: Py<PyAny>, end: Option<Py<PyAny>> },
 }
 
 #[pymethods]
@@ -144,8 +149,8 @@ impl UpstreamReader {
 
     /// Relay reads through `relay` to the ASGI `send` from now on; reports that need the
     /// router's attention go to `on_report`.
-    fn start_relay(&mut self, relay: Py<StreamRelay>, send: Py<PyAny>, on_report: Py<PyAny>) {
-        self.relaying = Some(Relaying { relay, send, on_report });
+    fn start_relay(&mut self, relay: Py<StreamRelay>, send: Py<PyAny>, on_report: Py<PyAny>, sent_type: Py<PyType>) {
+        self.relaying = Some(Relaying { relay, send, on_report, sent_type });
     }
 
     /// Back to handing every body to `on_body`.
@@ -165,16 +170,25 @@ impl UpstreamReader {
                 on_body.call1(py, (body,))?;
             }
             Read::Relayed { send, report, on_report, end } => {
-                if let Some((send, forward)) = send {
+                if let Some((send, forward, sent_type)) = send {
                     let message = PyDict::new(py);
                     message.set_item(intern!(py, "type"), intern!(py, "http.response.body"))?;
                     message.set_item(intern!(py, "body"), forward)?;
                     message.set_item(intern!(py, "more_body"), true)?;
-                    // Granian's `send` does its work in the call; the awaitable it returns
-                    // is empty. A client that went away raises here: the router decides.
-                    if let Err(e) = send.call1(py, (message,)) {
-                        on_report.call1(py, (e.into_value(py),))?;
-                        return Ok(());
+                    // Granian's `send` does its work in the call and returns an empty
+                    // awaitable, unless its channel to the client is full. A client that
+                    // went away raises here: the router decides.
+                    match send.call1(py, (message,)) {
+                        Err(e) => {
+                            on_report.call1(py, (e.into_value(py),))?;
+                            return Ok(());
+                        }
+                        Ok(sent) if !sent.bind(py).get_type().is(sent_type.bind(py)) => {
+                            // Not sent yet: nothing may pass it, so the rest goes by Python.
+                            slf.borrow_mut().relaying = None;
+                            on_report.call1(py, (sent,))?;
+                        }
+                        Ok(_) => {}
                     }
                 }
                 if let Some(chunk) = report {
@@ -218,7 +232,7 @@ impl UpstreamReader {
             } else if report.forward.is_empty() {
                 (None, None)
             } else {
-                (Some((r.send.clone_ref(py), PyBytes::new(py, &report.forward).unbind())), None)
+                (Some((r.send.clone_ref(py), PyBytes::new(py, &report.forward).unbind(), r.sent_type.clone_ref(py))), None)
             }
         };
         let end = d.inner.complete().then(|| self.on_body.clone_ref(py));

@@ -1,0 +1,107 @@
+"""A client slower than the engine: every token arrives, in order, and the router holds a
+bounded amount of the stream, whatever the client's pace (backpressure reaches the engine).
+
+The client here is a raw socket with a small receive buffer, so the router's channel to it
+fills as soon as it stops reading, as it would behind a slow network.
+"""
+
+from __future__ import annotations
+
+import re
+import socket
+import time
+from pathlib import Path
+
+import orjson
+import pytest
+
+from tests.conftest import Server, start_router
+
+
+def _open(port: int, tokens: int) -> socket.socket:
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    s.connect(("127.0.0.1", port))
+    body = orjson.dumps({"prompt": f"script:echo:{tokens}", "stream": True})
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: t\r\ncontent-type: application/json\r\n"
+              b"content-length: %d\r\n\r\n%s" % (len(body), body))
+    return s
+
+
+def _read_all(s: socket.socket, first: bytes) -> bytes:
+    parts = [first]
+    s.settimeout(60)
+    while True:
+        data = s.recv(1 << 16)
+        if not data:
+            break
+        parts.append(data)
+        if b"".join(parts[-2:]).endswith(b"\r\n0\r\n\r\n"):
+            break
+    raw = b"".join(parts)
+    head, _, body = raw.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200"), head
+    return _dechunk(body)
+
+
+def _dechunk(body: bytes) -> bytes:
+    out, i = [], 0
+    while True:
+        j = body.index(b"\r\n", i)
+        n = int(body[i:j], 16)
+        if n == 0:
+            return b"".join(out)
+        out.append(body[j + 2:j + 2 + n])
+        i = j + 2 + n + 2
+
+
+def _worker_rss_kib(main_pid: int) -> int:
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                if int((d / "stat").read_text().rsplit(")", 1)[1].split()[1]) == main_pid:
+                    status = (d / "status").read_text()
+                    return int(re.search(r"VmRSS:\s+(\d+)", status).group(1))  # type: ignore[union-attr]
+            except (OSError, ValueError):
+                continue
+    raise AssertionError("no worker")
+
+
+@pytest.fixture(scope="module")
+def router(scripted: Server, tmp_path_factory: pytest.TempPathFactory) -> Server:
+    r = start_router(tmp_path_factory.mktemp("bp"), f"""
+listen: {{port: $PORT}}
+admission: open
+engines: [{{name: s, url: "{scripted.url}", dialect: openai}}]
+""")
+    yield r  # type: ignore[misc]
+    r.stop()
+
+
+def test_a_stalled_client_gets_every_token_in_order(router: Server) -> None:
+    n = 30_000  # ~4 MB of frames: far more than the socket buffers between the two
+    streams = [_open(router.port, n) for _ in range(4)]
+    try:
+        firsts = [s.recv(4096) for s in streams]  # the streams started...
+        time.sleep(1.5)  # ...and the client stalls while the engine keeps writing
+        for s, first in zip(streams, firsts, strict=True):
+            text = _read_all(s, first)
+            got = [int(x) for x in re.findall(rb'"text":"w(\d+) "', text)]
+            assert got == list(range(n)), next(
+                (i, g) for i, g in enumerate(got) if g != i) if got != list(range(n)) else None
+            assert text.rstrip().endswith(b"data: [DONE]")
+    finally:
+        for s in streams:
+            s.close()
+
+
+def test_a_client_that_stops_reading_does_not_fill_the_router(router: Server) -> None:
+    before = _worker_rss_kib(router.proc.pid)
+    s = _open(router.port, 400_000)  # ~60 MB of stream
+    try:
+        s.recv(4096)
+        time.sleep(3)  # the engine could write it all in this time, were it let
+        grown_mib = (_worker_rss_kib(router.proc.pid) - before) / 1024
+        assert grown_mib < 20, f"router grew {grown_mib:.0f} MiB for one stalled stream"
+    finally:
+        s.close()
