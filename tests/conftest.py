@@ -7,6 +7,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -43,13 +44,21 @@ class Server:
     def __init__(self, args: list[str], health: str, port: int, timeout: float = 60) -> None:
         self.port = port
         self.url = f"http://127.0.0.1:{port}"
+        # A file, not a pipe: a pipe nobody reads fills up (64 KiB of log lines) and then
+        # blocks the server on its next write.
+        self.log = tempfile.TemporaryFile()  # noqa: SIM115 - lives as long as the server
         self.proc = subprocess.Popen(args, cwd=ROOT, start_new_session=True,
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                                     stdout=subprocess.DEVNULL, stderr=self.log)
         try:
             wait_http(self.url + health, self.proc, timeout)
         except Exception:
             self.stop()
             raise
+
+    def stderr(self) -> str:
+        """What the server wrote to stderr so far."""
+        self.log.seek(0)
+        return self.log.read().decode("utf-8", "replace")
 
     def stop(self) -> None:
         if self.proc.poll() is None:

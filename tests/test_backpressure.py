@@ -105,3 +105,32 @@ def test_a_client_that_stops_reading_does_not_fill_the_router(router: Server) ->
         assert grown_mib < 20, f"router grew {grown_mib:.0f} MiB for one stalled stream"
     finally:
         s.close()
+
+
+def test_connections_closed_by_disconnects_are_freed(router: Server) -> None:
+    """Each upstream connection closed early (here: its client hung up mid-stream) must be
+    collected; a reference cycle through the native reader once kept each one alive with
+    its 64 KiB read buffer."""
+
+    def hang_up_mid_stream(k: int) -> None:
+        for _ in range(k):
+            s = _open_paced(router.port)
+            assert s.recv(4096).startswith(b"HTTP/1.1 200")
+            s.close()
+
+    hang_up_mid_stream(50)  # warm: allocator pools, lazily created objects
+    time.sleep(0.5)
+    before = _worker_rss_kib(router.proc.pid)
+    hang_up_mid_stream(400)
+    time.sleep(0.5)  # the router notices the last hang-ups
+    grown_mib = (_worker_rss_kib(router.proc.pid) - before) / 1024
+    assert grown_mib < 8, f"router grew {grown_mib:.1f} MiB over 400 disconnects"
+
+
+def _open_paced(port: int) -> socket.socket:
+    s = socket.socket()
+    s.connect(("127.0.0.1", port))
+    body = orjson.dumps({"prompt": "script:paced:100:20", "stream": True})
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: t\r\ncontent-type: application/json\r\n"
+              b"content-length: %d\r\n\r\n%s" % (len(body), body))
+    return s

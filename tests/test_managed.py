@@ -192,7 +192,7 @@ engines:
         for p in tree:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(p, signal.SIGKILL)
-    err = r.proc.stderr.read().decode() if r.proc.stderr else ""
+    err = r.stderr()
     assert "engine local was killed by SIGSEGV" in err and "--no-repack" in err
     assert "[engine local]" in err  # the engine's own lines, labelled
 

@@ -226,7 +226,7 @@ def test_lexi_engine_names_a_crash_and_says_what_to_try(model_path: str) -> None
         assert s.proc.wait(60) == 128 + signal.SIGSEGV
     finally:
         s.stop()
-    err = s.proc.stderr.read().decode() if s.proc.stderr else ""
+    err = s.stderr()
     assert "the worker process was killed by SIGSEGV" in err and "--no-repack" in err
     assert "Fatal Python error" in err  # the stack of the crash, not silence
     # Where the weights went is said at start.

@@ -6,6 +6,7 @@ use pyo3::create_exception;
 use pyo3::exceptions::PyValueError;
 use pyo3::intern;
 use pyo3::prelude::*;
+use pyo3::{PyTraverseError, PyVisit};
 use pyo3::types::{PyByteArray, PyBytes, PyDict, PyType};
 
 use super::{RelayChunk, StreamRelay};
@@ -111,15 +112,26 @@ pub(crate) struct UpstreamReader {
     buffer: Py<PyByteArray>,
     #[pyo3(get, set)]
     decoder: Option<Py<ResponseDecoder>>,
+    /// None once the garbage collector cleared the reader (its connection is gone).
+    callbacks: Option<Callbacks>,
+    relaying: Option<Relaying>,
+}
+
+/// The connection's own read and fault handlers: bound methods of the connection, which in
+/// turn holds this reader. The cycle is collectable because the reader tells the garbage
+/// collector about them (`__traverse__`); without that, every closed connection stayed
+/// alive with its read buffer.
+struct Callbacks {
     on_body: Py<PyAny>,
     on_fault: Py<PyAny>,
-    relaying: Option<Relaying>,
 }
 
 /// What one read came to, with the callbacks it leads to. Decided with the reader's
 /// borrows held; the callbacks run after they are released (one may set a new decoder or
 /// stop the relay).
 enum Read {
+    /// Nothing to call.
+    Nothing,
     /// `on_fault(message)`.
     Fault(Py<PyAny>, Option<String>),
     /// `on_body(body)`.
@@ -136,8 +148,7 @@ impl UpstreamReader {
         UpstreamReader {
             buffer: PyByteArray::new_with(py, size, |_| Ok(())).expect("a zeroed bytearray").unbind(),
             decoder: None,
-            on_body,
-            on_fault,
+            callbacks: Some(Callbacks { on_body, on_fault }),
             relaying: None,
         }
     }
@@ -153,6 +164,30 @@ impl UpstreamReader {
         self.relaying = Some(Relaying { relay, send, on_report, sent_type });
     }
 
+    fn __traverse__(&self, visit: PyVisit<'_>) -> Result<(), PyTraverseError> {
+        visit.call(&self.buffer)?;
+        if let Some(d) = &self.decoder {
+            visit.call(d)?;
+        }
+        if let Some(c) = &self.callbacks {
+            visit.call(&c.on_body)?;
+            visit.call(&c.on_fault)?;
+        }
+        if let Some(r) = &self.relaying {
+            visit.call(&r.relay)?;
+            visit.call(&r.send)?;
+            visit.call(&r.on_report)?;
+            visit.call(&r.sent_type)?;
+        }
+        Ok(())
+    }
+
+    fn __clear__(&mut self) {
+        self.decoder = None;
+        self.callbacks = None;
+        self.relaying = None;
+    }
+
     /// Back to handing every body to `on_body`.
     fn stop_relay(&mut self) {
         self.relaying = None;
@@ -163,6 +198,7 @@ impl UpstreamReader {
         let py = slf.py();
         let read = slf.borrow().read(py, nbytes)?;
         match read {
+            Read::Nothing => {}
             Read::Fault(on_fault, message) => {
                 on_fault.call1(py, (message,))?;
             }
@@ -205,8 +241,11 @@ impl UpstreamReader {
 
 impl UpstreamReader {
     fn read(&self, py: Python<'_>, n: usize) -> PyResult<Read> {
+        let Some(cb) = &self.callbacks else {
+            return Ok(Read::Nothing); // cleared: the connection is being collected
+        };
         let Some(decoder) = &self.decoder else {
-            return Ok(Read::Fault(self.on_fault.clone_ref(py), None));
+            return Ok(Read::Fault(cb.on_fault.clone_ref(py), None));
         };
         let mut d = decoder.borrow_mut(py);
         {
@@ -216,11 +255,11 @@ impl UpstreamReader {
             let data = unsafe { buffer.as_bytes() };
             let data = data.get(..n).ok_or_else(|| PyValueError::new_err("n is past the buffer's end"))?;
             if let Err(message) = d.decode(data) {
-                return Ok(Read::Fault(self.on_fault.clone_ref(py), Some(message)));
+                return Ok(Read::Fault(cb.on_fault.clone_ref(py), Some(message)));
             }
         }
         let Some(r) = &self.relaying else {
-            return Ok(Read::Body(self.on_body.clone_ref(py), PyBytes::new(py, &d.body).unbind()));
+            return Ok(Read::Body(cb.on_body.clone_ref(py), PyBytes::new(py, &d.body).unbind()));
         };
         // An empty body is framing only (a chunk-size line, the last chunk): nothing to relay.
         let (send, report) = if d.body.is_empty() {
@@ -235,7 +274,7 @@ impl UpstreamReader {
                 (Some((r.send.clone_ref(py), PyBytes::new(py, &report.forward).unbind(), r.sent_type.clone_ref(py))), None)
             }
         };
-        let end = d.inner.complete().then(|| self.on_body.clone_ref(py));
+        let end = d.inner.complete().then(|| cb.on_body.clone_ref(py));
         Ok(Read::Relayed { send, report, on_report: r.on_report.clone_ref(py), end })
     }
 }
