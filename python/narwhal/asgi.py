@@ -27,12 +27,29 @@ class ClientGone(Exception):
     pass
 
 
-async def read_body(receive: Receive, limit: int) -> bytes:
-    """Read the request body, stopping as soon as it passes `limit` bytes."""
+async def read_body(receive: Receive, limit: int, timeout: float | None = None) -> bytes:
+    """Read the request body, stopping as soon as it passes `limit` bytes.
+
+    `timeout` bounds the whole body: a client that stops sending mid-body gets a 408
+    instead of holding its connection and the router's seat forever. A body the server
+    cannot read (a malformed chunked encoding) is a 400, never the server's bare 500.
+    """
     parts: list[bytes] = []
     size = 0
+    loop = asyncio.get_running_loop()
+    end = None if timeout is None else loop.time() + timeout
     while True:
-        msg = await receive()
+        try:
+            if end is None:
+                msg = await receive()
+            else:
+                msg = await asyncio.wait_for(receive(), max(end - loop.time(), 0.0))
+        except asyncio.TimeoutError:
+            raise ApiError(408, f"the request body did not arrive within {timeout:g} s",
+                           type="invalid_request_error", code="request_timeout") from None
+        except Exception as exc:
+            raise ApiError(400, f"the request body could not be read: {exc}",
+                           code="bad_request_body") from None
         if msg["type"] == "http.disconnect":
             raise ClientGone
         chunk = msg.get("body", b"")

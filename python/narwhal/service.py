@@ -40,6 +40,18 @@ class StartError(Exception):
 
 
 @dataclass(frozen=True)
+class Limits:
+    grace_s: float = DEFAULT_GRACE_S  # drain time after the first stop signal
+    # A request head, or the next one on a kept-alive connection, must come within this:
+    # a client that trickles a head (slowloris) or idles between requests is closed.
+    header_timeout_s: float = 10.0
+    # Connections served at once (Granian's permits). Each idle one holds a permit until
+    # the header timeout; one that never sends a byte holds it until the client closes
+    # it (hyper starts that timer at the first byte), so the number is set high.
+    max_connections: int = 8192
+
+
+@dataclass(frozen=True)
 class Address:
     host: str  # what the user wrote
     ip: str  # what Granian binds
@@ -107,9 +119,13 @@ def guard_worker() -> None:
         os._exit(1)  # the main process died before the line above took effect
 
 
-def serve(prog: str, target: str, addr: Address, grace_s: float, **granian: Any) -> int:
+def serve(prog: str, target: str, addr: Address, limits: Limits, **granian: Any) -> int:
     """Run `target` (an ASGI app factory) under Granian until it stops; the exit status."""
     from granian import Granian
+    from granian.http import HTTP1Settings
+
+    grace_s = limits.grace_s
+    _raise_fd_limit(limits.max_connections + 1024)
 
     class Server(Granian):  # type: ignore[misc, valid-type]
         interrupted = 0
@@ -135,7 +151,11 @@ def serve(prog: str, target: str, addr: Address, grace_s: float, **granian: Any)
 
     os.environ[MAIN_PID_ENV] = str(os.getpid())
     server = Server(target, factory=True, address=addr.ip, port=addr.port, workers=1,
-                    log_access=False, workers_kill_timeout=grace_s, **granian)
+                    log_access=False, workers_kill_timeout=grace_s,
+                    backpressure=limits.max_connections,
+                    http1_settings=HTTP1Settings(
+                        header_read_timeout=max(1, round(limits.header_timeout_s * 1000))),
+                    **granian)
     code = 0
     try:
         server.serve()
@@ -150,6 +170,19 @@ def serve(prog: str, target: str, addr: Address, grace_s: float, **granian: Any)
             return 128 + sig
         return int(status)
     return code
+
+
+def _raise_fd_limit(want: int) -> None:
+    """Room for `want` open files: each client connection is one."""
+    try:
+        import resource
+    except ImportError:
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < want:
+        target = want if hard == resource.RLIM_INFINITY else min(want, hard)
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
 
 
 def _say(line: str) -> None:

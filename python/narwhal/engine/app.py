@@ -126,7 +126,7 @@ class Engine:
         route = path.rsplit("/", 1)[-1]
         status = 200
         try:
-            raw = await asgi.read_body(receive, MAX_BODY)
+            raw = await asgi.read_body(receive, MAX_BODY, self.config.body_timeout_s)
         except asgi.BodyTooLarge:
             raise ApiError(413, "request body too large", code="request_too_large") from None
         try:

@@ -37,8 +37,10 @@ def main(argv: list[str] | None = None) -> int:
     from granian.constants import Interfaces
 
     os.environ[CONFIG_ENV] = config.to_json().decode()
-    return service.serve("lexi-engine", "narwhal.engine.app:create_app", addr,
-                         config.shutdown_grace_s, interface=Interfaces.ASGI)
+    limits = service.Limits(config.shutdown_grace_s, config.header_timeout_s,
+                            config.max_connections)
+    return service.serve("lexi-engine", "narwhal.engine.app:create_app", addr, limits,
+                         interface=Interfaces.ASGI)
 
 
 if __name__ == "__main__":

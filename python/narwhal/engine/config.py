@@ -52,6 +52,9 @@ class EngineConfig:
     prefill_chunk: int = 256
     repack: bool | None = None  # None: chosen from the build's CPU features (engine.kernels)
     shutdown_grace_s: float = 25.0
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 30.0
+    max_connections: int = 8192
 
     def to_json(self) -> bytes:
         return orjson.dumps(dataclasses.asdict(self))
@@ -99,6 +102,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shutdown-grace", type=float, default=25.0, metavar="SECONDS",
                    help="on SIGTERM/Ctrl-C, how long in-flight requests may finish "
                         "(default 25; a second signal stops at once)")
+    p.add_argument("--header-timeout", type=float, default=10.0, metavar="SECONDS",
+                   help="a request head, or a kept-alive connection's next one, must arrive "
+                        "within this (default 10)")
+    p.add_argument("--body-timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="a request body must arrive whole within this: 408 (default 30)")
+    p.add_argument("--max-connections", type=int, default=8192, metavar="N",
+                   help="client connections served at once (default 8192)")
 
 
 def _read_keys(values: list[str]) -> tuple[str, ...]:
@@ -176,6 +186,11 @@ def from_args(ns: argparse.Namespace) -> EngineConfig:
                           "tokens (the context is split evenly over --parallel)")
     if not (1 <= ns.prefill_chunk <= 8192):
         raise ConfigError("--prefill-chunk", "must be between 1 and 8192")
+    for flag, v in (("--header-timeout", ns.header_timeout), ("--body-timeout", ns.body_timeout)):
+        if not (0 < v <= 3600):
+            raise ConfigError(flag, "must be between 0 and 3600 seconds")
+    if ns.max_connections < 1:
+        raise ConfigError("--max-connections", "must be at least 1")
     if not (0 < ns.shutdown_grace <= 3600):
         raise ConfigError("--shutdown-grace", "must be between 0 and 3600 seconds")
     if ns.threads is not None and ns.threads < 1:
@@ -203,4 +218,7 @@ def from_args(ns: argparse.Namespace) -> EngineConfig:
         prefill_chunk=ns.prefill_chunk,
         repack=ns.repack,
         shutdown_grace_s=ns.shutdown_grace,
+        header_timeout_s=ns.header_timeout,
+        body_timeout_s=ns.body_timeout,
+        max_connections=ns.max_connections,
     )

@@ -224,7 +224,8 @@ class Router:
             raise
         try:
             try:
-                raw = await asgi.read_body(receive, self.config.max_request_bytes)
+                raw = await asgi.read_body(receive, self.config.max_request_bytes,
+                                           self.config.body_timeout_s)
             except asgi.BodyTooLarge:
                 m.invalid_requests.inc()
                 raise ApiError(413, f"request body exceeds {self.config.max_request_bytes} "

@@ -94,9 +94,10 @@ def main(argv: list[str] | None = None) -> int:
           f"-> engines: {engines}; router on {affinity.describe(cpus)}", file=sys.stderr)
     # uvloop: the upstream reads run through the loop's transports once per token; its C
     # transports take ~10% off the router's CPU per relayed token (bench/README.md).
-    return service.serve("narwhal", "narwhal.router.app:create_app", addr,
-                         config.shutdown_grace_s, interface=Interfaces.ASGI,
-                         loop=Loops.uvloop)
+    limits = service.Limits(config.shutdown_grace_s, config.header_timeout_s,
+                            config.max_connections)
+    return service.serve("narwhal", "narwhal.router.app:create_app", addr, limits,
+                         interface=Interfaces.ASGI, loop=Loops.uvloop)
 
 
 if __name__ == "__main__":

@@ -33,6 +33,8 @@ SCHEMA: dict[str, Any] = {
                            "request_timeout_s": _pos_num,
                            "shutdown_grace_s": {"type": "number", "exclusiveMinimum": 0,
                                                 "maximum": 3600},
+                           "header_timeout_s": _pos_num, "body_timeout_s": _pos_num,
+                           "max_connections": _pos_int,
                            "cpu_affinity": {"anyOf": [
                                {"enum": ["auto", "none"]},
                                {"type": "array", "minItems": 1, "uniqueItems": True,
@@ -118,6 +120,9 @@ class RouterConfig:
     http_retention_limit: int = 1024
     request_timeout_s: float = 600.0
     shutdown_grace_s: float = 25.0  # in-flight requests' time to finish after SIGTERM
+    header_timeout_s: float = 10.0  # a request head (or the next one, keep-alive) must come
+    body_timeout_s: float = 30.0  # a request body must arrive whole within this
+    max_connections: int = 8192  # client connections served at once
     # "auto" (one CPU), "none" (the OS decides) or the CPU numbers: router/affinity.py.
     cpu_affinity: str | tuple[int, ...] = "auto"
     queue_size: int = 256
@@ -170,6 +175,9 @@ def parse(data: Any) -> RouterConfig:
         http_retention_limit=g("serving", "http_retention_limit", 1024),
         request_timeout_s=float(g("serving", "request_timeout_s", 600)),
         shutdown_grace_s=float(g("serving", "shutdown_grace_s", 25.0)),
+        header_timeout_s=float(g("serving", "header_timeout_s", 10.0)),
+        body_timeout_s=float(g("serving", "body_timeout_s", 30.0)),
+        max_connections=g("serving", "max_connections", 8192),
         cpu_affinity=_affinity(g("serving", "cpu_affinity", "auto")),
         queue_size=g("queue", "size", 256),
         queue_wait_s=float(g("queue", "wait_s", 30)),
