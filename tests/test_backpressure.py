@@ -134,3 +134,18 @@ def _open_paced(port: int) -> socket.socket:
     s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: t\r\ncontent-type: application/json\r\n"
               b"content-length: %d\r\n\r\n%s" % (len(body), body))
     return s
+
+
+def test_the_deadline_covers_the_stream_after_its_first_token(router: Server) -> None:
+    """An engine that keeps the stream open (keep-alive comments) but never finishes: the
+    client's `x-narwhal-timeout-ms` ends it, and every seat comes back."""
+    import httpx
+
+    r = httpx.post(router.url + "/v1/completions", timeout=30,
+                   headers={"x-narwhal-timeout-ms": "1500"},
+                   json={"prompt": "script:hang", "stream": True})
+    assert r.status_code == 200
+    assert r.text.rstrip().endswith('"code":"deadline_exceeded"}}')
+    m = httpx.get(router.url + "/metrics").text
+    assert 'narwhal_inflight{engine="s",phase="decode"} 0.0' in m
+    assert "narwhal_retained 0.0" in m

@@ -31,7 +31,7 @@ def _closed_by_server(s: socket.socket, within: float) -> bool:
         while s.recv(4096):
             pass  # a response (408/400) may come before the close
         return True
-    except (TimeoutError, socket.timeout):
+    except TimeoutError:
         return False
     except ConnectionResetError:
         return True

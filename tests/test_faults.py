@@ -31,6 +31,7 @@ def router(faulty: Server, tmp_path_factory: pytest.TempPathFactory) -> Iterator
 listen: {{port: $PORT}}
 admission: open
 health: {{interval_s: 0.1}}
+serving: {{stream_idle_timeout_s: 1}}
 engines: [{{name: f, url: "{faulty.url}", dialect: openai}}]
 """)
     yield r
@@ -60,6 +61,28 @@ def test_a_malformed_engine_head_is_a_502_for_that_request_alone(
     ok = httpx.post(router.url + "/v1/chat/completions", timeout=30, json={
         "messages": [{"role": "user", "content": "hello"}]})
     assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["content"] == "hi"
+
+
+def _inflight_zero(url: str) -> bool:
+    m = httpx.get(url + "/metrics").text
+    lines = [ln for ln in m.splitlines()
+             if ln.startswith(("narwhal_inflight{", "narwhal_retained "))]
+    return bool(lines) and all(ln.endswith(" 0.0") for ln in lines)
+
+
+def test_an_engine_that_goes_quiet_mid_stream_ends_that_stream(router: Server) -> None:
+    _ready(router.url)
+    body = {"messages": [{"role": "user", "content": "fault:stall_after_first"}]}
+    r = httpx.post(router.url + "/v1/chat/completions", timeout=30, json=body | {"stream": True})
+    assert r.status_code == 200
+    assert '"content":"hi"' in r.text  # the token it had
+    assert r.text.rstrip().endswith('"code":"engine_stalled"}}')  # then the end, in an event
+    _ready(router.url)
+    whole = httpx.post(router.url + "/v1/chat/completions", timeout=30, json=body)
+    assert whole.status_code == 502 and whole.json()["error"]["code"] == "engine_failed"
+    assert _inflight_zero(router.url)
+    m = httpx.get(router.url + "/metrics").text
+    assert 'narwhal_stream_faults_total{engine="f",reason="engine_stalled"} 2.0' in m
 
 
 def test_the_worker_survived_every_fault(router: Server) -> None:

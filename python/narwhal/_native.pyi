@@ -187,6 +187,8 @@ class UpstreamReader:
     """
 
     decoder: ResponseDecoder | None
+    @property
+    def reads(self) -> int: ...  # reads so far: a watchdog's measure of a quiet engine
     def __init__(self, size: int, on_body: Callable[[bytes], object],
                  on_fault: Callable[[str | None], object]) -> None: ...
     def get_buffer(self, sizehint: int) -> bytearray: ...

@@ -63,7 +63,8 @@ class Router:
     async def startup(self) -> None:
         connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=60, ttl_dns_cache=300)
         self.session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
-        self.relayer = Relayer(self.pool, self.admission, self.metrics, self.predictor)
+        self.relayer = Relayer(self.pool, self.admission, self.metrics, self.predictor,
+                               self.config.stream_idle_timeout_s)
         for me in self.managed:
             await me.start()
         c = self.config

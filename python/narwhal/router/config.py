@@ -34,7 +34,7 @@ SCHEMA: dict[str, Any] = {
                            "shutdown_grace_s": {"type": "number", "exclusiveMinimum": 0,
                                                 "maximum": 3600},
                            "header_timeout_s": _pos_num, "body_timeout_s": _pos_num,
-                           "max_connections": _pos_int,
+                           "max_connections": _pos_int, "stream_idle_timeout_s": _pos_num,
                            "cpu_affinity": {"anyOf": [
                                {"enum": ["auto", "none"]},
                                {"type": "array", "minItems": 1, "uniqueItems": True,
@@ -123,6 +123,7 @@ class RouterConfig:
     header_timeout_s: float = 10.0  # a request head (or the next one, keep-alive) must come
     body_timeout_s: float = 30.0  # a request body must arrive whole within this
     max_connections: int = 8192  # client connections served at once
+    stream_idle_timeout_s: float = 120.0  # an engine silent this long mid-answer has stalled
     # "auto" (one CPU), "none" (the OS decides) or the CPU numbers: router/affinity.py.
     cpu_affinity: str | tuple[int, ...] = "auto"
     queue_size: int = 256
@@ -178,6 +179,7 @@ def parse(data: Any) -> RouterConfig:
         header_timeout_s=float(g("serving", "header_timeout_s", 10.0)),
         body_timeout_s=float(g("serving", "body_timeout_s", 30.0)),
         max_connections=g("serving", "max_connections", 8192),
+        stream_idle_timeout_s=float(g("serving", "stream_idle_timeout_s", 120.0)),
         cpu_affinity=_affinity(g("serving", "cpu_affinity", "auto")),
         queue_size=g("queue", "size", 256),
         queue_wait_s=float(g("queue", "wait_s", 30)),

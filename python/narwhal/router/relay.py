@@ -55,6 +55,12 @@ def _error_event(message: str, code: str) -> bytes:
                                                 "param": None, "code": code}}) + b"\n\n"
 
 
+def _past(deadline: float) -> bool:
+    # The loop's timers run on a millisecond clock that may fire a hair before
+    # time.monotonic() (the deadlines' clock) reaches the deadline.
+    return time.monotonic() >= deadline - 0.005
+
+
 def _completes_at_call(sent: object) -> bool:
     # Granian's ASGI `send` does its work in the call and returns an empty awaitable; a
     # coroutine or future (other servers) must be awaited for the message to go out.
@@ -175,7 +181,8 @@ class _Outbox:
 
 class Relayer:
     def __init__(self, pool: Pool, admission: Admission, metrics: RouterMetrics,
-                 predictor: Predictor | None) -> None:
+                 predictor: Predictor | None, idle_s: float = 120.0) -> None:
+        self.idle_s = idle_s  # an engine silent this long in the middle of an answer stalled
         self.upstreams: dict[str, Upstream] = {}
         self.pool = pool
         self.admission = admission
@@ -246,14 +253,32 @@ class Relayer:
 
     async def _read(self, p: Placed, resp: Exchange) -> bytes:
         """Next body bytes (b"" if the engine broke off), for as long as nothing has gone
-        to the client: the deadline bounds the wait."""
+        to the client: the deadline bounds the wait, and so does the idle gap."""
+        loop = asyncio.get_running_loop()
         try:
-            return await resp.read(p.deadline)
+            return await resp.read(min(p.deadline, loop.time() + self.idle_s))
         except asyncio.TimeoutError:
-            raise ApiError(504, "the request deadline passed before the first token",
+            if not _past(p.deadline):
+                raise self._stalled(p) from None
+            raise ApiError(504, "the request deadline passed before the engine answered",
                            type="timeout_error", code="deadline_exceeded") from None
         except UpstreamError:
             return b""
+
+    def _stalled(self, p: Placed) -> EngineFailed:
+        e = p.engine
+        self.metrics.stream_faults.labels(e.name, "engine_stalled").inc()
+        self.pool.mark_failed(e, f"sent nothing for {self.idle_s:g}s mid-answer")
+        return EngineFailed(f"the engine sent nothing for {self.idle_s:g}s")
+
+    def _timed_out(self, p: Placed) -> bytes:
+        """The error event that ends a stream that ran out of time (its deadline, or the
+        engine's idle gap), counted."""
+        if _past(p.deadline):
+            self.metrics.stream_faults.labels(p.engine.name, "deadline_exceeded").inc()
+            return _error_event("the request deadline passed", "deadline_exceeded")
+        self._stalled(p)
+        return _error_event(f"the engine sent nothing for {self.idle_s:g}s", "engine_stalled")
 
     async def _stream(self, p: Placed, resp: Exchange, send: Send) -> bool:
         e = p.engine
@@ -286,11 +311,15 @@ class Relayer:
         if sent_type is not None:
             return await self._push(st, resp, send, sent_type)
         read = resp.read  # bound once: this loop runs once per socket read (often a token)
+        loop = asyncio.get_running_loop()
         while True:
             try:
-                chunk = await read()
+                chunk = await read(min(p.deadline, loop.time() + self.idle_s))
             except UpstreamError:
                 chunk = b""
+            except asyncio.TimeoutError:
+                await asgi.stream_chunk(send, self._timed_out(p), more=False)
+                return False
             forward, final, outcome = st.step(chunk)
             if forward:
                 await send({"type": "http.response.body", "body": forward, "more_body": True})
@@ -355,12 +384,30 @@ class Relayer:
             else:  # a send Granian could not do at once (its channel to the client is full)
                 out.waiting(rep)
 
+        loop = asyncio.get_running_loop()
+        timer: list[asyncio.TimerHandle] = []
+
+        def watch(seen: int) -> None:
+            """Every idle gap (or at the deadline): a stream with no read since the last
+            look, or past its deadline, ends with an error event."""
+            if ended.done():
+                return
+            now, reads = loop.time(), resp.reads
+            if reads == seen or _past(st.p.deadline):
+                out.put(self._timed_out(st.p), more=False)
+                end(False)
+                return
+            timer[0] = loop.call_at(min(now + self.idle_s, st.p.deadline), watch, reads)
+
+        timer.append(loop.call_at(min(loop.time() + self.idle_s, st.p.deadline), watch,
+                                  resp.reads))
         resp.push(on_body, relay)
         try:
             outcome = await ended
             await out.flushed()  # the stream's last bytes may still wait for the client
             return outcome
         finally:
+            timer[0].cancel()
             resp.push(None)
             resp.hold(False)
 

@@ -296,6 +296,11 @@ class Exchange:
         else:
             self._conn.reader.start_relay(*relay)
 
+    @property
+    def reads(self) -> int:
+        """Socket reads on this exchange's connection so far."""
+        return self._conn.reader.reads
+
     def hold(self, held: bool) -> None:
         """Stop (or resume) reading the engine's socket: backpressure from the client reaches
         the engine through TCP instead of piling up here."""

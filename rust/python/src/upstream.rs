@@ -115,6 +115,10 @@ pub(crate) struct UpstreamReader {
     /// None once the garbage collector cleared the reader (its connection is gone).
     callbacks: Option<Callbacks>,
     relaying: Option<Relaying>,
+    /// Reads so far: a watchdog that sees it unchanged knows the engine went quiet, without
+    /// a Python call per read.
+    #[pyo3(get)]
+    reads: u64,
 }
 
 /// The connection's own read and fault handlers: bound methods of the connection, which in
@@ -150,6 +154,7 @@ impl UpstreamReader {
             decoder: None,
             callbacks: Some(Callbacks { on_body, on_fault }),
             relaying: None,
+            reads: 0,
         }
     }
 
@@ -196,6 +201,7 @@ impl UpstreamReader {
     /// `nbytes` were read into the buffer (`asyncio.BufferedProtocol.buffer_updated`).
     fn buffer_updated(slf: &Bound<'_, Self>, nbytes: usize) -> PyResult<()> {
         let py = slf.py();
+        slf.borrow_mut().reads += 1;
         let read = slf.borrow().read(py, nbytes)?;
         match read {
             Read::Nothing => {}
