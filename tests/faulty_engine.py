@@ -81,6 +81,11 @@ async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> 
                 await writer.drain()
                 writer.write(b"Invalid SSH identification string.\r\n")
                 break
+            if name == "trailing_bytes":  # a whole answer, then bytes nobody asked for
+                writer.write(OK_HEAD + chunk(frame("hi", chat)) + chunk(frame("", chat, "stop"))
+                             + chunk(b"data: [DONE]\n\n") + b"0\r\n\r\nHTTP/1.1 200 OK\r\n")
+                await writer.drain()
+                break
             if name == "stall_after_first":  # one token, then silence with the socket open
                 writer.write(OK_HEAD + chunk(frame("hi", chat)))
                 await writer.drain()

@@ -85,7 +85,30 @@ def test_an_engine_that_goes_quiet_mid_stream_ends_that_stream(router: Server) -
     assert 'narwhal_stream_faults_total{engine="f",reason="engine_stalled"} 2.0' in m
 
 
+@pytest.mark.parametrize("stream", [True, False])
+def test_bytes_after_a_whole_answer_do_not_spoil_it(router: Server, stream: bool) -> None:
+    _ready(router.url)
+    r = httpx.post(router.url + "/v1/chat/completions", timeout=30, json={
+        "messages": [{"role": "user", "content": "fault:trailing_bytes"}], "stream": stream})
+    assert r.status_code == 200, r.text
+    if stream:
+        assert '"content":"hi"' in r.text and r.text.rstrip().endswith("data: [DONE]")
+    else:
+        assert r.json()["choices"][0]["message"]["content"] == "hi"
+
+
 def test_the_worker_survived_every_fault(router: Server) -> None:
     assert router.proc.poll() is None
     said = router.stderr()  # Granian logs a worker it lost; none was lost
     assert "Unexpected exit from worker" not in said and "panicked" not in said
+
+
+def test_an_engine_password_never_shows() -> None:
+    from narwhal.router.config import EngineSpec
+    from narwhal.router.engines import Engine
+
+    e = Engine(EngineSpec("a", url="http://bob:s3cret@10.0.0.5:8000/v1"),
+               "http://bob:s3cret@10.0.0.5:8000/v1")
+    shown = str(e.describe())
+    assert "s3cret" not in shown and "bob:***@10.0.0.5:8000/v1" in shown
+    assert Engine(EngineSpec("b", url="http://h:1"), "http://h:1").describe()["url"] == "http://h:1"

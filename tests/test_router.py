@@ -67,6 +67,10 @@ def sse_frames(text: str) -> list[Any]:
     (orjson.dumps(chat("x", tools=[{"type": "custom", "custom": {}}])), 400, "tools[0].type",
      None),
     (orjson.dumps(chat("x" * 5000)), 413, None, "request_too_large"),
+    # orjson reads 1,024 levels but writes 255: this once failed after placement (500).
+    (orjson.dumps(chat("x", extra=[1])).replace(b"[1]", b"[" * 300 + b"]" * 300), 400, None,
+     None),
+    (orjson.dumps(chat("x")).replace(b'"x"', b"[" * 500 + b"]" * 500), 400, None, None),
 ])
 def test_refusals_use_the_envelope_and_never_reach_the_engine(
         router: Server, scripted: Server, body: bytes, status: int, param: str | None,
@@ -80,6 +84,25 @@ def test_refusals_use_the_envelope_and_never_reach_the_engine(
     if code:
         assert err["code"] == code
     assert stats(scripted)["requests"] == before
+
+
+@pytest.mark.parametrize("header", ["x-narwhal-timeout-ms", "x-narwhal-ttft-target-ms"])
+def test_a_400_digit_millisecond_header_is_no_500(router: Server, header: str) -> None:
+    r = httpx.post(router.url + "/v1/chat/completions", json=chat("hi"),
+                   headers={header: "9" * 400})
+    assert r.status_code == 200, r.text  # longer than any timeout: the configured one holds
+    r = httpx.post(router.url + "/v1/chat/completions", json=chat("hi"),
+                   headers={header: "-" + "9" * 400})
+    assert r.status_code == 400 and r.json()["error"]["param"] == header
+
+
+def test_content_parts_nested_deep_are_no_500(router: Server) -> None:
+    part: object = "x"
+    for _ in range(200):  # under the JSON depth limit, far over any real message
+        part = [{"type": "text", "text": part}]
+    r = httpx.post(router.url + "/v1/chat/completions",
+                   json={"messages": [{"role": "user", "content": part}]})
+    assert r.status_code < 500, r.text
 
 
 def test_best_of_is_an_invalid_sampling_width(router: Server) -> None:

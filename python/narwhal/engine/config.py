@@ -90,7 +90,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="layers to offload (GPU builds; CPU builds ignore it)")
     p.add_argument("--threads", type=int, help="CPU threads for decoding")
     p.add_argument("--api-key", action="append", default=[], metavar="KEY",
-                   help="accepted Bearer key (repeatable; @PATH reads one key per line)")
+                   help="accepted Bearer key (repeatable; @PATH reads one key per line, "
+                        "which keeps keys out of `ps`: prefer it)")
     p.add_argument("--parallel", type=int, default=1, metavar="N",
                    help="slots decoded together in one batch; each gets ctx-size / N tokens")
     p.add_argument("--prefill-chunk", type=int, default=256, metavar="TOKENS",

@@ -318,13 +318,16 @@ def _ms_header(scope: Scope, name: bytes) -> int | None:
     if raw is None:
         return None
     try:
-        ms = int(raw)
+        ms = int(raw) if len(raw) <= 18 else (1 << 62 if raw.isdigit() else 0)
     except ValueError:
         ms = 0
     if ms <= 0:
         raise ApiError(400, f"{name.decode()} must be a positive integer of milliseconds",
                        param=name.decode())
-    return ms
+    return min(ms, _MAX_MS)
+
+
+_MAX_MS = 10**9  # 11.6 days: more than any timeout, and a float without overflow
 
 
 CONFIG_ENV = "NARWHAL_ROUTER_CONFIG"

@@ -6,6 +6,7 @@ import asyncio
 import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
+from urllib.parse import urlsplit, urlunsplit
 
 import aiohttp
 
@@ -45,7 +46,7 @@ class Engine:
     def describe(self) -> dict[str, object]:
         reason = None if self.healthy else self.reason
         out: dict[str, object] = {
-            "name": self.name, "url": self.url, "dialect": self.spec.dialect,
+            "name": self.name, "url": redact(self.url), "dialect": self.spec.dialect,
             "healthy": self.healthy, "reason": reason,
             "token_accounting": self.token_accounting, "prefill": self.prefill,
             "decode": self.decode}
@@ -55,6 +56,15 @@ class Engine:
                 out["reason"] = (f"{reason}; the engine process {self.managed.last_exit} "
                                  f"(restarts: {self.managed.restarts})")
         return out
+
+
+def redact(url: str) -> str:
+    """The URL without a password in it (`user:pass@host` -> `user:***@host`)."""
+    u = urlsplit(url)
+    if u.password is None:
+        return url
+    host = u.netloc.rpartition("@")[2]
+    return urlunsplit(u._replace(netloc=f"{u.username}:***@{host}"))
 
 
 class Pool:

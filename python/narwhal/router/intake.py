@@ -45,13 +45,30 @@ def _type(body: dict[str, Any], name: str, kind: type | tuple[type, ...], label:
 def _text_bytes(content: Any) -> int:
     if isinstance(content, str):
         return len(content.encode())
-    if isinstance(content, list):
-        return sum(_text_bytes(p.get("text")) for p in content if isinstance(p, dict))
+    if isinstance(content, list):  # content parts are flat: a part's text is a string
+        return sum(len(t.encode()) for p in content
+                   if isinstance(p, dict) and isinstance(t := p.get("text"), str))
     return 0
+
+
+# orjson reads JSON nested up to 1,024 levels but writes only 255: a body between the two
+# would pass intake and fail when it is written for the engine, after placement.
+_MAX_DEPTH = 255
+
+
+def _refuse_too_deep(raw: bytes, body: dict[str, Any]) -> None:
+    if raw.count(b"[") + raw.count(b"{") <= _MAX_DEPTH:  # cannot nest that deep: no walk
+        return
+    try:
+        orjson.dumps(body)
+    except orjson.JSONEncodeError:
+        raise invalid(f"the request body nests JSON deeper than {_MAX_DEPTH} levels") \
+            from None
 
 
 def check(route: str, raw: bytes, model: str) -> Intake:
     body = json_object(raw)
+    _refuse_too_deep(raw, body)
 
     name = body.get("model")
     if name is not None and not isinstance(name, str):

@@ -91,8 +91,8 @@ impl ResponseDecoder {
         self.state == State::Done
     }
 
-    /// Decode `input`, appending body bytes to `body`. Bytes after a complete response
-    /// are an error: the router never pipelines requests.
+    /// Decode `input`, appending body bytes to `body`. Bytes after a complete response are
+    /// dropped and make the connection not reusable: the router never pipelines requests.
     pub fn feed(&mut self, mut input: &[u8], body: &mut Vec<u8>) -> Result<(), HttpError> {
         let r = (|| {
             while !input.is_empty() {
@@ -109,7 +109,12 @@ impl ResponseDecoder {
                         body.extend_from_slice(input);
                         &[]
                     }
-                    State::Done => return err("bytes after the end of the response"),
+                    State::Done => {
+                        // Bytes after a complete response (the router never pipelines): the
+                        // response stands, but the connection cannot be trusted again.
+                        self.keep_alive = false;
+                        &[]
+                    }
                     State::Failed => return err("the response was already malformed"),
                 };
             }
@@ -399,7 +404,6 @@ mod tests {
             b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\nzz\r\n",
             b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n2\r\nabc\r\n",
             b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n11111111111111111\r\n",
-            b"HTTP/1.1 200 OK\r\ncontent-length: 1\r\n\r\nab",
         ] {
             let (_, _, r) = decode(&[bad]);
             assert!(r.is_err(), "{:?}", String::from_utf8_lossy(bad));
@@ -411,6 +415,14 @@ mod tests {
         let huge = vec![b'a'; MAX_HEAD_BYTES + 10];
         let (_, _, r) = decode(&[b"HTTP/1.1 200 OK\r\nx: ", &huge]);
         assert!(r.is_err());
+    }
+
+    #[test]
+    fn bytes_after_a_complete_response_keep_it_but_not_the_connection() {
+        let (d, body, r) = decode(&[b"HTTP/1.1 200 OK\r\ncontent-length: 1\r\n\r\nab", b"junk"]);
+        r.unwrap();
+        assert_eq!(body, b"a");
+        assert!(d.complete() && !d.keep_alive);
     }
 
     #[test]
