@@ -162,6 +162,15 @@ def test_response_format_json_and_logprobs(engine: Server) -> None:
     (chat(grammar="root ::= " + "(" * 30000 + '"a"' + ")" * 30000), "grammar"),
     (chat(grammar="root ::= " + '"a" ' * 300_000), "grammar"),  # 1.2 MB of grammar
     (chat(temperature=5), "temperature"),
+    # Schemas that are not JSON Schemas, or that the converter cannot take: once bare 500s.
+    *((chat(response_format={"type": "json_schema", "json_schema": {"name": "x",
+                                                                     "schema": schema}}),
+       "response_format.json_schema.schema" + where)
+      for schema, where in (({"type": "string", "pattern": "a+"}, ""),
+                            ({"type": 5}, ".type"),
+                            ({"type": "object", "properties": [1]}, ".properties"),
+                            ({"$defs": [1], "type": "object"}, ".$defs"),
+                            ({"anyOf": 5}, ".anyOf"))),
     (chat(reasoning_effort="extreme"), "reasoning_effort"),
     (chat(chat_template_kwargs={"messages": []}), "chat_template_kwargs.messages"),
     ({"messages": [{"role": "user", "content": "x", "reasoning_content": "no"}]},

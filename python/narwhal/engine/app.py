@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import logging
 import os
@@ -94,6 +95,11 @@ class Engine:
             await asgi.send_error(send, e)
         except asgi.ClientGone:
             pass
+        except Exception:  # a bug: the client still gets the envelope, the log the trace
+            log.exception("unhandled error on %s %s", method, path)
+            with contextlib.suppress(Exception):  # unless the response had started
+                await asgi.send_error(send, ApiError(500, "internal error", type="server_error",
+                                                     code="internal_error"))
 
     async def _startup(self) -> None:
         pass

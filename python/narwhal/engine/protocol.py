@@ -138,11 +138,30 @@ def _grammar(body: dict[str, Any], model: Model) -> Any:
         if not isinstance(schema, dict):
             raise invalid("'response_format.json_schema.schema' must be an object",
                           "response_format.json_schema.schema")
+        where = "response_format.json_schema.schema"
+        _check_schema(schema, where)
         try:
             return model.json_schema_grammar(orjson.dumps(schema).decode())
-        except (GrammarError, ValueError, KeyError, TypeError, NotImplementedError) as e:
-            raise invalid(f"unsupported JSON schema: {e}", "response_format.json_schema") from e
+        except GrammarError as e:
+            raise invalid(f"unsupported JSON schema: {e}", where) from e
+        except Exception as e:  # a third-party converter: whatever it trips on is the schema's
+            raise invalid(f"unsupported JSON schema: {type(e).__name__}: {e}", where) from None
     raise invalid(f"unsupported response_format type '{kind}'", "response_format.type")
+
+
+def _check_schema(schema: dict[str, Any], where: str) -> None:
+    """A JSON Schema that is not one (`{"type": 5}`, `properties` as a list) is a 400 naming
+    the place in it, before any converter sees it."""
+    import jsonschema_rs
+
+    try:
+        jsonschema_rs.meta.validate(schema)
+    except jsonschema_rs.ValidationError as e:
+        inner = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in e.instance_path)
+        raise invalid(f"not a valid JSON Schema at {where}{inner}: {e.message}",
+                      where + inner) from None
+    except Exception as e:  # a $ref it cannot resolve, say
+        raise invalid(f"not a valid JSON Schema: {e}", where) from None
 
 
 def _logprobs(body: dict[str, Any], sampling: Sampling, chat: bool) -> bool:
