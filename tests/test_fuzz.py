@@ -51,7 +51,7 @@ CHAT_BODIES = st.one_of(
     _body(CHAT_KEYS, {}),
     st.builds(lambda msgs, rest: {**rest, "messages": msgs}, st.lists(MESSAGE, max_size=3),
               _body(CHAT_KEYS, {})))
-COMPLETION_BODIES = _body(CHAT_KEYS + ("prompt", "echo", "suffix"), {"prompt": "hi"})
+COMPLETION_BODIES = _body((*CHAT_KEYS, "prompt", "echo", "suffix"), {"prompt": "hi"})
 RESPONSES_BODIES = _body(("input", "instructions", "max_output_tokens", "stream", "model",
                           "previous_response_id", "temperature", "text", "tools"),
                          {"input": "hi"})
