@@ -8,6 +8,7 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
@@ -112,3 +113,28 @@ def test_an_engine_password_never_shows() -> None:
     shown = str(e.describe())
     assert "s3cret" not in shown and "bob:***@10.0.0.5:8000/v1" in shown
     assert Engine(EngineSpec("b", url="http://h:1"), "http://h:1").describe()["url"] == "http://h:1"
+
+
+def test_one_fault_is_a_strike_not_an_ejection(faulty: Server, tmp_path: Path) -> None:
+    r = start_router(tmp_path, f"""
+listen: {{port: $PORT}}
+admission: open
+health: {{interval_s: 3600, eject_after: 3}}
+engines: [{{name: f, url: "{faulty.url}", dialect: openai}}]
+""")  # no probe will come to the rescue within this test
+
+    def ask(content: str) -> httpx.Response:
+        return httpx.post(r.url + "/v1/chat/completions", timeout=30, json={
+            "messages": [{"role": "user", "content": content}]})
+
+    try:
+        assert ask("fault:http2_status").status_code == 502
+        assert ask("fault:ssh_banner").status_code == 502
+        assert ask("hello").status_code == 200  # two faults: still placed; the streak ends
+        for _ in range(3):
+            assert ask("fault:two_digit_status").status_code == 502
+        gone = ask("hello")  # three in a row: ejected until a probe brings it back
+        assert gone.status_code == 503
+        assert gone.json()["error"]["code"] == "backend_unavailable"
+    finally:
+        r.stop()

@@ -49,7 +49,8 @@ class Router:
             else:
                 assert spec.url is not None
                 engines.append(Engine(spec, spec.url.rstrip("/")))
-        self.pool = Pool(engines, config.prefill_concurrency, config.decode_concurrency)
+        self.pool = Pool(engines, config.prefill_concurrency, config.decode_concurrency,
+                         config.eject_after)
         self.admission = Admission(self.pool, config.http_retention_limit, config.queue_size,
                                    config.queue_wait_s)
         self.predictor = (Predictor(engines, config.drift_bound, config.drift_min_samples,

@@ -56,7 +56,8 @@ SCHEMA: dict[str, Any] = {
         },
         "health": {
             "type": "object", "additionalProperties": False,
-            "properties": {"interval_s": _pos_num, "timeout_s": _pos_num},
+            "properties": {"interval_s": _pos_num, "timeout_s": _pos_num,
+                           "eject_after": _pos_int},
         },
         "engines": {
             "type": "array", "minItems": 1,
@@ -137,6 +138,7 @@ class RouterConfig:
     probe_interval_s: float = 10.0
     health_interval_s: float = 2.0
     health_timeout_s: float = 2.0
+    eject_after: int = 3  # request faults in a row that take an engine out until a probe
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -192,6 +194,7 @@ def parse(data: Any) -> RouterConfig:
         probe_interval_s=float(g("predictive", "probe_interval_s", 10.0)),
         health_interval_s=float(g("health", "interval_s", 2.0)),
         health_timeout_s=float(g("health", "timeout_s", 2.0)),
+        eject_after=g("health", "eject_after", 3),
     )
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit, urlunsplit
 
@@ -27,8 +27,7 @@ class Engine:
     prefill: int = 0  # placed requests before their first token
     decode: int = 0  # requests streaming tokens
     prefill_tokens: int = 0  # sized prompt tokens of the requests in prefill
-    failures: int = 0
-    extra: dict[str, str] = field(default_factory=dict)
+    strikes: int = 0  # request faults in a row (reset by a full answer or a probe's return)
     managed: ManagedEngine | None = None  # the process behind it, when the router runs it
 
     @property
@@ -68,8 +67,10 @@ def redact(url: str) -> str:
 
 
 class Pool:
-    def __init__(self, engines: list[Engine], prefill_limit: int, decode_limit: int) -> None:
+    def __init__(self, engines: list[Engine], prefill_limit: int, decode_limit: int,
+                 eject_after: int = 3) -> None:
         self.engines = engines
+        self.eject_after = eject_after
         self.prefill_limit = prefill_limit
         self.decode_limit = decode_limit
         self.changed = asyncio.Event()  # set whenever capacity may have freed up
@@ -107,14 +108,23 @@ class Pool:
             ok = False
             e.reason = f"/health failed: {type(exc).__name__}"
         e.healthy = ok
-        e.failures = 0 if ok else e.failures + 1
+        if ok and not was:
+            e.strikes = 0  # back in: a new streak starts
         if ok != was:
             log.info("engine %s is %s (%s)", e.name, "healthy" if ok else "unhealthy", e.reason)
             self.notify()
 
     def mark_failed(self, e: Engine, reason: str) -> None:
-        """A request saw the engine fail: stop placing on it until a probe says otherwise."""
-        if e.healthy:
-            log.warning("engine %s marked unhealthy: %s", e.name, reason)
-        e.healthy = False
+        """A request saw the engine fail (reset, truncation, bad framing, a stall). One fault
+        is evidence, not a verdict: after `eject_after` in a row the engine gets nothing new
+        until a health probe brings it back (a circuit breaker, as SGLang's router has)."""
+        e.strikes += 1
         e.reason = reason
+        if e.healthy and e.strikes >= self.eject_after:
+            log.warning("engine %s ejected after %d faults in a row: %s", e.name, e.strikes,
+                        reason)
+            e.healthy = False
+
+    def succeeded(self, e: Engine) -> None:
+        """A request was answered in full: the fault streak is over."""
+        e.strikes = 0

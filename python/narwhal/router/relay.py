@@ -422,6 +422,7 @@ class Relayer:
                 p.intake.prompt_bytes, p.prompt_tokens, ttft, p.alone, tokens,
                 time.monotonic() - first_at if first_at else 0.0, p.predicted_s,
                 cached_tokens=p.cached_tokens or 0)
+        self.pool.succeeded(p.engine)
         m.completed.inc()
         m.output_tokens.inc(tokens)
         if tokens > 1 and first_at:
