@@ -345,7 +345,13 @@ def test_bad_launch_options_are_refused_before_listening(model_path: str, args: 
     assert flag in p.stderr
 
 
-@pytest.mark.parametrize("content", [b"", b"\xff\xfe", b"{% for x in %}", b"x" * 300_000])
+@pytest.mark.parametrize("content", [
+    b"", b"\xff\xfe", b"{% for x in %}", b"x" * 300_000,
+    # What can never render here is refused at start, not on every request (once: 500s,
+    # or a traceback at start).
+    b'{% include "other.jinja" %}', b'{% extends "base.jinja" %}', b'{% import "m" as m %}',
+    b"{{ 10**100000 }}",
+])
 def test_bad_template_files_are_refused(model_path: str, tmp_path: Path,
                                         content: bytes) -> None:
     f = tmp_path / "t.jinja"
@@ -355,6 +361,57 @@ def test_bad_template_files_are_refused(model_path: str, tmp_path: Path,
                        timeout=30)
     assert p.returncode == 2
     assert "--chat-template-file" in p.stderr
+    assert "Traceback" not in p.stderr
+
+
+TRAP_TEMPLATE = (
+    "{% set ns = namespace(n=0) %}"
+    "{% if messages[0].content == 'slow' %}"
+    "{% for i in range(100000) %}{% for j in range(8) %}{% set ns.n = ns.n + 1 %}"
+    "{% endfor %}{% endfor %}{% endif %}"
+    "{% if messages[0].content == 'add' %}{{ 1 + messages[0].content }}{% endif %}"
+    "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}assistant:"
+)
+
+
+@pytest.fixture(scope="module")
+def trap_engine(model_path: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    f = tmp_path_factory.mktemp("tmpl") / "trap.jinja"
+    f.write_text(TRAP_TEMPLATE)
+    s = start_engine(model_path, "--chat-template-file", str(f), "--parallel", "2")
+    yield s
+    s.stop()
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    (chat(chat_template_kwargs={"namespace": "x"}), "chat_template_kwargs.namespace"),
+    (chat(chat_template_kwargs={"enable_thinking": "no"}), "chat_template_kwargs.enable_thinking"),
+    (chat("add"), "messages"),  # the template adds a number to the request's text
+])
+def test_a_render_the_request_breaks_is_400_naming_it(trap_engine: Server,
+                                                      body: dict[str, Any], param: str) -> None:
+    r = post(trap_engine, "/v1/chat/completions", body)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
+
+
+def test_health_answers_while_a_template_renders(trap_engine: Server) -> None:
+    """A render of 800,000 loop steps (seconds) runs off the event loop: /health,
+    asked again and again meanwhile, keeps answering (on the loop, the first ask waited
+    for the whole render and the rest came after it)."""
+    import threading
+
+    done = threading.Event()
+    slow = threading.Thread(target=lambda: (post(trap_engine, "/v1/chat/completions",
+                                                 chat("slow", max_tokens=1)), done.set()))
+    slow.start()
+    answered = 0
+    with httpx.Client(timeout=60) as c:
+        while not done.is_set():
+            assert c.get(trap_engine.url + "/health").status_code == 200
+            answered += 1
+    slow.join()
+    assert answered >= 10
 
 
 def test_version_flags() -> None:

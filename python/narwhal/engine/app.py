@@ -137,7 +137,9 @@ class Engine:
             raise ApiError(413, "request body too large", code="request_too_large") from None
         try:
             body = json_object(raw)
-            job = ROUTES[path](body, self.config, self.model)
+            # Rendering the template and tokenizing run off the event loop: a template can
+            # be slow (bounded in engine.template), and /health must not wait for it.
+            job = await asyncio.to_thread(ROUTES[path], body, self.config, self.model)
         except ApiError as e:
             self.metrics.requests.labels(route, str(e.status)).inc()
             raise

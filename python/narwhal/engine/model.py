@@ -11,7 +11,7 @@ from llama_cpp import Llama
 
 from narwhal.engine import kernels
 from narwhal.engine.config import EngineConfig
-from narwhal.engine.template import CHATML, ChatTemplate
+from narwhal.engine.template import CHATML, ChatTemplate, TemplateError
 
 log = logging.getLogger("lexi_engine")
 
@@ -99,7 +99,10 @@ class Model:
         self._pieces: dict[int, bytes] = {}
         self._eog: dict[int, bool] = {}
         source = config.chat_template or meta.get("tokenizer.chat_template") or CHATML
-        self.template = ChatTemplate(source, self.bos_text, self.eos_text)
+        try:
+            self.template = ChatTemplate(source, self.bos_text, self.eos_text)
+        except TemplateError as e:
+            raise ModelLoadError(f"{e} (--chat-template-file replaces it)") from None
 
     def _piece(self, token: int) -> str:
         if token < 0:

@@ -14,7 +14,7 @@ import orjson
 from narwhal.engine.config import EngineConfig
 from narwhal.engine.generation import Sampling
 from narwhal.engine.model import GrammarError, Model
-from narwhal.engine.template import RESERVED, TemplateError
+from narwhal.engine.template import RESERVED, TemplateError, TemplateFault
 from narwhal.engine.tools import TRIGGER, ToolPlan, plan_tools
 from narwhal.errors import ApiError, invalid
 
@@ -262,9 +262,11 @@ def _template_kwargs(body: dict[str, Any], config: EngineConfig) -> dict[str, An
         return kwargs
     if not isinstance(extra, dict):
         raise invalid("'chat_template_kwargs' must be an object", "chat_template_kwargs")
-    for k in extra:
+    for k, v in extra.items():
         if k in RESERVED:
             raise invalid(f"'{k}' is reserved", f"chat_template_kwargs.{k}")
+        if k in ("enable_thinking", "thinking") and not isinstance(v, bool):
+            raise invalid(f"'{k}' must be a boolean", f"chat_template_kwargs.{k}")
     kwargs.update(extra)
     return kwargs
 
@@ -311,6 +313,8 @@ def chat_job(body: dict[str, Any], config: EngineConfig, model: Model) -> Job:
         prompt = template.render(messages, tools=tools, kwargs=kwargs)
     except TemplateError as e:
         raise invalid(str(e), "messages") from e
+    except TemplateFault as e:
+        raise ApiError(500, str(e), type="server_error", code="template_error") from None
     ids = model.tokenize(prompt)
     sampling = _sampling(body, config, model, model.n_ctx)
     _fit(ids, sampling, model, "messages")

@@ -7,6 +7,7 @@ sandbox, so a template cannot reach Python internals or mutate its inputs.
 from __future__ import annotations
 
 import datetime
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -16,10 +17,12 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 MAX_TEMPLATE_BYTES = 256 * 1024
 
-# Variables the engine itself passes; a client may not override them through kwargs.
+# Variables the engine itself passes, and the sandbox's globals (a template calling
+# namespace() would call the client's string instead): kwargs may not override them.
 RESERVED = frozenset(
     {"messages", "tools", "documents", "bos_token", "eos_token", "add_generation_prompt",
-     "raise_exception", "strftime_now", "tool_choice"}
+     "raise_exception", "strftime_now", "tool_choice", "namespace", "range", "dict",
+     "cycler", "joiner", "lipsum"}
 )
 
 # Fallback when a GGUF carries no template (ChatML, which most small models were tuned on).
@@ -28,6 +31,16 @@ CHATML = (
     "(message['content'] or '') + '<|im_end|>\n'}}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
+
+
+class TemplateFault(RuntimeError):
+    """The template itself cannot render (not the request's doing): a 500."""
+
+
+# A render is bounded: its output (a prompt far past any context) and its time, looked at
+# per output piece. Jinja's sandbox already caps each range() at 100,000.
+MAX_RENDER_CHARS = 16 * 1024 * 1024
+RENDER_BUDGET_S = 5.0
 
 
 class TemplateError(ValueError):
@@ -58,7 +71,28 @@ def _environment() -> ImmutableSandboxedEnvironment:
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise
     env.globals["strftime_now"] = _strftime_now
+    del env.globals["lipsum"]  # lipsum(n=100000): seconds of CPU and tens of MB per call
     return env
+
+
+def _compile(env: ImmutableSandboxedEnvironment, text: str, origin: str) -> jinja2.Template:
+    """Compile a template, refusing what can never render here: include, import and
+    extends (there is no loader), and anything the compiler itself trips on."""
+    from jinja2 import nodes
+
+    try:
+        tree = env.parse(text)
+        for kind in (nodes.Include, nodes.Import, nodes.FromImport, nodes.Extends):
+            if next(tree.find_all(kind), None) is not None:
+                raise TemplateError(f"{origin} uses {kind.__name__.lower()}, which a chat "
+                                    "template cannot (no other templates are loaded)")
+        return env.from_string(tree)
+    except TemplateError:
+        raise
+    except jinja2.TemplateSyntaxError as e:
+        raise TemplateError(f"{origin} does not parse: {e.message} (line {e.lineno})") from e
+    except Exception as e:  # the compiler folding 10**100000, say
+        raise TemplateError(f"{origin} does not compile: {type(e).__name__}: {e}") from None
 
 
 def validate_source(raw: bytes, origin: str) -> str:
@@ -73,10 +107,7 @@ def validate_source(raw: bytes, origin: str) -> str:
         raise TemplateError(f"{origin} is not valid UTF-8 (byte {e.start})") from e
     if not text.strip():
         raise TemplateError(f"{origin} is empty")
-    try:
-        _environment().from_string(text)
-    except jinja2.TemplateSyntaxError as e:
-        raise TemplateError(f"{origin} does not parse: {e.message} (line {e.lineno})") from e
+    _compile(_environment(), text, origin)
     return text
 
 
@@ -87,7 +118,7 @@ class ChatTemplate:
         self.source = source
         self.bos_token = bos_token
         self.eos_token = eos_token
-        self._template = _environment().from_string(source)
+        self._template = _compile(_environment(), source, "the chat template")
         # A template "has a thinking switch" when it reads one of the common variables.
         self.thinking_switch = next(
             (v for v in ("enable_thinking", "thinking") if v in source), None
@@ -118,11 +149,23 @@ class ChatTemplate:
         if tools:
             variables["tools"] = tools
         try:
-            return self._template.render(**variables)
-        except TemplateError:
+            out: list[str] = []
+            size, started = 0, time.monotonic()
+            for piece in self._template.generate(**variables):
+                out.append(piece)
+                size += len(piece)
+                if size > MAX_RENDER_CHARS:
+                    raise TemplateError(f"the chat template renders more than "
+                                        f"{MAX_RENDER_CHARS} characters")
+                if time.monotonic() - started > RENDER_BUDGET_S:
+                    raise TemplateFault(f"the chat template ran over {RENDER_BUDGET_S:g} s")
+            return "".join(out)
+        except (TemplateError, TemplateFault):
             raise
         except jinja2.TemplateError as e:
             raise TemplateError(f"chat template failed: {e}") from e
+        except Exception as e:  # e.g. `1 + messages[0].content`, range() over the cap
+            raise TemplateError(f"chat template failed: {type(e).__name__}: {e}") from None
 
     def opens_reasoning(self, prompt: str) -> bool:
         """Whether the rendered prompt ends inside an opened `<think>` block."""
