@@ -138,3 +138,51 @@ engines: [{{name: f, url: "{faulty.url}", dialect: openai}}]
         assert gone.json()["error"]["code"] == "backend_unavailable"
     finally:
         r.stop()
+
+
+def _counts(url: str) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for line in httpx.get(url + "/metrics").text.splitlines():
+        if line.startswith(("narwhal_finished_total{", "narwhal_offered_total ")):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
+def test_every_request_ends_in_exactly_one_outcome(scripted: Server, tmp_path: Path) -> None:
+    r = start_router(tmp_path, f"""
+listen: {{port: $PORT}}
+admission: open
+engines: [{{name: s, url: "{scripted.url}", dialect: openai}}]
+""")
+    url = r.url + "/v1/completions"
+    try:
+        before = _counts(r.url)
+        assert before['narwhal_finished_total{outcome="completed"}'] == 0  # exported at 0
+        httpx.post(url, json={"prompt": "hi", "stream": True})  # completed
+        httpx.post(url, json={"prompt": "hi"})  # completed
+        httpx.post(url, json={"prompt": "script:status:429"})  # engine_error
+        httpx.post(url, json={"prompt": "script:die", "stream": True})  # stream_fault
+        httpx.post(url, content=b"{nope")  # invalid
+        httpx.post(url, json={"prompt": "hi", "model": "other"})  # invalid (404)
+        httpx.post(url, json={"prompt": "script:hang", "stream": True},  # stream_fault
+                   headers={"x-narwhal-timeout-ms": "300"})
+        httpx.post(url, json={"prompt": "script:slow_first:2000"},  # deadline (504)
+                   headers={"x-narwhal-timeout-ms": "300"})
+        with httpx.stream("POST", url, json={"prompt": "script:paced:100:50",
+                                             "stream": True}) as s:  # client_gone
+            next(s.iter_bytes())
+        after = {}
+        for _ in range(50):  # the hang-up reaches the router a moment later
+            after = _counts(r.url)
+            offered = after["narwhal_offered_total"] - before["narwhal_offered_total"]
+            finished = {k.split('"')[1]: v - before[k] for k, v in after.items()
+                        if k.startswith("narwhal_finished_total") and v != before[k]}
+            if sum(finished.values()) == offered:
+                break
+            time.sleep(0.1)
+        assert offered == 9
+        assert finished == {"completed": 2, "engine_error": 1, "stream_fault": 2,
+                            "invalid": 2, "deadline": 1, "client_gone": 1}
+    finally:
+        r.stop()

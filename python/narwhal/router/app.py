@@ -219,36 +219,49 @@ class Router:
         m = self.metrics
         arrived = time.monotonic()
         m.offered.inc()
+        end = Ending()
         try:
-            self.admission.retain()
-        except ApiError:
-            m.rejected.labels("retention").inc()
+            try:
+                self.admission.retain()
+            except ApiError:
+                m.rejected.labels("retention").inc()
+                end.outcome = "rejected"
+                raise
+            try:
+                await self._intake_and_serve(path, scope, receive, send, arrived, end)
+            finally:
+                self.admission.release_retention()
+        finally:
+            m.finished.labels(end.outcome).inc()
+
+    async def _intake_and_serve(self, path: str, scope: Scope, receive: Receive, send: Send,
+                                arrived: float, end: Ending) -> None:
+        m = self.metrics
+        end.outcome = "invalid"  # until the body is read and checked
+        try:
+            raw = await asgi.read_body(receive, self.config.max_request_bytes,
+                                       self.config.body_timeout_s)
+        except asgi.BodyTooLarge:
+            m.invalid_requests.inc()
+            raise ApiError(413, f"request body exceeds {self.config.max_request_bytes} "
+                           "bytes", code="request_too_large") from None
+        except asgi.ClientGone:
+            m.unsized_offered.inc()
+            end.outcome = "client_gone"
             raise
         try:
-            try:
-                raw = await asgi.read_body(receive, self.config.max_request_bytes,
-                                           self.config.body_timeout_s)
-            except asgi.BodyTooLarge:
+            deadline = self._deadline(scope, arrived)
+            budget = self._budget(scope)
+            req = intake.check(path, raw, self.config.model)
+        except ApiError as e:
+            if e.status == 400:
                 m.invalid_requests.inc()
-                raise ApiError(413, f"request body exceeds {self.config.max_request_bytes} "
-                               "bytes", code="request_too_large") from None
-            except asgi.ClientGone:
-                m.unsized_offered.inc()
-                raise
-            try:
-                deadline = self._deadline(scope, arrived)
-                budget = self._budget(scope)
-                req = intake.check(path, raw, self.config.model)
-            except ApiError as e:
-                if e.status == 400:
-                    m.invalid_requests.inc()
-                raise
-            await self._serve(req, receive, send, arrived, deadline, budget)
-        finally:
-            self.admission.release_retention()
+            raise
+        end.outcome = "client_gone"  # until the request is refused or answered
+        await self._serve(req, receive, send, arrived, deadline, budget, end)
 
     async def _serve(self, req: intake.Intake, receive: Receive, send: Send, arrived: float,
-                     deadline: float, budget: float) -> None:
+                     deadline: float, budget: float, end: Ending) -> None:
         task = asyncio.current_task()
         assert task is not None and self.relayer is not None
         watcher = asyncio.create_task(asgi.watch_disconnect(receive, task))
@@ -258,6 +271,7 @@ class Router:
             degraded = self._degraded()
             if degraded is not None:
                 self.metrics.rejected.labels("monitoring_degraded").inc()
+                end.outcome = "rejected"
                 raise ApiError(503, "the router's predictions are not trustworthy now ("
                                + degraded + "); retry shortly", type="server_error",
                                code="monitoring_degraded", headers={"retry-after": "1"})
@@ -266,26 +280,34 @@ class Router:
                     proj = self.predictor.judge(req.prompt_bytes, self.pool.eligible(), budget)
                 except ApiError as e:
                     self.metrics.refused.labels(e.code or "predictive").inc()
+                    end.outcome = "refused"
                     raise
                 prefer, tokens, predicted = proj.engine, proj.tokens, proj.total_s
             try:
                 engine = await self.admission.place(deadline, prefer)
             except Expired:
                 self.metrics.rejected.labels("wait_expired").inc()
+                end.outcome = "rejected"
                 raise ApiError(504, "no engine had room before the wait or deadline ran out",
                                type="timeout_error", code="admission_timeout") from None
             except ApiError as e:
                 self.metrics.rejected.labels(e.code or "capacity").inc()
+                end.outcome = "rejected"
                 raise
             placed = Placed(req, engine, arrived, deadline, tokens=tokens,
                             predicted_s=predicted if engine is prefer else None)
             self.relayer.placed(placed)
             try:
-                await self.relayer.run(placed, send)
+                end.outcome = await self.relayer.run(placed, send)
             except EngineFailed as e:
+                end.outcome = "engine_failed"
                 raise ApiError(502, f"engine {engine.name} failed: {e}", type="server_error",
                                code="engine_failed") from None
+            except ApiError as e:
+                end.outcome = "deadline" if e.status == 504 else "engine_failed"
+                raise
         except asyncio.CancelledError:
+            end.outcome = "client_gone"
             if not watcher.done():
                 raise  # not the client's doing: shutting down
         finally:
@@ -293,6 +315,15 @@ class Router:
             if placed is not None:
                 self.relayer.release(placed)
 
+
+class Ending:
+    """How one request ended: exactly one outcome each, so `narwhal_finished_total` adds
+    up to `narwhal_offered_total`."""
+
+    __slots__ = ("outcome",)
+
+    def __init__(self) -> None:
+        self.outcome = "client_gone"
 
 
 def _counting(counter: Any) -> Callable[[str], None]:

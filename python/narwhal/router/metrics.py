@@ -10,6 +10,10 @@ _LATENCY = (.005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30)
 _TPOT = (.001, .002, .005, .01, .02, .05, .1, .25, .5, 1)
 
 
+OUTCOMES = ("completed", "stream_fault", "engine_error", "engine_failed", "deadline",
+            "rejected", "refused", "invalid", "client_gone")
+
+
 class RouterMetrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
@@ -20,6 +24,12 @@ class RouterMetrics:
         self.refused = Counter("narwhal_refused", "Predictive refusals", ["reason"], registry=r)
         self.invalid_requests = Counter(
             "narwhal_invalid_requests", "Malformed request bodies", registry=r)
+        self.finished = Counter(
+            "narwhal_finished", "Requests by how they ended (completed, stream_fault, "
+            "engine_error, engine_failed, deadline, rejected, refused, invalid, client_gone); "
+            "adds up to narwhal_offered_total", ["outcome"], registry=r)
+        for outcome in OUTCOMES:
+            self.finished.labels(outcome)
         self.completed = Counter("narwhal_completed", "Requests answered in full",
                                  ["engine"], registry=r)
         self.stream_faults = Counter(

@@ -218,7 +218,10 @@ class Relayer:
         for up in self.upstreams.values():
             up.close()
 
-    async def run(self, p: Placed, send: Send) -> None:
+    async def run(self, p: Placed, send: Send) -> str:
+        """Relay `p`'s answer to `send`; how it ended: "completed", "stream_fault" (the
+        stream ended with an error event) or "engine_error" (the engine's own non-200
+        answer, passed through). Raises EngineFailed or a 504 before anything was sent."""
         e = p.engine
         body = upstream_body(p.intake, e.spec.token_ids)
         p.sent_at = time.monotonic()
@@ -241,11 +244,12 @@ class Relayer:
                 ctype = (resp.content_type or "application/json").encode()
                 done = True
                 await asgi.send_bytes(send, resp.status, data, ctype)
-                return
+                return "engine_error"
             if p.intake.stream:
                 done = await self._stream(p, resp, send)
             else:
                 done = await self._assemble(p, resp, send)
+            return "completed" if done else "stream_fault"
         finally:
             # Anything but a stream seen to its end (a fault, a timeout, a client that went
             # away) closes the connection: that is how the engine learns to stop.
