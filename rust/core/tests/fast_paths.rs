@@ -168,8 +168,10 @@ proptest! {
                 if strip_value_spans(data.as_bytes(), &mut spans, &mut a).is_ok() {
                     strip_token_ids(data.as_bytes(), &mut b).unwrap();
                     // (Values skipped as raw may hold lone surrogates that `Value` refuses.)
-                    let av = serde_json::from_slice::<serde_json::Value>(&a).map_err(|e| e.to_string());
-                    let bv = serde_json::from_slice::<serde_json::Value>(&b).map_err(|e| e.to_string());
+                    // Both refused is agreement: the two edits may lay out the rest
+                    // differently, so an error's column need not match.
+                    let av = serde_json::from_slice::<serde_json::Value>(&a).ok();
+                    let bv = serde_json::from_slice::<serde_json::Value>(&b).ok();
                     prop_assert_eq!(av, bv);
                 }
             }
