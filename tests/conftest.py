@@ -91,10 +91,14 @@ def start_router(tmp: Path, yaml_text: str) -> Server:
                   timeout=120)
 
 
+def start_test_engine(module: str) -> Server:
+    """One of the tests' own engines (`tests.scripted_engine`, `tests.faulty_engine`)."""
+    port = free_port()
+    return Server([sys.executable, "-m", module, "--port", str(port)], "/health", port)
+
+
 @pytest.fixture(scope="session")
 def scripted() -> Iterator[Server]:
-    port = free_port()
-    s = Server([sys.executable, "-m", "tests.scripted_engine", "--port", str(port)], "/health",
-               port)
+    s = start_test_engine("tests.scripted_engine")
     yield s
     s.stop()

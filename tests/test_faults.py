@@ -5,7 +5,6 @@ Runs the real router in front of `tests.faulty_engine`, which breaks HTTP on pur
 
 from __future__ import annotations
 
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,15 +12,13 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.conftest import Server, free_port, start_router
+from tests.conftest import Server, start_router, start_test_engine
 from tests.faulty_engine import BAD_HEADS
 
 
 @pytest.fixture(scope="module")
 def faulty() -> Iterator[Server]:
-    port = free_port()
-    s = Server([sys.executable, "-m", "tests.faulty_engine", "--port", str(port)], "/health",
-               port)
+    s = start_test_engine("tests.faulty_engine")
     yield s
     s.stop()
 

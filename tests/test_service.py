@@ -152,9 +152,7 @@ def test_sigterm_drains_for_the_grace_period_then_stops(tmp_path: Path,
         assert b"draining in-flight requests for up to 1 s" in err
         stream.close()
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+        _kill(proc)
 
 
 def test_a_second_ctrl_c_stops_at_once(tmp_path: Path, scripted: Server) -> None:
@@ -172,9 +170,13 @@ def test_a_second_ctrl_c_stops_at_once(tmp_path: Path, scripted: Server) -> None
         assert proc.returncode == 0
         stream.close()
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+        _kill(proc)
+
+
+def _kill(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
 
 
 def test_the_worker_dies_with_a_killed_main_process(tmp_path: Path, scripted: Server) -> None:
