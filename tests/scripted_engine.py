@@ -133,6 +133,12 @@ async def _script_body(resp: web.StreamResponse, body: dict[str, Any], chat: boo
         await w(_frame(body, chat, None, [], finish="tool_calls"))
         await w(b"data: [DONE]\n\n")
         return
+    elif name == "error_event":  # as LexiEngine ends a stream it cannot finish: no [DONE]
+        await w(_frame(body, chat, {"content": "a"}, [7]))
+        await w(b'data: {"error": {"message": "no tool call came", "type": '
+                b'"invalid_response_error", "param": "tool_choice", '
+                b'"code": "tool_call_invalid"}}\n\n')
+        return
     elif name == "reasoning":
         await w(_frame(body, chat, {"reasoning_content": "hmm"}, [3]))
         await w(_frame(body, chat, {"content": "ok"}, [4]))

@@ -183,3 +183,23 @@ engines: [{{name: s, url: "{scripted.url}", dialect: openai}}]
                             "invalid": 2, "deadline": 1, "client_gone": 1}
     finally:
         r.stop()
+
+
+def test_an_engine_error_event_is_that_request_s_outcome_not_a_fault(
+        scripted: Server, tmp_path: Path) -> None:
+    r = start_router(tmp_path, f"""
+listen: {{port: $PORT}}
+admission: open
+health: {{interval_s: 3600, eject_after: 3}}
+engines: [{{name: s, url: "{scripted.url}", dialect: openai}}]
+""")
+    try:
+        for _ in range(4):  # more than eject_after: none of them counts against the engine
+            got = httpx.post(r.url + "/v1/completions", timeout=30,
+                             json={"prompt": "script:error_event", "stream": True}).text
+            assert got.count('"error"') == 1 and '"code": "tool_call_invalid"' in got
+            assert "engine_disconnected" not in got
+        ok = httpx.post(r.url + "/v1/completions", json={"prompt": "hi"}, timeout=30)
+        assert ok.status_code == 200  # still placed on
+    finally:
+        r.stop()

@@ -115,6 +115,14 @@ def _tool_call_through_the_router(url: str) -> None:
                           timeout=60).text
     assert "error" not in streamed and "<tool_call>" not in streamed
     assert '"name":"get_weather"' in streamed and streamed.rstrip().endswith("[DONE]")
+    # A required call that does not come: LexiEngine's error event is this request's end,
+    # relayed once; the engine stays in service for everyone else.
+    refused = httpx.post(url + "/v1/chat/completions", timeout=60, json=body | {
+        "stream": True, "tool_choice": "required", "grammar": 'root ::= "no call"',
+        "max_tokens": 20}).text
+    assert refused.count('"error"') == 1 and "tool_call_invalid" in refused
+    assert "engine_disconnected" not in refused
+    assert httpx.get(url + "/ready").status_code == 200
 
 
 def test_predictor_learns_a_real_lexiengine(model_path: str, tmp_path: Path) -> None:

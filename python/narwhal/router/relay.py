@@ -70,9 +70,11 @@ def _completes_at_call(sent: object) -> bool:
 class _Stream:
     """One streamed response's accounting, fed one socket read's body at a time."""
 
-    __slots__ = ("first_at", "p", "prompt_ids", "push", "relay", "relayer")
+    __slots__ = ("complete", "engine_error", "first_at", "p", "prompt_ids", "push", "relay",
+                 "relayer")
 
-    def __init__(self, relayer: Relayer, p: Placed, relay: StreamRelay) -> None:
+    def __init__(self, relayer: Relayer, p: Placed, relay: StreamRelay,
+                 complete: Callable[[], bool]) -> None:
         self.relayer = relayer
         self.p = p
         self.relay = relay
@@ -80,6 +82,8 @@ class _Stream:
         self.push = relay.push
         self.first_at = 0.0
         self.prompt_ids: int | None = None
+        self.complete = complete  # the engine's HTTP response ended well
+        self.engine_error = False  # the engine sent an error event of its own
 
     def broken(self) -> bytes:
         """The engine closed the stream without `[DONE]`: it broke mid-stream."""
@@ -92,6 +96,12 @@ class _Stream:
         """(bytes to forward, the last bytes to send if the stream ends here, and then
         whether it ended well)."""
         if not chunk:
+            if self.engine_error and self.complete():
+                # The engine said what went wrong and ended its answer cleanly: that was
+                # this request's outcome (relayed once), not a fault of the engine.
+                e = self.p.engine
+                self.relayer.metrics.stream_faults.labels(e.name, "engine_error").inc()
+                return b"", b"", False
             return b"", self.broken(), False
         rep = self.push(chunk)
         if isinstance(rep, bytes):
@@ -101,6 +111,7 @@ class _Stream:
     def report(self, rep: RelayChunk) -> tuple[bytes, bytes | None, bool | None]:
         """`step` for a read that held more than output tokens."""
         p = self.p
+        self.engine_error |= rep.engine_error
         if rep.first_output:
             self.relayer._first_output(p)
             self.first_at = time.monotonic()
@@ -286,9 +297,10 @@ class Relayer:
 
     async def _stream(self, p: Placed, resp: Exchange, send: Send) -> bool:
         e = p.engine
-        st = _Stream(self, p, StreamRelay(strip_token_ids=not p.intake.wants_token_ids,
-                                          require_token_ids=e.spec.token_ids,
-                                          drop_usage=not p.intake.include_usage))
+        relay = StreamRelay(strip_token_ids=not p.intake.wants_token_ids,
+                            require_token_ids=e.spec.token_ids,
+                            drop_usage=not p.intake.include_usage)
+        st = _Stream(self, p, relay, resp.complete)
         # Until the first bytes are out, a fault can still be an HTTP error and the deadline
         # applies: the stream is pulled read by read.
         sent_type: type | None = None  # what `send` returns when it sent at once

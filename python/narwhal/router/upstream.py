@@ -296,6 +296,11 @@ class Exchange:
         else:
             self._conn.reader.start_relay(*relay)
 
+    def complete(self) -> bool:
+        """The whole response was read, well formed."""
+        d = self._conn.decoder
+        return d is not None and d.complete and self._conn.error is None
+
     @property
     def reads(self) -> int:
         """Socket reads on this exchange's connection so far."""

@@ -61,8 +61,11 @@ impl ChunkReport {
     /// The chunk held nothing a caller must act on besides its bytes and tokens: no first
     /// output, prompt IDs, usage, fault or end of stream (most chunks of a stream).
     pub fn output_only(&self) -> bool {
+        // An engine's error event needs the router's attention: its stream will end without
+        // `[DONE]`, and that end is then the request's outcome, not a broken engine.
         !self.first_output
             && !self.done
+            && !self.engine_error
             && self.fault.is_none()
             && self.prompt_ids.is_none()
             && self.prompt_tokens.is_none()
