@@ -430,3 +430,15 @@ def test_a_character_cut_by_the_token_limit_is_dropped(engine: Server) -> None:
         part = post(engine, "/v1/completions", body | {"max_tokens": k}).json()["choices"][0]
         assert "\ufffd" not in part["text"] and text.startswith(part["text"])
     assert len(full["token_ids"]) > len(text)  # the emoji really span several tokens
+
+
+@pytest.mark.parametrize(("method", "path", "status", "allow"), [
+    ("POST", "/v1/models", 405, "GET"),
+    ("GET", "/v1/chat/completions", 405, "POST"),
+    ("POST", "/tokenize", 404, None),
+])
+def test_engine_routes_404_and_405_with_allow(engine: Server, method: str, path: str,
+                                              status: int, allow: str | None) -> None:
+    r = httpx.request(method, engine.url + path)
+    assert r.status_code == status and r.headers.get("allow") == allow
+    assert set(r.json()["error"]) == {"message", "type", "param", "code"}

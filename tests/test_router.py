@@ -105,6 +105,39 @@ def test_content_parts_nested_deep_are_no_500(router: Server) -> None:
     assert r.status_code < 500, r.text
 
 
+@pytest.mark.parametrize(("method", "path", "status", "allow"), [
+    ("POST", "/v1/embeddings", 404, None),  # unknown routes: 404, whatever the method
+    ("POST", "/tokenize", 404, None),
+    ("GET", "/nope", 404, None),
+    ("POST", "/health", 405, "GET"),  # known routes, wrong method: 405 naming the right one
+    ("DELETE", "/metrics", 405, "GET"),
+    ("GET", "/v1/chat/completions", 405, "POST"),
+])
+def test_unknown_routes_are_404_and_wrong_methods_405_with_allow(
+        router: Server, method: str, path: str, status: int, allow: str | None) -> None:
+    r = httpx.request(method, router.url + path)
+    assert r.status_code == status
+    assert r.headers.get("allow") == allow
+    assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_every_refusal_counter_is_exported_from_the_start(tmp_path: Path,
+                                                         scripted: Server) -> None:
+    r = start_router(tmp_path, f"""
+listen: {{port: $PORT}}
+engines: [{{name: s, url: "{scripted.url}", dialect: openai}}]
+""")
+    try:
+        m = httpx.get(r.url + "/metrics").text
+    finally:
+        r.stop()
+    for series in ('narwhal_refused_total{reason="ttft_budget_exceeded"} 0.0',
+                   'narwhal_refused_total{reason="prompt_exceeds_ttft_budget"} 0.0',
+                   'narwhal_rejected_total{reason="queue_full"} 0.0',
+                   'narwhal_rejected_total{reason="retention"} 0.0'):
+        assert series in m
+
+
 def test_best_of_is_an_invalid_sampling_width(router: Server) -> None:
     r = httpx.post(router.url + "/v1/completions", json={"prompt": "x", "best_of": 3})
     assert r.status_code == 400

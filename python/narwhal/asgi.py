@@ -61,6 +61,12 @@ async def read_body(receive: Receive, limit: int, timeout: float | None = None) 
             return b"".join(parts)
 
 
+def method_not_allowed(method: str, path: str, allow: str) -> ApiError:
+    """405 for a known route asked with the wrong method, with `Allow` (RFC 9110)."""
+    return ApiError(405, f"{method} is not allowed on {path}; use {allow}",
+                    code="method_not_allowed", headers={"allow": allow})
+
+
 def header(scope: Scope, name: bytes) -> str | None:
     for k, v in scope.get("headers", ()):
         if k == name:

@@ -79,15 +79,17 @@ class Engine:
                 await asgi.send_json(send, 200, {"status": "ok"})
                 return
             self._authorize(scope)
-            if path == "/v1/models" and method == "GET":
+            if path in ("/v1/models", "/metrics", "/health") and method != "GET":
+                raise asgi.method_not_allowed(method, path, "GET")
+            if path == "/v1/models":
                 await asgi.send_json(send, 200, self._models())
-            elif path == "/metrics" and method == "GET":
+            elif path == "/metrics":
                 self._refresh_gauges()
                 await asgi.send_bytes(send, 200, generate_latest(self.metrics.registry),
                                       b"text/plain; version=0.0.4")
             elif path in ROUTES:
                 if method != "POST":
-                    raise ApiError(405, "use POST", code="method_not_allowed")
+                    raise asgi.method_not_allowed(method, path, "POST")
                 await self._generate(path, scope, receive, send)
             else:
                 raise ApiError(404, f"no route {method} {path}", code="not_found")

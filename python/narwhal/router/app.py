@@ -31,6 +31,7 @@ from narwhal.router.supervisor import ManagedEngine
 log = logging.getLogger("narwhal.router")
 
 COMPLETION_ROUTES = (intake.CHAT, intake.COMPLETION)
+GET_ROUTES = frozenset({"/health", "/ready", "/v1/models", "/engines", "/metrics"})
 
 
 class Router:
@@ -98,10 +99,12 @@ class Router:
         try:
             if path in COMPLETION_ROUTES:
                 if method != "POST":
-                    raise ApiError(405, "use POST", code="method_not_allowed")
+                    raise asgi.method_not_allowed(method, path, "POST")
                 await self._completion(path, scope, receive, send)
+            elif path not in GET_ROUTES:
+                raise ApiError(404, f"no route {method} {path}", code="not_found")
             elif method != "GET":
-                raise ApiError(405, "use GET", code="method_not_allowed")
+                raise asgi.method_not_allowed(method, path, "GET")
             elif path == "/health":
                 await asgi.send_json(send, 200, {"status": "ok"})
             elif path == "/ready":

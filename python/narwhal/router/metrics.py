@@ -24,6 +24,13 @@ class RouterMetrics:
         self.refused = Counter("narwhal_refused", "Predictive refusals", ["reason"], registry=r)
         self.invalid_requests = Counter(
             "narwhal_invalid_requests", "Malformed request bodies", registry=r)
+        # Every reason exported at 0 from the start: a dashboard's rate() needs the series
+        # before the first event.
+        for reason in ("retention", "monitoring_degraded", "wait_expired", "backend_unavailable",
+                       "queue_full"):
+            self.rejected.labels(reason)
+        for reason in ("prompt_exceeds_ttft_budget", "ttft_budget_exceeded"):
+            self.refused.labels(reason)
         self.finished = Counter(
             "narwhal_finished", "Requests by how they ended (completed, stream_fault, "
             "engine_error, engine_failed, deadline, rejected, refused, invalid, client_gone); "
