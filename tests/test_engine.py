@@ -442,3 +442,20 @@ def test_engine_routes_404_and_405_with_allow(engine: Server, method: str, path:
     r = httpx.request(method, engine.url + path)
     assert r.status_code == status and r.headers.get("allow") == allow
     assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_the_slot_is_free_once_an_error_ended_stream_has_ended(model_path: str) -> None:
+    s = start_engine(model_path, "--parallel", "1", "--queue-wait", "0")
+    try:
+        for _ in range(3):
+            ended = httpx.post(s.url + "/v1/chat/completions", timeout=60, json=chat(
+                stream=True, tool_choice="required", grammar='root ::= "no call"',
+                max_tokens=20, tools=[{"type": "function", "function": {
+                    "name": "get_weather", "parameters": {"type": "object"}}}])).text
+            assert "tool_call_invalid" in ended
+            # The client has the stream's end: the one slot is free for the next request.
+            after = httpx.post(s.url + "/v1/completions", timeout=60,
+                               json={"prompt": "Hi", "max_tokens": 1})
+            assert after.status_code == 200, after.text
+    finally:
+        s.stop()

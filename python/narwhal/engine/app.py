@@ -207,6 +207,7 @@ class Engine:
             if job.stream:
                 tail = writer.delta(d) if d is not None else b""
                 last = writer.last(finish, out.finish_reason(finish))
+                await _settled(gen)  # the slot is free by the time the client has the end
                 await asgi.stream_chunk(send, tail + last, more=False)
             else:
                 await asgi.send_json(send, 200, writer.whole(out, finish))
@@ -215,12 +216,13 @@ class Engine:
                 log.error("%s", e.message)
             if not job.stream:
                 raise
-            # Headers are out: the stream ends with the error as its last event.
+            # Headers are out: the stream ends with the error as its last event, once the
+            # slot is free (a request sent right after the end must find it free).
+            await _settled(gen)
             await asgi.stream_chunk(send, b"data: " + orjson.dumps(e.envelope()) + b"\n\n",
                                     more=False)
         finally:
-            gen.cancel()
-            await asyncio.shield(gen.done)  # decoding has stopped: its numbers are final
+            await _settled(gen)  # decoding has stopped: its numbers are final
             self._observe(gen, finish)
 
     def _observe(self, gen: Request, finish: Finish | None) -> None:
@@ -233,6 +235,13 @@ class Engine:
         if finish.completion_tokens > 1:
             m.tpot.observe((time.monotonic() - gen.first_token_at) / (finish.completion_tokens - 1))
 
+
+
+async def _settled(gen: Request) -> None:
+    """The decode loop has let go of `gen` (its slot released: the release is the first
+    callback on `gen.done`, added when the slot was taken)."""
+    gen.cancel()
+    await asyncio.shield(gen.done)
 
 
 def create_app() -> Engine:
