@@ -176,6 +176,8 @@ def test_response_format_json_and_logprobs(engine: Server) -> None:
     ({"messages": [{"role": "user", "content": "x", "reasoning_content": "no"}]},
      "messages[0].reasoning_content"),
     ({"messages": []}, "messages"),
+    ({"messages": [{"role": "user", "content": "x"}, {"role": "tool", "content": "3"}]},
+     "messages[1].tool_call_id"),
     ({"messages": [{"role": "assistant", "content": "",
                     "tool_calls": [{"id": "c", "function": {"name": "f",
                                                             "arguments": "{bad"}}]}]},

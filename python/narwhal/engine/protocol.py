@@ -219,8 +219,9 @@ def _messages(raw: Any) -> list[dict[str, Any]]:
         msg: dict[str, Any] = {"role": role, "content": _text(m.get("content"), f"{p}.content")}
         if role == "tool":
             tcid = m.get("tool_call_id")
-            if tcid is not None and not isinstance(tcid, str):
-                raise invalid("tool_call_id must be a string", f"{p}.tool_call_id")
+            if not isinstance(tcid, str) or not tcid:  # as the OpenAI API requires
+                raise invalid("a tool message needs its tool_call_id (a string)",
+                              f"{p}.tool_call_id")
             msg["tool_call_id"] = tcid
             if m.get("name") is not None:
                 if not isinstance(m["name"], str):
