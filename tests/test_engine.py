@@ -461,3 +461,22 @@ def test_the_slot_is_free_once_an_error_ended_stream_has_ended(model_path: str) 
             assert after.status_code == 200, after.text
     finally:
         s.stop()
+
+
+def test_no_empty_delta_for_ids_the_client_did_not_ask_for(engine: Server) -> None:
+    """Output ending on text that never shows (the closing `</think>`): its token IDs were
+    held back, and a client that did not ask for IDs must not get them as `delta: {}`."""
+    g = 'root ::= "<think>plan it</think>"'
+    r = post(engine, "/v1/chat/completions", chat(grammar=g, stream=True))
+    frames = [orjson.loads(ln[6:]) for ln in r.text.splitlines()
+              if ln.startswith("data: {")]
+    empty = [f for f in frames if f["choices"] and f["choices"][0]["delta"] == {}
+             and f["choices"][0]["finish_reason"] is None]
+    assert empty == []
+    assert frames[-1]["choices"][0]["finish_reason"] == "stop"
+    with_ids = post(engine, "/v1/chat/completions",
+                    chat(grammar=g, stream=True, return_token_ids=True)).text
+    ids = [i for ln in with_ids.splitlines() if ln.startswith("data: {")
+           for i in (orjson.loads(ln[6:])["choices"] or [{}])[0].get("token_ids") or []]
+    whole = post(engine, "/v1/chat/completions", chat(grammar=g, return_token_ids=True))
+    assert ids == whole.json()["choices"][0]["token_ids"]  # every ID, exactly once

@@ -77,7 +77,10 @@ class Output:
                                  "held no valid one")
         d = self._delta(r, c, [], None, calls)
         if d is None and self.pending_ids:
-            d = Delta("", "", self.pending_ids, None)
+            # Held-back IDs of text that never showed (a partial delimiter) go out on their
+            # own only to a client that asked for IDs: anyone else would get `delta: {}`.
+            if self.job.return_token_ids:
+                d = Delta("", "", self.pending_ids, None)
             self.pending_ids = []
         return d
 
