@@ -138,6 +138,15 @@ engines: [{{name: s, url: "{scripted.url}", dialect: openai}}]
         assert series in m
 
 
+def test_assembled_usage_counts_the_engine_s_prompt_ids(router: Server) -> None:
+    """No usage from the engine, but its prompt token IDs: those are the prompt's length,
+    not the router's byte estimate (55 bytes: 13; the engine counted 3)."""
+    r = httpx.post(router.url + "/v1/chat/completions", json={"messages": [
+        {"role": "system", "content": "x" * 40}, {"role": "user", "content": "script:no_usage"}]})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["prompt_tokens"] == 3
+
+
 def test_best_of_is_an_invalid_sampling_width(router: Server) -> None:
     r = httpx.post(router.url + "/v1/completions", json={"prompt": "x", "best_of": 3})
     assert r.status_code == 400

@@ -930,9 +930,9 @@ impl Assembler {
             Some(u) => u.clone(),
             None => {
                 let completion = self.measured_output_tokens();
-                let prompt = prompt_tokens
-                    .or_else(|| self.prompt_token_ids.as_ref().map(|p| p.len() as u64))
-                    .unwrap_or(0);
+                // The engine's counted prompt IDs are exact; the router's estimate is the
+                // last resort.
+                let prompt = self.reported_prompt_tokens().or(prompt_tokens).unwrap_or(0);
                 serde_json::json!({
                     "prompt_tokens": prompt,
                     "completion_tokens": completion,
@@ -1203,6 +1203,9 @@ mod tests {
         assert_eq!(v["prompt_token_ids"], serde_json::json!([1, 2]));
         assert_eq!(v["usage"]["completion_tokens"], 2);
         assert_eq!(a.reported_prompt_tokens(), Some(2));
+        // No usage from the engine: the counted prompt IDs win over the router's estimate.
+        let v: Value = serde_json::from_slice(&a.finish(Some(5)).unwrap()).unwrap();
+        assert_eq!(v["usage"]["prompt_tokens"], 2);
         let e = a.feed(r#"{"choices":[{"delta":{"content":"y"}}]}"#).unwrap_err();
         assert_eq!(e.field, "choices[0].token_ids");
         let e = a.feed(r#"{"choices":[{"delta":{"content":"y"},"token_ids":[true]}]}"#).unwrap_err();
