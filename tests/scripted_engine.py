@@ -64,7 +64,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
     if name == "status":
         return web.json_response({"error": {"message": "engine says no", "type": "x",
                                              "param": "grammar", "code": None}},
-                                 status=int(arg))
+                                 status=int(arg),
+                                 headers={"retry-after": "1"} if arg == "429" else None)
     if name == "slow_first":
         await asyncio.sleep(int(arg) / 1000)
     if name == "prefill_serial":

@@ -201,5 +201,15 @@ engines: [{{name: s, url: "{scripted.url}", dialect: openai}}]
             assert "engine_disconnected" not in got
         ok = httpx.post(r.url + "/v1/completions", json={"prompt": "hi"}, timeout=30)
         assert ok.status_code == 200  # still placed on
+        # A non-streaming client gets the engine's refusal with the status it stands for
+        # (the router streams upstream, so it came as an event), not a 502.
+        whole = httpx.post(r.url + "/v1/completions", timeout=30,
+                           json={"prompt": "script:error_event"})
+        assert whole.status_code == 422
+        assert whole.json()["error"]["code"] == "tool_call_invalid"
+        busy = httpx.post(r.url + "/v1/completions", json={"prompt": "script:status:429"})
+        assert busy.status_code == 429 and busy.headers["retry-after"] == "1"
+        m = httpx.get(r.url + "/metrics").text
+        assert 'narwhal_rejected_total{reason="engine_busy"} 1.0' in m
     finally:
         r.stop()

@@ -123,6 +123,10 @@ def _tool_call_through_the_router(url: str) -> None:
     assert refused.count('"error"') == 1 and "tool_call_invalid" in refused
     assert "engine_disconnected" not in refused
     assert httpx.get(url + "/ready").status_code == 200
+    whole = httpx.post(url + "/v1/chat/completions", timeout=60, json=body | {
+        "tool_choice": "required", "grammar": 'root ::= "no call"', "max_tokens": 20})
+    assert whole.status_code == 422  # LexiEngine's own status, not 502 bad_engine_output
+    assert whole.json()["error"]["code"] == "tool_call_invalid"
 
 
 def test_predictor_learns_a_real_lexiengine(model_path: str, tmp_path: Path) -> None:

@@ -164,6 +164,8 @@ class ResponseDecoder:
     def status(self) -> int:
         """The final response's status (0 until its head is read)."""
     @property
+    def retry_after(self) -> str | None: ...
+    @property
     def content_type(self) -> str | None: ...
     @property
     def complete(self) -> bool:

@@ -27,7 +27,7 @@ class RouterMetrics:
         # Every reason exported at 0 from the start: a dashboard's rate() needs the series
         # before the first event.
         for reason in ("retention", "monitoring_degraded", "wait_expired", "backend_unavailable",
-                       "queue_full"):
+                       "queue_full", "engine_busy"):
             self.rejected.labels(reason)
         for reason in ("prompt_exceeds_ttft_budget", "ttft_budget_exceeded"):
             self.refused.labels(reason)

@@ -55,6 +55,28 @@ def _error_event(message: str, code: str) -> bytes:
                                                 "param": None, "code": code}}) + b"\n\n"
 
 
+# The status an engine would have answered with, by the OpenAI error type of the error
+# event it streamed instead (the router always streams upstream, so a non-streaming
+# client's refusal arrives in the stream, after a 200 the client never saw).
+_STATUS_OF_TYPE = {"invalid_request_error": 400, "authentication_error": 401,
+                   "permission_error": 403, "not_found_error": 404,
+                   "invalid_response_error": 422, "rate_limit_error": 429}
+
+
+def _engine_refusal(chunk: bytes) -> tuple[int, bytes] | None:
+    """(status, body) of the engine's error event in `chunk`, for a non-streaming client."""
+    for line in chunk.split(b"\n"):
+        if line.startswith(b"data: {") and b'"error"' in line:
+            try:
+                err = orjson.loads(line[6:]).get("error")
+            except orjson.JSONDecodeError:
+                continue
+            if isinstance(err, dict):
+                status = _STATUS_OF_TYPE.get(str(err.get("type")), 502)
+                return status, orjson.dumps({"error": err})
+    return None
+
+
 def _past(deadline: float) -> bool:
     # The loop's timers run on a millisecond clock that may fire a hair before
     # time.monotonic() (the deadlines' clock) reaches the deadline.
@@ -254,13 +276,17 @@ class Relayer:
                     data = b""  # the status is the engine's word; a cut body adds nothing
                 ctype = (resp.content_type or "application/json").encode()
                 done = True
-                await asgi.send_bytes(send, resp.status, data, ctype)
+                if resp.status == 429:  # the engine's capacity refusal is a rejection too
+                    self.metrics.rejected.labels("engine_busy").inc()
+                headers = [("retry-after", resp.retry_after)] if resp.retry_after else []
+                await asgi.send_bytes(send, resp.status, data, ctype, headers)
                 return "engine_error"
             if p.intake.stream:
                 done = await self._stream(p, resp, send)
-            else:
-                done = await self._assemble(p, resp, send)
-            return "completed" if done else "stream_fault"
+                return "completed" if done else "stream_fault"
+            outcome = await self._assemble(p, resp, send)
+            done = outcome == "completed"
+            return outcome
         finally:
             # Anything but a stream seen to its end (a fault, a timeout, a client that went
             # away) closes the connection: that is how the engine learns to stop.
@@ -444,11 +470,12 @@ class Relayer:
         if tokens > 1 and first_at:
             m.tpot.observe((time.monotonic() - first_at) / (tokens - 1))
 
-    async def _assemble(self, p: Placed, resp: Exchange, send: Send) -> bool:
+    async def _assemble(self, p: Placed, resp: Exchange, send: Send) -> str:
         e = p.engine
         asm = Assembler(p.intake.kind, keep_token_ids=p.intake.wants_token_ids,
                         require_token_ids=e.spec.token_ids)
         first_at = 0.0
+        chunk = b""
         try:
             while not asm.done:
                 chunk = await self._read(p, resp)
@@ -464,6 +491,11 @@ class Relayer:
             p.prompt_tokens = asm.reported_prompt_tokens
             p.cached_tokens = asm.reported_cached_tokens
         except AssemblyError as exc:
+            refusal = _engine_refusal(chunk) if exc.field == "error" else None
+            if refusal is not None:  # the engine's own error, in its stream: its answer
+                self.metrics.stream_faults.labels(e.name, "engine_error").inc()
+                await asgi.send_bytes(send, *refusal)
+                return "engine_error"
             self.metrics.stream_faults.labels(e.name, "assembly").inc()
             raise ApiError(502, f"the engine's output cannot be assembled: {exc}",
                            type="server_error", param=getattr(exc, "field", None),
@@ -471,4 +503,4 @@ class Relayer:
         self.metrics.engine(e.name).ttfb.observe(time.monotonic() - p.arrived)
         await asgi.send_bytes(send, 200, body)
         self._done(p, asm.measured_output_tokens, first_at)
-        return True
+        return "completed"

@@ -234,6 +234,7 @@ class Exchange:
         assert d is not None
         self.status = d.status
         self.content_type = d.content_type
+        self.retry_after = d.retry_after
 
     async def read(self, deadline: float | None = None) -> bytes:
         """The body bytes that arrived since the last read; b"" once the body is complete.

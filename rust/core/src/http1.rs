@@ -63,6 +63,8 @@ pub struct ResponseDecoder {
     /// Status of the final (non-1xx) response; 0 until its head is complete.
     pub status: u16,
     pub content_type: Option<String>,
+    /// The final response's `Retry-After`, passed on with an engine's refusal.
+    pub retry_after: Option<String>,
     /// Whether the connection may carry another request once this response is complete.
     pub keep_alive: bool,
     line: usize,
@@ -77,7 +79,7 @@ impl Default for ResponseDecoder {
 impl ResponseDecoder {
     pub fn new() -> Self {
         Self { state: State::Head, head: Vec::new(), status: 0, content_type: None,
-               keep_alive: false, line: 0 }
+               retry_after: None, keep_alive: false, line: 0 }
     }
 
     /// The final response's head was read and is well formed (a malformed head leaves the
@@ -180,6 +182,7 @@ impl ResponseDecoder {
         let mut length: Option<u64> = None;
         let mut close = http10;
         let mut content_type = None;
+        let mut retry_after = None;
         for line in lines.filter(|l| !l.is_empty()) {
             let Some((name, value)) = line.split_once(':') else {
                 return err(format!("bad header line {:?}", truncate(line)));
@@ -213,6 +216,8 @@ impl ResponseDecoder {
                 }
             } else if name.eq_ignore_ascii_case("content-type") {
                 content_type = Some(value.to_owned());
+            } else if name.eq_ignore_ascii_case("retry-after") {
+                retry_after = Some(value.to_owned());
             }
         }
         if (100..200).contains(&status) {
@@ -223,6 +228,7 @@ impl ResponseDecoder {
         }
         self.status = status;
         self.content_type = content_type;
+        self.retry_after = retry_after;
         self.state = if status == 204 || status == 304 {
             State::Done
         } else if chunked {
@@ -370,6 +376,9 @@ mod tests {
         let (d, body, r) = decode(&[b"HTTP/1.1 400 Bad\r\ncontent-length: 4\r\ncontent-type: application/json\r\n\r\n{}", b"{}"]);
         r.unwrap();
         assert_eq!((d.status, body.as_slice(), d.complete(), d.keep_alive), (400, &b"{}{}"[..], true, true));
+        assert_eq!(d.retry_after, None);
+        let (d, _, _) = decode(&[b"HTTP/1.1 429 Busy\r\nRetry-After: 1\r\ncontent-length: 0\r\n\r\n"]);
+        assert_eq!(d.retry_after.as_deref(), Some("1"));
         let (mut d, body, r) = decode(&[b"HTTP/1.0 200 OK\r\n\r\nab", b"cd"]);
         r.unwrap();
         assert!(!d.complete() && !d.keep_alive);

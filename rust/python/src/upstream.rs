@@ -70,6 +70,12 @@ impl ResponseDecoder {
         self.inner.content_type.as_deref()
     }
 
+    /// The final response's `Retry-After`, if it had one.
+    #[getter]
+    fn retry_after(&self) -> Option<&str> {
+        self.inner.retry_after.as_deref()
+    }
+
     /// The whole response, body and trailers included, has been read.
     #[getter]
     fn complete(&self) -> bool {
