@@ -251,6 +251,17 @@ def test_responses_api(engine: Server) -> None:
     assert frames(r)[-1]["type"] == "response.completed"
 
 
+def test_a_response_cut_short_says_so_in_its_message_item(engine: Server) -> None:
+    body = {"input": "hi", "grammar": 'root ::= "' + "word " * 50 + '"',
+            "max_output_tokens": 5}
+    whole = post(engine, "/v1/responses", body).json()
+    assert whole["status"] == "incomplete"
+    assert [o["status"] for o in whole["output"]] == ["incomplete"]
+    streamed = frames(post(engine, "/v1/responses", body | {"stream": True}))
+    done = [f["item"]["status"] for f in streamed if f["type"] == "response.output_item.done"]
+    assert done == ["incomplete"] and streamed[-1]["type"] == "response.incomplete"
+
+
 def test_openai_sdk_against_the_engine(engine: Server) -> None:
     import openai
 

@@ -317,7 +317,7 @@ class ResponsesWriter:
                         content_index=0, part=part)
         return out
 
-    def _close(self) -> bytes:
+    def _close(self, status: str = "completed") -> bytes:
         if self.open is None:
             return b""
         kind, self.open = self.open, None
@@ -326,7 +326,7 @@ class ResponsesWriter:
         item_id = self.rs_id if kind == "reasoning" else self.msg_id
         done = ("response.reasoning_text.done" if kind == "reasoning"
                 else "response.output_text.done")
-        item = self._item(kind, text, "completed")
+        item = self._item(kind, text, status)
         self.items.append(item)
         return (self._ev(done, output_index=idx, item_id=item_id, content_index=0, text=text)
                 + self._ev("response.content_part.done", output_index=idx, item_id=item_id,
@@ -359,8 +359,8 @@ class ResponsesWriter:
                 "input_tokens_details": {"cached_tokens": finish.cached_tokens}}
 
     def last(self, finish: Finish, reason: str | None = None) -> bytes:
-        out = self._close()
         status = "completed" if finish.reason == "stop" else "incomplete"
+        out = self._close(status)  # the item the cut fell in is as incomplete as the whole
         body = self._response(status, self.items, self._usage(finish))
         if status == "incomplete":
             body["incomplete_details"] = {"reason": "max_output_tokens"}
@@ -370,8 +370,8 @@ class ResponsesWriter:
         items = []
         if o.has_reasoning:
             items.append(self._item("reasoning", "".join(o.reasoning), "completed"))
-        items.append(self._item("message", "".join(o.content), "completed"))
         status = "completed" if finish.reason == "stop" else "incomplete"
+        items.append(self._item("message", "".join(o.content), status))
         body = self._response(status, items, self._usage(finish))
         if status == "incomplete":
             body["incomplete_details"] = {"reason": "max_output_tokens"}
