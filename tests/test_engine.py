@@ -251,6 +251,11 @@ def test_responses_api(engine: Server) -> None:
     assert frames(r)[-1]["type"] == "response.completed"
 
 
+def test_an_unknown_previous_response_is_400_not_ignored(engine: Server) -> None:
+    r = post(engine, "/v1/responses", {"input": "and then?", "previous_response_id": "resp_1"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "previous_response_id"
+
+
 def test_a_response_cut_short_says_so_in_its_message_item(engine: Server) -> None:
     body = {"input": "hi", "grammar": 'root ::= "' + "word " * 50 + '"',
             "max_output_tokens": 5}

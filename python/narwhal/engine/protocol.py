@@ -383,6 +383,12 @@ def completion_job(body: dict[str, Any], config: EngineConfig, model: Model) -> 
 
 def responses_job(body: dict[str, Any], config: EngineConfig, model: Model) -> Job:
     check_model(body, model)
+    prev = body.get("previous_response_id")
+    if prev is not None:
+        # LexiEngine keeps no responses: continuing one would silently drop its context.
+        raise invalid(f"Previous response with id {str(prev)[:100]!r} not found (LexiEngine "
+                      "does not store responses: send the conversation as input)",
+                      "previous_response_id")
     raw = body.get("input")
     messages: list[dict[str, Any]] = []
     instructions = body.get("instructions")
