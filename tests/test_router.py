@@ -437,3 +437,23 @@ def test_bad_cpu_affinity_is_refused(tmp_path: Path, value: str, says: str) -> N
                         str(cfg)], capture_output=True, text=True, timeout=30)
     assert p.returncode == 2
     assert says in p.stderr
+
+
+def test_readme_names_every_config_key() -> None:
+    """A clone has only its README for the config keys: every key of the schema is there."""
+    from narwhal.router.config import SCHEMA
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    names: set[str] = set()
+
+    def walk(node: Any) -> None:
+        if isinstance(node, dict):
+            names.update(node.get("properties", {}))
+            for v in node.values():
+                walk(v)
+        elif isinstance(node, list):
+            for v in node:
+                walk(v)
+
+    walk(SCHEMA)
+    assert sorted(n for n in names if n not in readme) == []
