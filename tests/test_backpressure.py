@@ -149,3 +149,28 @@ def test_the_deadline_covers_the_stream_after_its_first_token(router: Server) ->
     m = httpx.get(router.url + "/metrics").text
     assert 'narwhal_inflight{engine="s",phase="decode"} 0.0' in m
     assert "narwhal_retained 0.0" in m
+
+
+def test_a_slow_client_is_not_taken_for_a_stalled_engine(scripted: Server,
+                                                         tmp_path: Path) -> None:
+    """While the client does not read, the router does not read the engine either; the
+    idle-gap watchdog must not blame the engine for that silence."""
+    r = start_router(tmp_path, f"""
+listen: {{port: $PORT}}
+admission: open
+serving: {{stream_idle_timeout_s: 0.5}}
+engines: [{{name: s, url: "{scripted.url}", dialect: openai}}]
+""")
+    try:
+        s = _open(r.port, 30_000)
+        try:
+            first = s.recv(4096)
+            time.sleep(2)  # four idle gaps with the client not reading
+            text = _read_all(s, first)
+        finally:
+            s.close()
+        assert b"engine_stalled" not in text
+        got = [int(x) for x in re.findall(rb'"text":"w(\d+) "', text)]
+        assert got == list(range(30_000))
+    finally:
+        r.stop()

@@ -31,8 +31,6 @@ log = logging.getLogger("narwhal.service")
 
 PR_SET_PDEATHSIG = 1
 MAIN_PID_ENV = "NARWHAL_MAIN_PID"
-# Kubernetes sends SIGKILL 30 s after SIGTERM by default: finish draining before that.
-DEFAULT_GRACE_S = 25.0
 
 
 class StartError(Exception):
@@ -41,14 +39,14 @@ class StartError(Exception):
 
 @dataclass(frozen=True)
 class Limits:
-    grace_s: float = DEFAULT_GRACE_S  # drain time after the first stop signal
+    grace_s: float  # drain time after the first stop signal
     # A request head, or the next one on a kept-alive connection, must come within this:
     # a client that trickles a head (slowloris) or idles between requests is closed.
-    header_timeout_s: float = 10.0
+    header_timeout_s: float
     # Connections served at once (Granian's permits). Each idle one holds a permit until
     # the header timeout; one that never sends a byte holds it until the client closes
     # it (hyper starts that timer at the first byte), so the number is set high.
-    max_connections: int = 8192
+    max_connections: int
 
 
 @dataclass(frozen=True)

@@ -67,6 +67,11 @@ class EngineConfig:
         return cls(**d)
 
 
+def _default(name: str) -> Any:
+    """An EngineConfig field's default: the flags' defaults are written once, there."""
+    return next(f.default for f in dataclasses.fields(EngineConfig) if f.name == name)
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-m", "--model", required=True, help="path of the GGUF model file")
     p.add_argument("--alias", action="append", default=[], metavar="NAME",
@@ -100,16 +105,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repack", action=argparse.BooleanOptionalAction, default=None,
                    help="put weights in llama.cpp's repacked buffer types (default: on, "
                         "except where the build has AMX kernels, which crash on some CPUs)")
-    p.add_argument("--shutdown-grace", type=float, default=25.0, metavar="SECONDS",
+    p.add_argument("--shutdown-grace", type=float, default=_default("shutdown_grace_s"),
+                   metavar="SECONDS",
                    help="on SIGTERM/Ctrl-C, how long in-flight requests may finish "
-                        "(default 25; a second signal stops at once)")
-    p.add_argument("--header-timeout", type=float, default=10.0, metavar="SECONDS",
+                        "(default %(default)g; a second signal stops at once)")
+    p.add_argument("--header-timeout", type=float, default=_default("header_timeout_s"),
+                   metavar="SECONDS",
                    help="a request head, or a kept-alive connection's next one, must arrive "
-                        "within this (default 10)")
-    p.add_argument("--body-timeout", type=float, default=30.0, metavar="SECONDS",
-                   help="a request body must arrive whole within this: 408 (default 30)")
-    p.add_argument("--max-connections", type=int, default=8192, metavar="N",
-                   help="client connections served at once (default 8192)")
+                        "within this (default %(default)g)")
+    p.add_argument("--body-timeout", type=float, default=_default("body_timeout_s"),
+                   metavar="SECONDS",
+                   help="a request body must arrive whole within this: 408 (default %(default)g)")
+    p.add_argument("--max-connections", type=int, default=_default("max_connections"),
+                   metavar="N",
+                   help="client connections served at once (default %(default)d)")
 
 
 def _read_keys(values: list[str]) -> tuple[str, ...]:

@@ -78,8 +78,8 @@ class Model:
                 raise ModelLoadError(f"cannot load {config.model}: "
                                      + ("; ".join(said[-3:]) or str(e))) from None
         if bool(self.llama.model_params.use_extra_bufts) != choice.repack:
-            raise RuntimeError("llama-cpp-python ignored the weight-repacking choice; this "
-                               "version is not one LexiEngine supports")
+            raise ModelLoadError("llama-cpp-python ignored the weight-repacking choice; this "
+                                 "version is not one LexiEngine supports")
         self.repack = choice.repack
         self.buffers = kernels.buffers("".join(load_log))
         log.info("weights loaded: %s", ", ".join(f"{k} {v:.1f} MiB"

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -120,7 +120,8 @@ class RouterConfig:
     max_request_bytes: int = 1048576
     http_retention_limit: int = 1024
     request_timeout_s: float = 600.0
-    shutdown_grace_s: float = 25.0  # in-flight requests' time to finish after SIGTERM
+    # In-flight requests' time to finish after SIGTERM: inside Kubernetes' 30 s.
+    shutdown_grace_s: float = 25.0
     header_timeout_s: float = 10.0  # a request head (or the next one, keep-alive) must come
     body_timeout_s: float = 30.0  # a request body must arrive whole within this
     max_connections: int = 8192  # client connections served at once
@@ -165,37 +166,42 @@ def parse(data: Any) -> RouterConfig:
             launch = Launch(la["model"], la.get("parallel", 4), la.get("port"),
                             tuple(la.get("args", ())))
         engines.append(EngineSpec(e["name"], e.get("dialect", "lexi"), e.get("url"), launch))
-    def g(section: str, key: str, default: Any) -> Any:
-        return data.get(section, {}).get(key, default)
+    given: dict[str, Any] = {}
+    for (section, key), name in _FIELDS.items():
+        value = (data.get(section, {}) if section else data).get(key)
+        if value is not None:
+            given[name] = float(value) if isinstance(getattr(_DEFAULTS, name), float) else value
+    if "cpu_affinity" in given:
+        given["cpu_affinity"] = _affinity(given["cpu_affinity"])
+    return replace(_DEFAULTS, engines=tuple(engines), **given)
 
-    return RouterConfig(
-        engines=tuple(engines),
-        model=data.get("model", "main"),
-        host=g("listen", "host", "127.0.0.1"),
-        port=g("listen", "port", 8000),
-        admission=data.get("admission", "predictive"),
-        max_request_bytes=g("serving", "max_request_bytes", 1048576),
-        http_retention_limit=g("serving", "http_retention_limit", 1024),
-        request_timeout_s=float(g("serving", "request_timeout_s", 600)),
-        shutdown_grace_s=float(g("serving", "shutdown_grace_s", 25.0)),
-        header_timeout_s=float(g("serving", "header_timeout_s", 10.0)),
-        body_timeout_s=float(g("serving", "body_timeout_s", 30.0)),
-        max_connections=g("serving", "max_connections", 8192),
-        stream_idle_timeout_s=float(g("serving", "stream_idle_timeout_s", 120.0)),
-        cpu_affinity=_affinity(g("serving", "cpu_affinity", "auto")),
-        queue_size=g("queue", "size", 256),
-        queue_wait_s=float(g("queue", "wait_s", 30)),
-        prefill_concurrency=g("phases", "prefill_concurrency", 4),
-        decode_concurrency=g("phases", "decode_concurrency", 64),
-        ttft_budget_s=float(g("predictive", "ttft_budget_s", 2.0)),
-        drift_bound=float(g("predictive", "drift_bound", 1.1)),
-        drift_min_samples=g("predictive", "drift_min_samples", 5),
-        stale_after_s=float(g("predictive", "stale_after_s", 120.0)),
-        probe_interval_s=float(g("predictive", "probe_interval_s", 10.0)),
-        health_interval_s=float(g("health", "interval_s", 2.0)),
-        health_timeout_s=float(g("health", "timeout_s", 2.0)),
-        eject_after=g("health", "eject_after", 3),
-    )
+
+# Where each RouterConfig field sits in the YAML ("" for the top level). The defaults are
+# the dataclass's own, written once.
+_FIELDS = {
+    ("", "model"): "model", ("listen", "host"): "host", ("listen", "port"): "port",
+    ("", "admission"): "admission",
+    ("serving", "max_request_bytes"): "max_request_bytes",
+    ("serving", "http_retention_limit"): "http_retention_limit",
+    ("serving", "request_timeout_s"): "request_timeout_s",
+    ("serving", "shutdown_grace_s"): "shutdown_grace_s",
+    ("serving", "header_timeout_s"): "header_timeout_s",
+    ("serving", "body_timeout_s"): "body_timeout_s",
+    ("serving", "max_connections"): "max_connections",
+    ("serving", "stream_idle_timeout_s"): "stream_idle_timeout_s",
+    ("serving", "cpu_affinity"): "cpu_affinity",
+    ("queue", "size"): "queue_size", ("queue", "wait_s"): "queue_wait_s",
+    ("phases", "prefill_concurrency"): "prefill_concurrency",
+    ("phases", "decode_concurrency"): "decode_concurrency",
+    ("predictive", "ttft_budget_s"): "ttft_budget_s",
+    ("predictive", "drift_bound"): "drift_bound",
+    ("predictive", "drift_min_samples"): "drift_min_samples",
+    ("predictive", "stale_after_s"): "stale_after_s",
+    ("predictive", "probe_interval_s"): "probe_interval_s",
+    ("health", "interval_s"): "health_interval_s", ("health", "timeout_s"): "health_timeout_s",
+    ("health", "eject_after"): "eject_after",
+}
+_DEFAULTS = RouterConfig(engines=())
 
 
 def _affinity(value: str | list[int]) -> str | tuple[int, ...]:

@@ -179,6 +179,11 @@ class _Outbox:
         self.queue: deque[tuple[bytes, bool]] | None = None  # set while a send waits
         self.task: asyncio.Task[None] | None = None
 
+    @property
+    def holding(self) -> bool:
+        """A send is waiting for the client (the engine's socket is not being read)."""
+        return self.queue is not None
+
     def put(self, body: bytes, more: bool) -> None:
         if self.queue is not None:
             self.queue.append((body, more))
@@ -435,7 +440,9 @@ class Relayer:
             if ended.done():
                 return
             now, reads = loop.time(), resp.reads
-            if reads == seen or _past(st.p.deadline):
+            # While a send waits for the client, the engine is not read: no reads then is
+            # the client's pace, not a stalled engine.
+            if _past(st.p.deadline) or (reads == seen and not out.holding):
                 out.put(self._timed_out(st.p), more=False)
                 end(False)
                 return
