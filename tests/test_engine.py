@@ -383,6 +383,7 @@ def test_bad_template_files_are_refused(model_path: str, tmp_path: Path,
 
 
 TRAP_TEMPLATE = (
+    "{# a thought-channel template: <|channel|>analysis<|message|>...<|end|> #}"
     "{% set ns = namespace(n=0) %}"
     "{% if messages[0].content == 'slow' %}"
     "{% for i in range(100000) %}{% for j in range(8) %}{% set ns.n = ns.n + 1 %}"
@@ -411,6 +412,20 @@ def test_a_render_the_request_breaks_is_400_naming_it(trap_engine: Server,
     r = post(trap_engine, "/v1/chat/completions", body)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
+
+
+CHANNELS = ('root ::= "<|channel|>analysis<|message|>thought<|end|>'
+            '<|start|>assistant<|channel|>final<|message|>answer"')
+
+
+def test_thought_channel_content_is_the_final_channel_alone(trap_engine: Server) -> None:
+    body = chat(grammar=CHANNELS, max_tokens=200)
+    msg = post(trap_engine, "/v1/chat/completions", body).json()["choices"][0]["message"]
+    assert (msg["reasoning_content"], msg["content"]) == ("thought", "answer")
+    r = post(trap_engine, "/v1/chat/completions", body | {"stream": True})
+    deltas = [f["choices"][0]["delta"] for f in frames(r) if f != "[DONE]" and f["choices"]]
+    assert "".join(d.get("reasoning_content") or "" for d in deltas) == "thought"
+    assert "".join(d.get("content") or "" for d in deltas) == "answer"
 
 
 def test_health_answers_while_a_template_renders(trap_engine: Server) -> None:

@@ -58,6 +58,29 @@ def test_both_forms_and_schema_typed_function_values() -> None:
                       ("call", ("lookup", {"code": "123", "count": 123}))]
 
 
+@pytest.mark.parametrize(("param", "text", "value"), [
+    ({"type": ["string", "null"]}, "123", "123"),
+    ({"type": ["string", "null"]}, "null", "null"),
+    ({"anyOf": [{"type": "string"}, {"type": "null"}]}, "123", "123"),
+    ({"oneOf": [{"$ref": "#/$defs/text"}, {"type": "null"}]}, "true", "true"),
+    ({"$ref": "#/$defs/text"}, "[1]", "[1]"),
+    ({"enum": ["1", "2"]}, "1", "1"),
+    ({"type": ["string", "integer"]}, "123", 123),
+    ({"type": ["string", "integer"]}, "1.5", "1.5"),
+    ({"type": "integer"}, "123", 123),
+    ({}, "[1]", [1]),
+])
+def test_function_form_values_are_text_where_the_schema_says_string(
+        param: dict[str, Any], text: str, value: Any) -> None:
+    schema = {"type": "object", "properties": {"a": param},
+              "$defs": {"text": {"type": "string"}}}
+    p = plan_tools({"tools": [tool("note", schema)]}, template_renders_tools=False,
+                   function_form=True)
+    assert p is not None
+    markup = f"<tool_call><function=note><parameter=a>{text}</parameter></function></tool_call>"
+    assert split_all(p, [markup]) == [("call", ("note", {"a": value}))]
+
+
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.integers(min_value=0, max_value=len(TWO_CALLS)), max_size=12))
 def test_any_split_gives_the_same_calls(cuts: list[int]) -> None:

@@ -121,6 +121,28 @@ def test_function_form_values_follow_the_schema_and_several_calls(engine: Server
     assert [c["name"] for c in s["calls"]] == ["lookup", "get_weather"]
 
 
+NOTE_PARAMS = [
+    {"type": ["string", "null"]},
+    {"anyOf": [{"type": "string"}, {"type": "null"}]},
+    {"$ref": "#/$defs/text"},
+]
+
+
+@pytest.mark.parametrize("param", NOTE_PARAMS)
+def test_function_form_text_for_every_way_a_schema_says_string(engine: Server,
+                                                               param: dict[str, Any]) -> None:
+    schema = {"type": "object", "properties": {"a": param}, "required": ["a"],
+              "$defs": {"text": {"type": "string"}}}
+    note = {"type": "function", "function": {"name": "note", "parameters": schema}}
+    text = "<tool_call><function=note><parameter=a>123</parameter></function></tool_call>"
+    r = post(engine, "/v1/chat/completions",
+             {"messages": ASK, "tools": [note], "tool_choice": "required",
+              "grammar": forced(text)})
+    assert r.status_code == 200, r.text
+    call = r.json()["choices"][0]["message"]["tool_calls"][0]["function"]
+    assert (call["name"], orjson.loads(call["arguments"])) == ("note", {"a": "123"})
+
+
 @pytest.mark.parametrize("markup", [
     '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>',
     '<tool_call>{"name": "get_weather", "arguments": {"city": 7}}</tool_call>',

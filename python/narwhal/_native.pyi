@@ -131,7 +131,10 @@ class ThinkSplitter:
     """Split streamed text into ``(reasoning, content)``, holding back partial delimiters."""
 
     def __init__(
-        self, pairs: list[tuple[str, str]] | None = None, start_in_reasoning: bool = False
+        self,
+        pairs: list[tuple[str, str]] | None = None,
+        start_in_reasoning: bool = False,
+        answer_headers: list[str] | None = None,
     ) -> None: ...
     def feed(self, text: str) -> tuple[str, str]: ...
     def finish(self) -> tuple[str, str]: ...

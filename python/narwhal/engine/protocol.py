@@ -33,6 +33,7 @@ class Job:
     split_reasoning: bool = False
     start_in_reasoning: bool = False
     reasoning_pairs: list[tuple[str, str]] = field(default_factory=list)
+    answer_headers: list[str] = field(default_factory=list)
     logprobs: bool = False
     tools: ToolPlan | None = None
     cache_prompt: bool = True
@@ -330,6 +331,7 @@ def chat_job(body: dict[str, Any], config: EngineConfig, model: Model) -> Job:
     job.split_reasoning = config.reasoning_format == "auto"
     job.start_in_reasoning = model.template.opens_reasoning(prompt)
     job.reasoning_pairs = model.template.reasoning_pairs
+    job.answer_headers = model.template.answer_headers
     _stream_options(body, job)
     return job
 

@@ -51,8 +51,11 @@ class Output:
     def __init__(self, job: Job) -> None:
         self.job = job
         split = job.split_reasoning and job.route in ("chat", "responses")
-        self.splitter = (ThinkSplitter(job.reasoning_pairs, job.start_in_reasoning)
-                         if split else None)
+        self.splitter = (
+            ThinkSplitter(job.reasoning_pairs, job.start_in_reasoning, job.answer_headers)
+            if split
+            else None
+        )
         self.call_splitter = CallSplitter(job.tools) if job.tools is not None else None
         self.calls: list[Call] = []
         self.pending_ids: list[int] = []

@@ -128,8 +128,14 @@ class ChatTemplate:
         self.function_form = "<function=" in source
         # Pairs the template declares for reasoning output, `<think>` first.
         self.reasoning_pairs: list[tuple[str, str]] = [("<think>", "</think>")]
+        # What may open the answer after a closed block; the splitter drops it.
+        self.answer_headers: list[str] = []
         if "<|channel|>" in source:
             self.reasoning_pairs.append(("<|channel|>analysis<|message|>", "<|end|>"))
+            self.answer_headers = [
+                "<|start|>assistant<|channel|>final<|message|>",
+                "<|channel|>final<|message|>",
+            ]
 
     def render(
         self,

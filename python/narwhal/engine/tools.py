@@ -34,9 +34,86 @@ class Tool:
     schema: dict[str, Any]
     validator: Any
 
-    def string_param(self, key: str) -> bool:
-        prop = (self.schema.get("properties") or {}).get(key)
-        return isinstance(prop, dict) and prop.get("type") == "string"
+    def param_value(self, key: str, text: str) -> Any:
+        """A function-form parameter's value: text where the schema says string, else JSON.
+
+        A parameter that may be a string or something else (`["string", "integer"]`) is the
+        JSON value when the text parses to one of the other admitted types, text otherwise:
+        `123` is the number for `["string", "integer"]` and the text for `["string", "null"]`.
+        """
+        props = self.schema.get("properties")
+        prop = props.get(key) if isinstance(props, dict) else None
+        types = admitted_types(prop, self.schema) if prop is not None else None
+        if types is not None and "string" in types and types <= {"string", "null"}:
+            return text
+        try:
+            value = orjson.loads(text)
+        except orjson.JSONDecodeError:
+            return text
+        if types is None or "string" not in types or _json_type(value) & types:
+            return value
+        return text
+
+
+def _json_type(value: Any) -> set[str]:
+    if value is None:
+        return {"null"}
+    if isinstance(value, bool):
+        return {"boolean"}
+    if isinstance(value, int):
+        return {"integer", "number"}
+    if isinstance(value, float):
+        return {"number", "integer"} if value.is_integer() else {"number"}
+    if isinstance(value, str):
+        return {"string"}
+    return {"array"} if isinstance(value, list) else {"object"}
+
+
+def admitted_types(schema: Any, root: Any, depth: int = 0) -> set[str] | None:
+    """The JSON types a schema admits, following local `$ref`s, unions and `anyOf`/`oneOf`/
+    `allOf`; None when it does not say (any type)."""
+    if not isinstance(schema, dict) or depth > 32:
+        return None
+    ref = schema.get("$ref")
+    if isinstance(ref, str):
+        return admitted_types(_resolve(ref, root), root, depth + 1)
+    if "const" in schema:
+        return _json_type(schema["const"])
+    enum = schema.get("enum")
+    if isinstance(enum, list) and enum:
+        return set().union(*(_json_type(v) for v in enum))
+    t = schema.get("type")
+    if isinstance(t, str):
+        return {t}
+    if isinstance(t, list) and all(isinstance(x, str) for x in t):
+        return set(t)
+    for key in ("anyOf", "oneOf"):
+        branches = schema.get(key)
+        if isinstance(branches, list) and branches:
+            found = [admitted_types(b, root, depth + 1) for b in branches]
+            if any(f is None for f in found):
+                return None
+            return set().union(*(f for f in found if f is not None))
+    branches = schema.get("allOf")
+    if isinstance(branches, list):
+        known = [f for b in branches if (f := admitted_types(b, root, depth + 1)) is not None]
+        if known:
+            return set.intersection(*known)
+    return None
+
+
+def _resolve(ref: str, root: Any) -> Any:
+    """A local JSON pointer (`#/$defs/name`); anything else resolves to nothing."""
+    if not ref.startswith("#"):
+        return None
+    node = root
+    for part in ref[1:].split("/")[1:] if ref != "#" else []:
+        part = part.replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        else:
+            return None
+    return node
 
 
 @dataclass
@@ -221,13 +298,7 @@ def parse_call(inner: str, plan: ToolPlan) -> Call | None:
             return None
         for key, value in _PARAM.findall(m.group(2)):
             value = value.removeprefix("\n").removesuffix("\n")
-            if tool.string_param(key):
-                fargs[key] = value
-                continue
-            try:
-                fargs[key] = orjson.loads(value)
-            except orjson.JSONDecodeError:
-                fargs[key] = value
+            fargs[key] = tool.param_value(key, value)
         return plan.verify(name, fargs)
     try:
         obj = orjson.loads(inner)

@@ -20,6 +20,9 @@ enum State {
 #[derive(Debug, Clone)]
 pub struct ThinkSplitter {
     pairs: Vec<(String, String)>,
+    /// Headers that may open the answer right after a closed block (a channel template's
+    /// `<|start|>assistant<|channel|>final<|message|>`): dropped, never shown as content.
+    headers: Vec<String>,
     state: State,
     pending: String,
     opened: bool,
@@ -50,9 +53,16 @@ impl ThinkSplitter {
             state: if start_in_reasoning && !pairs.is_empty() { State::Reasoning(0) } else { State::Start },
             opened: start_in_reasoning,
             pairs,
+            headers: Vec::new(),
             pending: String::new(),
             closed: false,
         }
+    }
+
+    /// The answer after a closed block may open with one of `headers`, which is dropped.
+    pub fn with_answer_headers(mut self, headers: Vec<String>) -> Self {
+        self.headers = headers.into_iter().filter(|h| !h.is_empty()).collect();
+        self
     }
 
     /// Whether a reasoning block was opened (by the output or the prompt).
@@ -139,6 +149,15 @@ impl ThinkSplitter {
                     if s.is_empty() {
                         break;
                     }
+                    if let Some(h) = self.headers.iter().find(|h| s.starts_with(h.as_str())) {
+                        s = &s[h.len()..];
+                        self.state = State::Content;
+                        continue;
+                    }
+                    if self.headers.iter().any(|h| h.starts_with(s)) {
+                        self.pending.push_str(s);
+                        break;
+                    }
                     self.state = State::Content;
                 }
                 State::Content => {
@@ -161,7 +180,8 @@ impl ThinkSplitter {
                 }
                 (String::new(), rest)
             }
-            State::AfterClose => (String::new(), String::new()),
+            // A header cut short by the end of the output is text the model wrote.
+            State::AfterClose => (String::new(), rest),
         }
     }
 }
@@ -240,5 +260,23 @@ mod tests {
         let (r3, c3) = t.feed("d|>ok");
         assert_eq!(r1 + &r2 + &r3, "hmm");
         assert_eq!(c1 + &c2 + &c3, "ok");
+    }
+
+    #[test]
+    fn channel_answer_header_is_dropped_wherever_it_is_cut() {
+        let text = "<|channel|>analysis<|message|>thought<|end|><|start|>assistant<|channel|>final<|message|>answer";
+        let pairs = vec![("<think>".to_owned(), "</think>".to_owned()), ("<|channel|>analysis<|message|>".into(), "<|end|>".into())];
+        let headers = vec!["<|start|>assistant<|channel|>final<|message|>".to_owned(), "<|channel|>final<|message|>".into()];
+        for cut in 0..=text.len() {
+            let mut t = ThinkSplitter::new(pairs.clone(), false).with_answer_headers(headers.clone());
+            let (r1, c1) = t.feed(&text[..cut]);
+            let (r2, c2) = t.feed(&text[cut..]);
+            let (r3, c3) = t.finish();
+            assert_eq!((r1 + &r2 + &r3, c1 + &c2 + &c3), ("thought".to_owned(), "answer".to_owned()), "cut {cut}");
+        }
+        let mut t = ThinkSplitter::new(pairs, false).with_answer_headers(headers);
+        let (r, c) = t.feed("<|channel|>analysis<|message|>x<|end|><|start|>assist");
+        let (r2, c2) = t.finish();
+        assert_eq!((r + &r2, c + &c2), ("x".to_owned(), "<|start|>assist".to_owned()));
     }
 }

@@ -243,9 +243,10 @@ struct ThinkSplitter {
 #[pymethods]
 impl ThinkSplitter {
     #[new]
-    #[pyo3(signature = (pairs = None, start_in_reasoning = false))]
-    fn new(pairs: Option<Vec<(String, String)>>, start_in_reasoning: bool) -> Self {
-        ThinkSplitter { inner: CoreSplitter::new(pairs.unwrap_or_default(), start_in_reasoning) }
+    #[pyo3(signature = (pairs = None, start_in_reasoning = false, answer_headers = None))]
+    fn new(pairs: Option<Vec<(String, String)>>, start_in_reasoning: bool, answer_headers: Option<Vec<String>>) -> Self {
+        let inner = CoreSplitter::new(pairs.unwrap_or_default(), start_in_reasoning);
+        ThinkSplitter { inner: inner.with_answer_headers(answer_headers.unwrap_or_default()) }
     }
 
     /// Split one text delta into `(reasoning, content)`. A delta that goes wholly to one
