@@ -511,3 +511,56 @@ def test_no_empty_delta_for_ids_the_client_did_not_ask_for(engine: Server) -> No
            for i in (orjson.loads(ln[6:])["choices"] or [{}])[0].get("token_ids") or []]
     whole = post(engine, "/v1/chat/completions", chat(grammar=g, return_token_ids=True))
     assert ids == whole.json()["choices"][0]["token_ids"]  # every ID, exactly once
+
+
+def _greedy_ids(s: Server, **kw: Any) -> list[int]:
+    body = {"prompt": "The capital of France is", "max_tokens": 24, "temperature": 0,
+            "return_token_ids": True, **kw}
+    r = post(s, "/v1/completions", body)
+    assert r.status_code == 200, r.text
+    ids: list[int] = r.json()["choices"][0]["token_ids"]
+    return ids
+
+
+def test_logit_bias_bans_and_forces_tokens(engine: Server) -> None:
+    first = _greedy_ids(engine, max_tokens=1)[0]
+    banned = _greedy_ids(engine, max_tokens=1, logit_bias={str(first): -100})
+    assert banned[0] != first
+    forced = first + 7
+    assert _greedy_ids(engine, max_tokens=3, logit_bias={str(forced): 100}) == [forced] * 3
+
+
+def test_penalties_change_what_repeats(engine: Server) -> None:
+    prompt = "one one one one one one one one one one one one"
+    plain = _greedy_ids(engine, prompt=prompt)
+    for field in ("frequency_penalty", "presence_penalty", "repetition_penalty"):
+        penalized = _greedy_ids(engine, prompt=prompt, **{field: 2})
+        # Each output token already said is pushed down: fewer repeats than greedy alone.
+        assert len(set(penalized)) > len(set(plain)), (field, plain, penalized)
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"frequency_penalty": 5}, "frequency_penalty"),
+    ({"presence_penalty": -2.5}, "presence_penalty"),
+    ({"repetition_penalty": 0}, "repetition_penalty"),
+    ({"logit_bias": {"abc": 1}}, "logit_bias"),
+    ({"logit_bias": {"10": 101}}, "logit_bias"),
+    ({"logit_bias": {"99999999": 1}}, "logit_bias"),
+    ({"logit_bias": [1]}, "logit_bias"),
+    ({"echo": True, "logprobs": 1}, "echo"),
+    ({"echo": "yes"}, "echo"),
+])
+def test_sampling_fields_out_of_range_are_400(engine: Server, body: dict[str, Any],
+                                               param: str) -> None:
+    r = post(engine, "/v1/completions", {"prompt": "Hi", "max_tokens": 2, **body})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
+
+
+def test_echo_puts_the_prompt_before_the_completion(engine: Server) -> None:
+    body = {"prompt": "Q: what?", "max_tokens": 4, "echo": True, "grammar": 'root ::= " A."'}
+    assert post(engine, "/v1/completions", body).json()["choices"][0]["text"] == "Q: what? A."
+    fs = [f for f in frames(post(engine, "/v1/completions", body | {"stream": True}))
+          if f != "[DONE]"]
+    assert fs[0]["choices"][0]["text"] == "Q: what?"
+    assert "".join(f["choices"][0]["text"] for f in fs) == "Q: what? A."

@@ -67,6 +67,16 @@ def _sampler_chain(model: Model, req: Request) -> Any:
         words = (ctypes.c_char_p * len(triggers))(*(t.encode() for t in triggers))
         lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_grammar_lazy_patterns(
             vocab, gbnf.encode(), b"root", words, len(triggers), None, 0))
+    n_vocab = model.n_vocab
+    if s.logit_bias:
+        biases = (lc.llama_logit_bias * len(s.logit_bias))(*s.logit_bias)
+        lc.llama_sampler_chain_add(
+            chain, lc.llama_sampler_init_logit_bias(n_vocab, len(s.logit_bias), biases))
+    if s.penalized:
+        # Over the whole output, as OpenAI's penalties are (the window is the token budget).
+        window = max(1, min(s.max_tokens, model.n_ctx))
+        lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_penalties(
+            n_vocab, window, s.repeat_penalty, s.frequency_penalty, s.presence_penalty))
     if s.temp <= 0:
         lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_greedy())
         return chain

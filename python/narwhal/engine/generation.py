@@ -28,6 +28,15 @@ class Sampling:
     grammar: str | None = None  # GBNF text, compile-checked at intake
     lazy_grammar: tuple[str, list[str]] | None = None  # (GBNF, trigger regexes): tool calls
     logprobs: int | None = None  # None: off; N: the sampled token's logprob plus top N
+    logit_bias: list[tuple[int, float]] = field(default_factory=list)  # (token ID, bias)
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repeat_penalty: float = 1.0  # multiplicative, llama.cpp's; 1 is off
+
+    @property
+    def penalized(self) -> bool:
+        return bool(self.frequency_penalty or self.presence_penalty
+                    or self.repeat_penalty != 1.0)
     stream_interval: int = 1
 
 

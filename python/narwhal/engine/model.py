@@ -119,6 +119,9 @@ class Model:
         add_bos = self.add_bos and not (self.bos_text and text.startswith(self.bos_text))
         return self.llama.tokenize(text.encode("utf-8"), add_bos=add_bos, special=True)
 
+    def detokenize(self, ids: list[int]) -> str:
+        return self.llama.detokenize(ids, special=True).decode("utf-8", "replace")
+
     def token_bytes(self, token: int) -> bytes:
         raw = self._pieces.get(token)
         if raw is None:

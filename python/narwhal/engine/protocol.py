@@ -35,6 +35,7 @@ class Job:
     reasoning_pairs: list[tuple[str, str]] = field(default_factory=list)
     answer_headers: list[str] = field(default_factory=list)
     logprobs: bool = False
+    echo: str | None = None  # completions: the prompt text, sent before the output
     tools: ToolPlan | None = None
     cache_prompt: bool = True
     body: dict[str, Any] = field(default_factory=dict)
@@ -101,6 +102,15 @@ def _sampling(body: dict[str, Any], config: EngineConfig, model: Model, n_ctx: i
         raise invalid("'stop' must be a string or a list of strings", "stop")
     stops = [s for s in stops if s]
     interval = _num(body, "stream_interval", 1, 1024, integer=True) or 1
+    frequency = _num(body, "frequency_penalty", -2, 2)
+    presence = _num(body, "presence_penalty", -2, 2)
+    repeat = None
+    for name in ("repetition_penalty", "repeat_penalty"):  # vLLM's and llama-server's names
+        repeat = _num(body, name, 0, 10)
+        if repeat is not None:
+            if repeat == 0:
+                raise invalid(f"'{name}' must be greater than 0", name)
+            break
     return Sampling(
         temp=float(d["temp"] if temp is None else temp),
         top_p=float(d["top_p"] if top_p is None else top_p),
@@ -111,7 +121,34 @@ def _sampling(body: dict[str, Any], config: EngineConfig, model: Model, n_ctx: i
         stop=stops,
         grammar=_grammar(body, model),
         stream_interval=int(interval),
+        logit_bias=_logit_bias(body, model),
+        frequency_penalty=float(frequency or 0),
+        presence_penalty=float(presence or 0),
+        repeat_penalty=float(1 if repeat is None else repeat),
     )
+
+
+def _logit_bias(body: dict[str, Any], model: Model) -> list[tuple[int, float]]:
+    """OpenAI's form: token IDs (as strings) to a bias in [-100, 100] added to the logit."""
+    raw = body.get("logit_bias")
+    if raw is None:
+        return []
+    if not isinstance(raw, dict):
+        raise invalid("'logit_bias' must be an object of token IDs to numbers", "logit_bias")
+    out = []
+    for key, bias in raw.items():
+        try:
+            token = int(key)
+        except ValueError:
+            token = -1
+        if not 0 <= token < model.n_vocab:
+            raise invalid(f"'logit_bias' key {key[:40]!r} is not a token ID of this model",
+                          "logit_bias")
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100 <= bias <= 100:
+            raise invalid(f"'logit_bias' value for {key} must be a number between -100 and "
+                          "100", "logit_bias")
+        out.append((token, float(bias)))
+    return out
 
 
 def _grammar(body: dict[str, Any], model: Model) -> Any:
@@ -379,6 +416,11 @@ def completion_job(body: dict[str, Any], config: EngineConfig, model: Model) -> 
     _fit(ids, sampling, model, "prompt")
     job = Job("completion", ids, sampling, stream=_bool(body, "stream"), body=body)
     job.logprobs = _logprobs(body, sampling, chat=False)
+    if _bool(body, "echo"):
+        if job.logprobs:
+            # The prompt's own logprobs would need a scoring pass LexiEngine does not run.
+            raise invalid("'echo' together with 'logprobs' is not supported", "echo")
+        job.echo = prompt if isinstance(prompt, str) else model.detokenize(ids)
     _stream_options(body, job)
     return job
 

@@ -249,7 +249,9 @@ class CompletionWriter:
                 "model": self.model, "choices": [choice]}
 
     def first(self) -> bytes:
-        return b""
+        if not self.job.echo:
+            return b""
+        return sse(self._chunk(self.job.echo, None, [], None))
 
     def delta(self, d: Delta) -> bytes:
         lps = _text_logprobs(d.logprobs, self.offset) if self.job.logprobs and d.logprobs else None
@@ -265,7 +267,7 @@ class CompletionWriter:
 
     def whole(self, o: Output, finish: Finish) -> dict[str, Any]:
         choice: dict[str, Any] = {
-            "index": 0, "text": "".join(o.content),
+            "index": 0, "text": (self.job.echo or "") + "".join(o.content),
             "logprobs": _text_logprobs(o.logprobs, 0) if self.job.logprobs else None,
             "finish_reason": finish.reason,
         }
