@@ -91,10 +91,10 @@ def start_router(tmp: Path, yaml_text: str) -> Server:
                   timeout=120)
 
 
-def start_test_engine(module: str) -> Server:
+def start_test_engine(module: str, *args: str) -> Server:
     """One of the tests' own engines (`tests.scripted_engine`, `tests.faulty_engine`)."""
     port = free_port()
-    return Server([sys.executable, "-m", module, "--port", str(port)], "/health", port)
+    return Server([sys.executable, "-m", module, "--port", str(port), *args], "/health", port)
 
 
 @pytest.fixture(scope="session")

@@ -17,7 +17,7 @@ from aiohttp import web
 
 PREFILL_LOCK = asyncio.Lock()
 STATS: dict[str, Any] = {"ms_per_token": 0.0, "requests": 0, "disconnects": 0, "last": None,
-                         "healthy": True, "active": 0, "connections": 0}
+                         "healthy": True, "active": 0, "connections": 0, "busy": False}
 # Client ports that sent completion requests: how many connections the router opened.
 PEERS: set[Any] = set()
 
@@ -61,6 +61,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
     STATS["connections"] = len(PEERS)
     chat = request.path.endswith("chat/completions")
     name, arg = _script(body)
+    if STATS["busy"]:
+        name, arg = "status", "429"
     if name == "status":
         return web.json_response({"error": {"message": "engine says no", "type": "x",
                                              "param": "grammar", "code": None}},
@@ -179,8 +181,11 @@ def main() -> None:
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--prefill-ms-per-token", type=float, default=0.0,
                    help="prefill cost of every request (4 prompt bytes make a token)")
+    p.add_argument("--busy", action="store_true",
+                   help="answer every completion 429 inference_busy (with Retry-After)")
     args = p.parse_args()
     STATS["ms_per_token"] = args.prefill_ms_per_token
+    STATS["busy"] = args.busy
     app = web.Application()
     app.router.add_post("/v1/chat/completions", completions)
     app.router.add_post("/v1/completions", completions)

@@ -5,13 +5,13 @@ only Granian's synchronous `send` allows. Same answers either way."""
 from __future__ import annotations
 
 import os
-import pickle
 import sys
 from collections.abc import Iterator
 
 import httpx
 import pytest
 
+from narwhal import service
 from narwhal.router.app import CONFIG_ENV
 from narwhal.router.config import load
 from tests.conftest import Server, free_port
@@ -21,6 +21,7 @@ from tests.test_router import (
     _wait_ready,
     chat,
     leave_before_first_byte,
+    relayed_streams,
     sse_frames,
 )
 
@@ -32,7 +33,7 @@ def uvicorn_router(scripted: Server, tmp_path_factory: pytest.TempPathFactory) -
     port = free_port()
     cfg = tmp_path_factory.mktemp("u") / "narwhal.yaml"
     cfg.write_text(CONFIG.replace("URL", scripted.url).replace("$PORT", str(port)))
-    os.environ[CONFIG_ENV] = pickle.dumps(load(str(cfg))).hex()
+    service.hand_off(CONFIG_ENV, load(str(cfg)).to_json())
     try:
         s = Server([sys.executable, "-m", "uvicorn", "--factory", "narwhal.router.app:create_app",
                     "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"],
@@ -52,6 +53,7 @@ def test_paced_stream_is_relayed_whole(uvicorn_router: Server) -> None:
     assert text == "w0 w1 w2 w3 w4 "
     assert frames[-1] == "[DONE]"
     assert "token_ids" not in r.text
+    assert relayed_streams(uvicorn_router)["awaited"] >= 1
 
 
 def test_death_mid_stream_and_assembly(uvicorn_router: Server) -> None:

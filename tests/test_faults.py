@@ -158,7 +158,8 @@ engines: [{{name: s, url: "{scripted.url}", dialect: openai}}]
         assert before['narwhal_finished_total{outcome="completed"}'] == 0  # exported at 0
         httpx.post(url, json={"prompt": "hi", "stream": True})  # completed
         httpx.post(url, json={"prompt": "hi"})  # completed
-        httpx.post(url, json={"prompt": "script:status:429"})  # engine_error
+        httpx.post(url, json={"prompt": "script:status:422"})  # engine_error
+        httpx.post(url, json={"prompt": "script:status:429"})  # rejected (engine_busy)
         httpx.post(url, json={"prompt": "script:die", "stream": True})  # stream_fault
         httpx.post(url, content=b"{nope")  # invalid
         httpx.post(url, json={"prompt": "hi", "model": "other"})  # invalid (404)
@@ -178,9 +179,9 @@ engines: [{{name: s, url: "{scripted.url}", dialect: openai}}]
             if sum(finished.values()) == offered:
                 break
             time.sleep(0.1)
-        assert offered == 9
-        assert finished == {"completed": 2, "engine_error": 1, "stream_fault": 2,
-                            "invalid": 2, "deadline": 1, "client_gone": 1}
+        assert offered == 10
+        assert finished == {"completed": 2, "engine_error": 1, "rejected": 1,
+                            "stream_fault": 2, "invalid": 2, "deadline": 1, "client_gone": 1}
     finally:
         r.stop()
 
@@ -213,3 +214,42 @@ engines: [{{name: s, url: "{scripted.url}", dialect: openai}}]
         assert 'narwhal_rejected_total{reason="engine_busy"} 1.0' in m
     finally:
         r.stop()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_engine_s_429_is_retried_on_another_engine(scripted: Server, tmp_path: Path,
+                                                       stream: bool) -> None:
+    busy = [start_test_engine("tests.scripted_engine", "--busy") for _ in range(2)]
+    routers = [start_router(tmp_path, f"""
+listen: {{port: $PORT}}
+admission: open
+engines:
+  - {{name: busy, url: "{busy[0].url}", dialect: openai}}
+  - {{name: other, url: "{other.url}", dialect: openai}}
+""") for other in (scripted, busy[1])]
+
+    def asked() -> list[int]:
+        return [httpx.get(b.url + "/stats").json()["requests"] for b in busy]
+
+    try:
+        before = asked()
+        body = {"prompt": "hi", "stream": stream}
+        resp = httpx.post(routers[0].url + "/v1/completions", json=body, timeout=30)
+        assert resp.status_code == 200, resp.text
+        # The busy engine (listed first, as idle as the other) was asked first: 429.
+        assert asked() == [before[0] + 1, before[1]]
+        m = httpx.get(routers[0].url + "/metrics").text
+        assert 'narwhal_rejected_total{reason="engine_busy"} 0.0' in m
+        assert 'narwhal_finished_total{outcome="completed"} 1.0' in m
+
+        # Every engine busy: each is asked once, then the last 429 goes to the client.
+        resp = httpx.post(routers[1].url + "/v1/completions", json=body, timeout=30)
+        assert resp.status_code == 429
+        assert resp.headers["retry-after"] == "1"
+        assert resp.json()["error"]["message"] == "engine says no"
+        assert asked() == [before[0] + 2, before[1] + 1]
+        m = httpx.get(routers[1].url + "/metrics").text
+        assert 'narwhal_rejected_total{reason="engine_busy"} 1.0' in m
+    finally:
+        for s in (*routers, *busy):
+            s.stop()

@@ -172,6 +172,27 @@ def test_streaming_strips_token_ids_unless_asked(router: Server, scripted: Serve
                                                                                 103]
 
 
+def relayed_streams(router: Server) -> dict[str, float]:
+    out = {}
+    for line in httpx.get(router.url + "/metrics").text.splitlines():
+        if line.startswith("narwhal_relayed_streams_total{"):
+            out[line.split('"')[1]] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def test_streams_are_relayed_natively_on_granian(router: Server) -> None:
+    """Granian's send does its work in the call, so streams go from the engine's socket to
+    the client in Rust. Were that capability missed (a Granian change, say), every stream
+    would fall back to a Python send per read, and this fails."""
+    before = relayed_streams(router)
+    for _ in range(3):
+        r = httpx.post(router.url + "/v1/chat/completions", json=chat("hi", stream=True))
+        assert sse_frames(r.text)[-1] == "[DONE]"
+    after = relayed_streams(router)
+    assert after["native"] - before["native"] == 3
+    assert after["awaited"] == before["awaited"]
+
+
 def test_usage_is_streamed_only_to_clients_that_ask(router: Server, scripted: Server) -> None:
     r = httpx.post(router.url + "/v1/chat/completions", json=chat("hi", stream=True))
     assert '"usage"' not in r.text and sse_frames(r.text)[-1] == "[DONE]"

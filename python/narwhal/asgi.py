@@ -100,9 +100,14 @@ async def send_error(send: Send, err: ApiError) -> None:
     await send_bytes(send, err.status, err.body(), headers=err.headers.items())
 
 
-async def start_stream(send: Send, headers: Iterable[tuple[str, str]] = ()) -> None:
+def stream_head(headers: Iterable[tuple[str, str]] = ()) -> Message:
+    """The `http.response.start` of an event stream."""
     hs = _headers(SSE, [("cache-control", "no-cache"), *headers])
-    await send({"type": "http.response.start", "status": 200, "headers": hs})
+    return {"type": "http.response.start", "status": 200, "headers": hs}
+
+
+async def start_stream(send: Send, headers: Iterable[tuple[str, str]] = ()) -> None:
+    await send(stream_head(headers))
 
 
 async def stream_chunk(send: Send, data: bytes, more: bool = True) -> None:

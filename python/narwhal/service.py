@@ -11,11 +11,15 @@ module is the part they share:
 - a worker that dies is reported with its signal name, and the main process exits with
   128 + the signal number (the shell's convention), so whoever started it can tell a crash
   from a refusal;
-- the worker dies with the main process (`guard_worker`), whatever killed the main one.
+- the worker dies with the main process (`guard_worker`), whatever killed the main one;
+- the validated config reaches the worker as a JSON file only this user may read
+  (`hand_off` / `taken_over`): it may hold API keys, and the environment of a process is
+  readable by every process of the same user (and shows in `ps e`).
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import errno
 import faulthandler
@@ -24,6 +28,7 @@ import os
 import signal
 import socket
 import sys
+import tempfile
 from dataclasses import dataclass
 from typing import Any
 
@@ -100,6 +105,29 @@ def describe_exit(code: int) -> str:
 def crash_signal(code: int) -> int:
     """The signal number a crash exit status stands for, or 0."""
     return -code if code < 0 else code - 128 if 128 < code < 160 else 0
+
+
+def hand_off(env: str, config_json: bytes) -> None:
+    """Leave the validated config for the worker process: a 0600 file whose path is in
+    `env`, removed when this (main) process exits."""
+    fd, path = tempfile.mkstemp(prefix="narwhal-config-", suffix=".json")
+    try:
+        os.write(fd, config_json)
+    finally:
+        os.close(fd)
+    atexit.register(_unlink, path)
+    os.environ[env] = path
+
+
+def _unlink(path: str) -> None:
+    with contextlib.suppress(OSError):
+        os.unlink(path)
+
+
+def taken_over(env: str) -> bytes:
+    """The config `hand_off` left (in the worker)."""
+    with open(os.environ[env], "rb") as f:
+        return f.read()
 
 
 def guard_worker() -> None:

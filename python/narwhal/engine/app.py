@@ -245,7 +245,7 @@ async def _settled(gen: Request) -> None:
 
 
 def create_app() -> Engine:
-    """Granian factory: reads the validated config the CLI left in the environment."""
+    """Granian factory: reads the validated config the CLI handed off (service.hand_off)."""
     from narwhal import service
     from narwhal.engine.cli import CONFIG_ENV
 
@@ -254,7 +254,7 @@ def create_app() -> Engine:
     # The decode thread hands the GIL back and forth with the event loop every step; the
     # default 5 ms switch interval would let either side stall the other for that long.
     sys.setswitchinterval(0.0005)
-    config = EngineConfig.from_json(os.environ[CONFIG_ENV])
+    config = EngineConfig.from_json(service.taken_over(CONFIG_ENV))
     try:
         model = Model(config)
     except ModelLoadError as e:

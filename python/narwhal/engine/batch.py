@@ -69,7 +69,8 @@ def _sampler_chain(model: Model, req: Request) -> Any:
             vocab, gbnf.encode(), b"root", words, len(triggers), None, 0))
     n_vocab = model.n_vocab
     if s.logit_bias:
-        biases = (lc.llama_logit_bias * len(s.logit_bias))(*s.logit_bias)
+        biases = (lc.llama_logit_bias * len(s.logit_bias))(
+            *(lc.llama_logit_bias(token, bias) for token, bias in s.logit_bias))
         lc.llama_sampler_chain_add(
             chain, lc.llama_sampler_init_logit_bias(n_vocab, len(s.logit_bias), biases))
     if s.penalized:

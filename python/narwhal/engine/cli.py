@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 from narwhal import __version__, service
 from narwhal.engine.config import ConfigError, add_arguments, from_args
 
-CONFIG_ENV = "LEXI_ENGINE_CONFIG"
+CONFIG_ENV = "LEXI_ENGINE_CONFIG_FILE"
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -36,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from granian.constants import Interfaces
 
-    os.environ[CONFIG_ENV] = config.to_json().decode()
+    service.hand_off(CONFIG_ENV, config.to_json())
     limits = service.Limits(config.shutdown_grace_s, config.header_timeout_s,
                             config.max_connections)
     return service.serve("lexi-engine", "narwhal.engine.app:create_app", addr, limits,

@@ -1,18 +1,23 @@
 """Admission: the retention limit, the admission queue and per-engine phase concurrency.
 
-A request holds a retention seat from intake to its last byte. Placement takes a prefill
-seat on an engine; the first token moves it to decode. Requests that find no room wait in
-a FIFO queue of bounded size and bounded wait, oldest placed first.
+A request holds a retention seat from intake to its last byte. `place()` gives it a lease on
+an engine (a prefill seat; the first token moves it to decode) and takes it back at the
+lease's exit: this module is the only writer of an engine's seat counters. Requests that
+find no room wait in a FIFO queue of bounded size and bounded wait, oldest placed first.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections import deque
+from collections.abc import AsyncIterator
 
 from narwhal.errors import ApiError
 from narwhal.router.engines import Engine, Pool
+from narwhal.router.intake import Intake
+from narwhal.router.lease import Events, Lease, Phase
 
 
 def retry_after(message: str, status: int = 429, code: str = "rate_limited",
@@ -25,17 +30,19 @@ class Expired(Exception):
 
 
 class Admission:
-    def __init__(self, pool: Pool, retention_limit: int, queue_size: int, wait_s: float) -> None:
+    def __init__(self, pool: Pool, retention_limit: int, queue_size: int, wait_s: float,
+                 events: Events | None = None) -> None:
         self.pool = pool
+        self.events = events or Events()
         self.retention_limit = retention_limit
         self.queue_size = queue_size
         self.wait_s = wait_s
         self.retained = 0
-        self._queue: deque[asyncio.Future[Engine]] = deque()
+        self._queue: deque[tuple[asyncio.Future[None], Lease]] = deque()
 
     @property
     def queued(self) -> int:
-        return sum(1 for f in self._queue if not f.done())
+        return sum(1 for f, _ in self._queue if not f.done())
 
     def retain(self) -> None:
         if self.retained >= self.retention_limit:
@@ -46,56 +53,105 @@ class Admission:
     def release_retention(self) -> None:
         self.retained -= 1
 
-    async def place(self, deadline: float, prefer: Engine | None = None) -> Engine:
-        """An engine with a prefill seat taken, or `Expired`, or a refusal."""
-        if not self.pool.eligible():
+    @contextlib.asynccontextmanager
+    async def place(self, intake: Intake, arrived: float, deadline: float, *,
+                    prefer: Engine | None = None, tokens: int = 0,
+                    predicted_s: float | None = None,
+                    exclude: frozenset[str] = frozenset()) -> AsyncIterator[Lease]:
+        """A lease on an engine with room (waiting in the queue for one if need be), given
+        back when the block exits; or `Expired`, or a refusal. `predicted_s` is kept only
+        if the lease lands on `prefer` (the engine it was projected for)."""
+        lease = Lease(self, self.events, intake, arrived, deadline, tokens=tokens,
+                      predicted_s=predicted_s, prefer=prefer, exclude=exclude)
+        await self._seat(lease)
+        try:
+            yield lease
+        finally:
+            lease.release()
+
+    @contextlib.asynccontextmanager
+    async def place_on(self, e: Engine, intake: Intake, arrived: float, deadline: float,
+                       tokens: int = 0, predicted_s: float | None = None,
+                       ) -> AsyncIterator[Lease | None]:
+        """A lease on `e` now, or None when it has no room or others are waiting."""
+        lease = Lease(self, self.events, intake, arrived, deadline, tokens=tokens,
+                      predicted_s=predicted_s, prefer=e)
+        if self.queued or self.pool.pick(e) is not e:
+            yield None
+            return
+        self._take(lease, e)
+        try:
+            yield lease
+        finally:
+            lease.release()
+
+    async def _seat(self, lease: Lease) -> None:
+        if not any(e.name not in lease.exclude for e in self.pool.eligible()):
             raise retry_after("no engine can take work now", status=503,
                               code="backend_unavailable", type="server_error")
         if not self.queued:
-            e = self.pool.pick(prefer)
+            e = self.pool.pick(lease.prefer, lease.exclude)
             if e is not None:
-                e.prefill += 1
-                return e
+                self._take(lease, e)
+                return
         if self.queued >= self.queue_size:
             raise retry_after("the admission queue is full; retry shortly", code="queue_full")
-        fut: asyncio.Future[Engine] = asyncio.get_running_loop().create_future()
-        self._queue.append(fut)
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._queue.append((fut, lease))
         self._drain()
-        timeout = min(self.wait_s, deadline - time.monotonic())
+        timeout = min(self.wait_s, lease.deadline - time.monotonic())
         try:
-            return await asyncio.wait_for(asyncio.shield(fut), max(timeout, 0))
+            await asyncio.wait_for(asyncio.shield(fut), max(timeout, 0))
         except (asyncio.TimeoutError, asyncio.CancelledError) as e:
             if fut.done() and not fut.cancelled():
-                self.leave_prefill(fut.result())  # placed just as we gave up
+                lease.release()  # placed just as we gave up
             else:
                 fut.cancel()
             if isinstance(e, asyncio.TimeoutError):
                 raise Expired from None
             raise
 
+    def _take(self, lease: Lease, e: Engine) -> None:
+        """The one place a seat is taken."""
+        e.prefill += 1
+        e.prefill_tokens += lease.tokens
+        lease.engine = e
+        lease.alone = e.prefill == 1
+        lease.phase = Phase.PREFILL
+        if e is not lease.prefer:
+            lease.predicted_s = None  # projected for another engine
+
+    def to_decode(self, lease: Lease) -> None:
+        e = lease.on
+        e.prefill -= 1
+        e.prefill_tokens -= lease.tokens
+        e.decode += 1
+        lease.phase = Phase.DECODE
+        self._drain()
+
+    def release(self, lease: Lease) -> None:
+        """The one place a seat is given back (a lease's exit, once)."""
+        e = lease.on
+        if lease.phase is Phase.PREFILL:
+            e.prefill -= 1
+            e.prefill_tokens -= lease.tokens
+        elif lease.phase is Phase.DECODE:
+            e.decode -= 1
+        lease.phase = Phase.DONE
+        self._drain()
+
     def _drain(self) -> None:
         while self._queue:
-            if self._queue[0].done():
+            fut, lease = self._queue[0]
+            if fut.done():
                 self._queue.popleft()
                 continue
-            e = self.pool.pick()
+            e = self.pool.pick(lease.prefer, lease.exclude)
             if e is None:
-                return
-            e.prefill += 1
-            self._queue.popleft().set_result(e)
-
-    def to_decode(self, e: Engine) -> None:
-        e.prefill -= 1
-        e.decode += 1
-        self._drain()
-
-    def leave_prefill(self, e: Engine) -> None:
-        e.prefill -= 1
-        self._drain()
-
-    def leave_decode(self, e: Engine) -> None:
-        e.decode -= 1
-        self._drain()
+                return  # FIFO: the oldest waits for room it may take, and the rest behind it
+            self._queue.popleft()
+            self._take(lease, e)
+            fut.set_result(None)
 
     async def drain_forever(self) -> None:
         """Place queued requests when an engine recovers (capacity changes without a release)."""

@@ -6,14 +6,12 @@ import asyncio
 import contextlib
 import logging
 import os
-import secrets
 import sys
 import time
 from collections.abc import Callable
 from typing import Any
 
 import aiohttp
-import orjson
 from prometheus_client import generate_latest
 
 from narwhal import asgi
@@ -23,9 +21,11 @@ from narwhal.router import intake
 from narwhal.router.admission import Admission, Expired
 from narwhal.router.config import RouterConfig
 from narwhal.router.engines import Engine, Pool
+from narwhal.router.lease import Events
 from narwhal.router.metrics import RouterMetrics
 from narwhal.router.predict import Predictor
-from narwhal.router.relay import EngineFailed, Placed, Relayer
+from narwhal.router.profiling import Profiler
+from narwhal.router.relay import EngineBusy, EngineFailed, Relayer
 from narwhal.router.supervisor import ManagedEngine
 
 log = logging.getLogger("narwhal.router")
@@ -52,21 +52,27 @@ class Router:
                 engines.append(Engine(spec, spec.url.rstrip("/")))
         self.pool = Pool(engines, config.prefill_concurrency, config.decode_concurrency,
                          config.eject_after)
+        # What happens to each lease reaches these three, subscribed here once.
+        events = Events()
         self.admission = Admission(self.pool, config.http_retention_limit, config.queue_size,
-                                   config.queue_wait_s)
+                                   config.queue_wait_s, events)
         self.predictor = (Predictor(engines, config.drift_bound, config.drift_min_samples,
                                     config.stale_after_s)
                           if config.admission == "predictive" else None)
+        self.pool.watch(events)
+        self.metrics.watch(events)
+        if self.predictor is not None:
+            self.predictor.watch(events)
+        paths = {p: self.metrics.relayed_streams.labels(p) for p in ("native", "awaited")}
+        self.relayer = Relayer(config.stream_idle_timeout_s, config.native_relay,
+                               lambda path: paths[path].inc())
         self._tasks: list[asyncio.Task[None]] = []
         self.session: aiohttp.ClientSession | None = None
-        self.relayer: Relayer | None = None
 
     # -- lifecycle ----------------------------------------------------------------------
     async def startup(self) -> None:
         connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=60, ttl_dns_cache=300)
         self.session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
-        self.relayer = Relayer(self.pool, self.admission, self.metrics, self.predictor,
-                               self.config.stream_idle_timeout_s)
         for me in self.managed:
             await me.start()
         c = self.config
@@ -74,7 +80,9 @@ class Router:
             self.pool.probe_forever(self.session, c.health_interval_s, c.health_timeout_s)))
         self._tasks.append(asyncio.create_task(self.admission.drain_forever()))
         if self.predictor is not None:
-            self._tasks.append(asyncio.create_task(self._probe_forever()))
+            profiler = Profiler(c.model, self.pool, self.admission, self.predictor,
+                                self.relayer, c.probe_interval_s, self._degraded)
+            self._tasks.append(asyncio.create_task(profiler.run_forever()))
 
     async def shutdown(self) -> None:
         for t in self._tasks:
@@ -83,8 +91,7 @@ class Router:
             with contextlib.suppress(asyncio.CancelledError):
                 await t
         await asyncio.gather(*(me.stop() for me in self.managed))
-        if self.relayer is not None:
-            self.relayer.close()
+        self.relayer.close()
         if self.session is not None:
             await self.session.close()
 
@@ -147,54 +154,6 @@ class Router:
         if self.predictor is None or not self.pool.eligible():
             return None
         return self.predictor.degraded(self.pool.eligible())
-
-    async def _probe_forever(self) -> None:
-        """Profiling measurements: an idle engine whose telemetry is getting old gets a
-        small request, so the predictor stays fresh (and recovers) without live traffic."""
-        assert self.predictor is not None and self.relayer is not None
-        # About 250 tokens of ordinary text: enough prefill to measure a rate, not just the
-        # fixed per-request overhead a tiny prompt would show.
-        text = "Narwhal measures how fast this engine reads a prompt of ordinary text. " * 14
-
-        def probe_request(e: Engine) -> intake.Intake:
-            # A fresh prompt each time: an engine that reuses a cached prefix (LexiEngine,
-            # vLLM, SGLang) would otherwise answer the repeat at once and teach the
-            # predictor a prefill rate no new prompt gets. LexiEngine is also told not to
-            # reuse (`cache_prompt`, llama-server's switch); others ignore what it says.
-            body: dict[str, Any] = {
-                "model": self.config.model, "max_tokens": 1, "stream": True,
-                "messages": [{"role": "user", "content": f"[{secrets.token_hex(6)}] {text}"}]}
-            if e.spec.dialect in ("lexi", "llamacpp"):
-                body["cache_prompt"] = False
-            return intake.check(intake.CHAT, orjson.dumps(body), self.config.model)
-
-        async def discard(_: Any) -> None:
-            pass
-
-        interval = self.config.probe_interval_s
-        await asyncio.sleep(0.2)  # the first measurement as soon as engines are healthy
-        while True:
-            now = time.monotonic()
-            degraded = self._degraded() is not None
-            for e in self.pool.eligible():
-                profile = self.predictor.profiles[e.name]
-                if e.inflight or (now - profile.measured_at < interval and not degraded):
-                    continue
-                e.prefill += 1
-                req = probe_request(e)
-                proj = self.predictor.project(req.prompt_bytes, e)
-                p = Placed(req, e, now, now + 30, tokens=proj.tokens, predicted_s=proj.total_s)
-                self.relayer.placed(p)
-                try:
-                    await self.relayer.run(p, discard)
-                    if degraded and p.first_at:
-                        # Half-open: a good measurement lets live traffic be judged again.
-                        profile.rebase()
-                except (ApiError, EngineFailed) as exc:
-                    log.info("profile probe of %s failed: %s", e.name, exc)
-                finally:
-                    self.relayer.release(p)
-            await asyncio.sleep(interval)
 
     def _refresh_gauges(self) -> None:
         m = self.metrics
@@ -266,9 +225,8 @@ class Router:
     async def _serve(self, req: intake.Intake, receive: Receive, send: Send, arrived: float,
                      deadline: float, budget: float, end: Ending) -> None:
         task = asyncio.current_task()
-        assert task is not None and self.relayer is not None
+        assert task is not None
         watcher = asyncio.create_task(asgi.watch_disconnect(receive, task))
-        placed: Placed | None = None
         try:
             prefer, tokens, predicted = None, 0, None
             degraded = self._degraded()
@@ -286,37 +244,59 @@ class Router:
                     end.outcome = "refused"
                     raise
                 prefer, tokens, predicted = proj.engine, proj.tokens, proj.total_s
-            try:
-                engine = await self.admission.place(deadline, prefer)
-            except Expired:
-                self.metrics.rejected.labels("wait_expired").inc()
-                end.outcome = "rejected"
-                raise ApiError(504, "no engine had room before the wait or deadline ran out",
-                               type="timeout_error", code="admission_timeout") from None
-            except ApiError as e:
-                self.metrics.rejected.labels(e.code or "capacity").inc()
-                end.outcome = "rejected"
-                raise
-            placed = Placed(req, engine, arrived, deadline, tokens=tokens,
-                            predicted_s=predicted if engine is prefer else None)
-            self.relayer.placed(placed)
-            try:
-                end.outcome = await self.relayer.run(placed, send)
-            except EngineFailed as e:
-                end.outcome = "engine_failed"
-                raise ApiError(502, f"engine {engine.name} failed: {e}", type="server_error",
-                               code="engine_failed") from None
-            except ApiError as e:
-                end.outcome = "deadline" if e.status == 504 else "engine_failed"
-                raise
+            busy: frozenset[str] = frozenset()  # engines that answered 429 to this request
+            while True:
+                try:
+                    end.outcome = await self._place_and_relay(
+                        req, send, arrived, deadline, prefer, tokens, predicted, busy, end)
+                    return
+                except EngineBusy as e:
+                    busy = busy | {e.engine}
+                    if not self._may_retry(busy, deadline):
+                        self.metrics.rejected.labels("engine_busy").inc()
+                        end.outcome = "rejected"
+                        await e.refusal.send(send)
+                        return
         except asyncio.CancelledError:
             end.outcome = "client_gone"
             if not watcher.done():
                 raise  # not the client's doing: shutting down
         finally:
             watcher.cancel()
-            if placed is not None:
-                self.relayer.release(placed)
+
+    def _may_retry(self, busy: frozenset[str], deadline: float) -> bool:
+        """Another engine may take a request that engines in `busy` refused with 429, while
+        its deadline has time left."""
+        return (time.monotonic() < deadline
+                and any(e.name not in busy for e in self.pool.eligible()))
+
+    async def _place_and_relay(self, req: intake.Intake, send: Send, arrived: float,
+                               deadline: float, prefer: Engine | None, tokens: int,
+                               predicted: float | None, busy: frozenset[str],
+                               end: Ending) -> str:
+        placed = False
+        try:
+            async with self.admission.place(req, arrived, deadline, prefer=prefer,
+                                            tokens=tokens, predicted_s=predicted,
+                                            exclude=busy) as lease:
+                placed = True
+                try:
+                    return await self.relayer.run(lease, send)
+                except EngineFailed as e:
+                    raise ApiError(502, f"engine {lease.on.name} failed: {e}",
+                                   type="server_error", code="engine_failed") from None
+        except Expired:
+            self.metrics.rejected.labels("wait_expired").inc()
+            end.outcome = "rejected"
+            raise ApiError(504, "no engine had room before the wait or deadline ran out",
+                           type="timeout_error", code="admission_timeout") from None
+        except ApiError as e:
+            if placed:
+                end.outcome = "deadline" if e.status == 504 else "engine_failed"
+            else:  # admission refused it
+                self.metrics.rejected.labels(e.code or "capacity").inc()
+                end.outcome = "rejected"
+            raise
 
 
 class Ending:
@@ -365,16 +345,14 @@ def _ms_header(scope: Scope, name: bytes) -> int | None:
 _MAX_MS = 10**9  # 11.6 days: more than any timeout, and a float without overflow
 
 
-CONFIG_ENV = "NARWHAL_ROUTER_CONFIG"
+CONFIG_ENV = "NARWHAL_ROUTER_CONFIG_FILE"
 
 
 def create_app() -> Router:
-    """Granian factory: the CLI validated the config and left it in the environment."""
-    import pickle
-
+    """Granian factory: the CLI validated the config and handed it off (service.hand_off)."""
     from narwhal import service
 
     service.guard_worker()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    config: RouterConfig = pickle.loads(bytes.fromhex(os.environ[CONFIG_ENV]))
+    config = RouterConfig.from_json(service.taken_over(CONFIG_ENV))
     return Router(config)

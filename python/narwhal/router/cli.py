@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import pickle
 import sys
 
 from narwhal import __version__, service
@@ -87,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"narwhal: config error: {e}", file=sys.stderr)
         return 2
-    os.environ[CONFIG_ENV] = pickle.dumps(config).hex()
+    service.hand_off(CONFIG_ENV, config.to_json())
     engines = ", ".join(e.name + (f" ({e.url})" if e.url else " (managed)")
                         for e in config.engines)
     print(f"narwhal {__version__}: model '{config.model}' on http://{config.host}:{config.port} "

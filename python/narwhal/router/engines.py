@@ -13,6 +13,7 @@ import aiohttp
 from narwhal.router.config import EngineSpec
 
 if TYPE_CHECKING:
+    from narwhal.router.lease import Events, Lease
     from narwhal.router.supervisor import ManagedEngine
 
 log = logging.getLogger("narwhal.engines")
@@ -78,10 +79,13 @@ class Pool:
     def eligible(self) -> list[Engine]:
         return [e for e in self.engines if e.healthy]
 
-    def pick(self, prefer: Engine | None = None) -> Engine | None:
-        """`prefer` if it has phase room, else the least-loaded healthy engine that has."""
+    def pick(self, prefer: Engine | None = None,
+             exclude: frozenset[str] = frozenset()) -> Engine | None:
+        """`prefer` if it has phase room, else the least-loaded healthy engine that has
+        (none named in `exclude`)."""
         room = [e for e in self.eligible()
-                if e.prefill < self.prefill_limit and e.decode < self.decode_limit]
+                if e.prefill < self.prefill_limit and e.decode < self.decode_limit
+                and e.name not in exclude]
         if not room:
             return None
         if prefer is not None and prefer in room:
@@ -113,6 +117,18 @@ class Pool:
         if ok != was:
             log.info("engine %s is %s (%s)", e.name, "healthy" if ok else "unhealthy", e.reason)
             self.notify()
+
+    def watch(self, events: Events) -> None:
+        """Health from what requests see: a full answer ends a fault streak, a fault held
+        against the engine adds to it."""
+        events.subscribe(finished=self._answered, fault=self._faulted)
+
+    def _answered(self, lease: Lease) -> None:
+        self.succeeded(lease.on)
+
+    def _faulted(self, lease: Lease, kind: str, against_engine: str | None) -> None:
+        if against_engine is not None:
+            self.mark_failed(lease.on, against_engine)
 
     def mark_failed(self, e: Engine, reason: str) -> None:
         """A request saw the engine fail (reset, truncation, bad framing, a stall). One fault

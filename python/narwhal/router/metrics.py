@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from narwhal.router.lease import Events, Lease
 
 _LATENCY = (.005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30)
 _TPOT = (.001, .002, .005, .01, .02, .05, .1, .25, .5, 1)
@@ -40,7 +43,9 @@ class RouterMetrics:
         self.completed = Counter("narwhal_completed", "Requests answered in full",
                                  ["engine"], registry=r)
         self.stream_faults = Counter(
-            "narwhal_stream_faults", "Engine streams that failed validation or broke",
+            "narwhal_stream_faults", "Engine answers that ended in a fault, by reason "
+            "(engine_disconnected, engine_stalled, connect, assembly, engine_error, "
+            "deadline_exceeded, or the frame check that refused the stream)",
             ["engine", "reason"], registry=r)
         self.output_tokens = Counter("narwhal_output_tokens", "Relayed output tokens",
                                      ["engine"], registry=r)
@@ -69,7 +74,35 @@ class RouterMetrics:
         self.engine_restarts = Counter(
             "narwhal_engine_restarts", "Managed engine processes that exited and were "
             "restarted", ["engine"], registry=r)
+        self.relayed_streams = Counter(
+            "narwhal_relayed_streams", "Streamed answers by how they were relayed: native "
+            "(from the read callback, in Rust) or awaited (each send from Python)", ["path"],
+            registry=r)
+        for path in ("native", "awaited"):
+            self.relayed_streams.labels(path)
         self._per_engine: dict[str, EngineMetrics] = {}
+
+    def watch(self, events: Events) -> None:
+        events.subscribe(first_byte=self._first_byte, finished=self._finished,
+                         fault=self._fault)
+
+    def _first_byte(self, lease: Lease) -> None:
+        self.engine(lease.on.name).ttfb.observe(time.monotonic() - lease.arrived)
+
+    def _finished(self, lease: Lease) -> None:
+        name = lease.on.name
+        m = self.engine(name)
+        m.completed.inc()
+        tokens = lease.output_tokens
+        m.output_tokens.inc(tokens)
+        if tokens > 1 and lease.decode_s:
+            m.tpot.observe(lease.decode_s / (tokens - 1))
+        if lease.predicted_s is not None and lease.first_at:
+            self.predicted_ttft.labels(name).observe(lease.predicted_s)
+            self.observed_ttft.labels(name).observe(lease.first_at - lease.sent_at)
+
+    def _fault(self, lease: Lease, kind: str, against_engine: str | None) -> None:
+        self.stream_faults.labels(lease.on.name, kind).inc()
 
     def engine(self, name: str) -> EngineMetrics:
         """The per-request series of one engine, looked up once: `labels()` validates and

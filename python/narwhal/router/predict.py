@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from narwhal.errors import ApiError
 from narwhal.router.engines import Engine
+from narwhal.router.lease import Events, Lease
 
 ALPHA = 0.3  # EWMA weight of a new measurement
 # A small gain: outcomes arrive a TTFT after the projection, and a large gain on a lagged
@@ -115,6 +116,21 @@ class Predictor:
         self.drift_bound = drift_bound
         self.drift_min_samples = drift_min_samples
         self.stale_after_s = stale_after_s
+
+    def watch(self, events: Events) -> None:
+        """Learn from every answered lease; a faulted one's timing is not trusted."""
+        events.subscribe(finished=self._learn, fault=self._discard)
+
+    def _learn(self, lease: Lease) -> None:
+        ttft = lease.first_at - lease.sent_at if lease.first_at else None
+        self.profiles[lease.on.name].observe(
+            lease.intake.prompt_bytes, lease.prompt_tokens, ttft, lease.alone,
+            lease.output_tokens, lease.decode_s, lease.predicted_s,
+            cached_tokens=lease.cached_tokens or 0)
+
+    def _discard(self, lease: Lease, kind: str, against_engine: str | None) -> None:
+        if kind != "engine_error":  # the engine's own answer is not a bad measurement
+            self.profiles[lease.on.name].discarded += 1
 
     def degraded(self, engines: list[Engine]) -> str | None:
         """Why the predictor cannot be trusted now, or None. Only engines with a measured

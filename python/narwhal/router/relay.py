@@ -10,9 +10,11 @@ assembled answer, each read crosses into Rust twice: HTTP de-framing (`upstream.
 from __future__ import annotations
 
 import asyncio
+import inspect
+import logging
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Generator
 from dataclasses import dataclass
 
 import orjson
@@ -21,12 +23,12 @@ from narwhal import asgi
 from narwhal._native import Assembler, AssemblyError, RelayChunk, StreamRelay
 from narwhal.asgi import Send
 from narwhal.errors import ApiError
-from narwhal.router.admission import Admission
-from narwhal.router.engines import Engine, Pool
-from narwhal.router.intake import Intake, upstream_body
-from narwhal.router.metrics import RouterMetrics
-from narwhal.router.predict import Predictor
+from narwhal.router.engines import Engine
+from narwhal.router.intake import upstream_body
+from narwhal.router.lease import Lease
 from narwhal.router.upstream import Exchange, Upstream, UpstreamError
+
+log = logging.getLogger("narwhal.relay")
 
 
 class EngineFailed(Exception):
@@ -34,20 +36,26 @@ class EngineFailed(Exception):
 
 
 @dataclass
-class Placed:
-    intake: Intake
-    engine: Engine
-    arrived: float
-    deadline: float
-    tokens: int = 0  # sized prompt tokens, counted in engine.prefill_tokens while in prefill
-    alone: bool = False  # the engine's prefill was ours alone at placement
-    sent_at: float = 0.0
-    first_at: float = 0.0
-    prompt_tokens: int | None = None
-    cached_tokens: int | None = None  # of those, what the engine's prefix cache served
-    output_tokens: int = 0
-    predicted_s: float | None = None  # projected TTFT at admission, for drift scoring
-    phase: str = "prefill"
+class Refusal:
+    """An engine's own non-200 answer, to pass on as it is."""
+
+    status: int
+    body: bytes
+    content_type: bytes
+    retry_after: str | None
+
+    async def send(self, send: Send) -> None:
+        headers = [("retry-after", self.retry_after)] if self.retry_after else []
+        await asgi.send_bytes(send, self.status, self.body, self.content_type, headers)
+
+
+class EngineBusy(Exception):
+    """The engine answered 429 before anything was sent: another engine may take it."""
+
+    def __init__(self, engine: str, refusal: Refusal) -> None:
+        super().__init__(f"engine {engine} answered {refusal.status}")
+        self.engine = engine
+        self.refusal = refusal
 
 
 def _error_event(message: str, code: str) -> bytes:
@@ -83,46 +91,82 @@ def _past(deadline: float) -> bool:
     return time.monotonic() >= deadline - 0.005
 
 
-def _completes_at_call(sent: object) -> bool:
-    # Granian's ASGI `send` does its work in the call and returns an empty awaitable; a
-    # coroutine or future (other servers) must be awaited for the message to go out.
-    return type(sent).__name__ == "PyEmptyAwaitable"
+def _done_at_call(sent: Awaitable[None]) -> tuple[type | None, Awaitable[None] | None]:
+    """(the type of `sent` if it did all its work in the call, what is left to await).
+
+    Granian's ASGI `send` sends at once and returns an awaitable with nothing left to do;
+    only then may later sends be made from Rust without awaiting them (the native relay),
+    comparing each one's type with this one's. Told by what the awaitable does, not by its
+    name: it finishes without yielding. A coroutine or future (other servers) always waits.
+    """
+    if inspect.iscoroutine(sent) or isinstance(sent, asyncio.Future):
+        return None, sent
+    it = sent.__await__()
+    try:
+        first = next(it)
+    except StopIteration:
+        return type(sent), None
+    return None, _Resumed(it, first)
+
+
+class _Resumed:
+    """The rest of an awaitable whose first step was taken by `_done_at_call`."""
+
+    __slots__ = ("first", "it")
+
+    def __init__(self, it: Generator[object, object, object], first: object) -> None:
+        self.it = it
+        self.first = first
+
+    def __await__(self) -> Generator[object, object, None]:
+        value = self.first
+        while True:
+            try:
+                got = yield value
+            except BaseException as exc:  # a cancellation, say: the awaitable decides
+                try:
+                    value = self.it.throw(exc)
+                except StopIteration:
+                    return
+            else:
+                try:
+                    value = self.it.send(got)
+                except StopIteration:
+                    return
 
 
 class _Stream:
     """One streamed response's accounting, fed one socket read's body at a time."""
 
-    __slots__ = ("complete", "engine_error", "first_at", "p", "prompt_ids", "push", "relay",
-                 "relayer")
+    __slots__ = ("complete", "ended", "engine_error", "lease", "prompt_ids", "push", "relay")
 
-    def __init__(self, relayer: Relayer, p: Placed, relay: StreamRelay,
-                 complete: Callable[[], bool]) -> None:
-        self.relayer = relayer
-        self.p = p
+    def __init__(self, lease: Lease, relay: StreamRelay, complete: Callable[[], bool]) -> None:
+        self.lease = lease
         self.relay = relay
         # The bytes to forward, or a RelayChunk when the read held more than output.
         self.push = relay.push
-        self.first_at = 0.0
         self.prompt_ids: int | None = None
         self.complete = complete  # the engine's HTTP response ended well
         self.engine_error = False  # the engine sent an error event of its own
+        self.ended = False  # the stream's end was seen (later reads change nothing)
 
     def broken(self) -> bytes:
         """The engine closed the stream without `[DONE]`: it broke mid-stream."""
-        e = self.p.engine
-        self.relayer.metrics.stream_faults.labels(e.name, "engine_disconnected").inc()
-        self.relayer.pool.mark_failed(e, "stream ended early")
+        self.ended = True
+        self.lease.fault("engine_disconnected", "stream ended early")
         return _error_event("the engine stream ended early", "engine_disconnected")
 
     def step(self, chunk: bytes) -> tuple[bytes, bytes | None, bool | None]:
         """(bytes to forward, the last bytes to send if the stream ends here, and then
         whether it ended well)."""
+        if self.ended:
+            return b"", None, None
         if not chunk:
             if self.engine_error and self.complete():
                 # The engine said what went wrong and ended its answer cleanly: that was
                 # this request's outcome (relayed once), not a fault of the engine.
-                e = self.p.engine
-                self.relayer.metrics.stream_faults.labels(e.name, "engine_error").inc()
+                self.ended = True
+                self.lease.fault("engine_error")
                 return b"", b"", False
             return b"", self.broken(), False
         rep = self.push(chunk)
@@ -132,27 +176,26 @@ class _Stream:
 
     def report(self, rep: RelayChunk) -> tuple[bytes, bytes | None, bool | None]:
         """`step` for a read that held more than output tokens."""
-        p = self.p
+        if self.ended:
+            return b"", None, None
+        lease = self.lease
         self.engine_error |= rep.engine_error
         if rep.first_output:
-            self.relayer._first_output(p)
-            self.first_at = time.monotonic()
+            lease.first_output()
         # The prompt IDs the relay counted are exact; a usage frame (always last) only
         # fills in when the engine sent none.
         self.prompt_ids = rep.prompt_ids or self.prompt_ids
-        p.prompt_tokens = self.prompt_ids or rep.prompt_tokens or p.prompt_tokens
+        lease.prompt_tokens = self.prompt_ids or rep.prompt_tokens or lease.prompt_tokens
         if rep.cached_tokens is not None:
-            p.cached_tokens = rep.cached_tokens
+            lease.cached_tokens = rep.cached_tokens
         if rep.fault_reason is not None:
-            r = self.relayer
-            r.metrics.stream_faults.labels(p.engine.name, rep.fault_reason).inc()
-            if r.predictor is not None:  # its timing cannot be trusted
-                r.predictor.profiles[p.engine.name].discarded += 1
+            self.ended = True
+            lease.fault(rep.fault_reason)
             return rep.forward, _error_event(f"engine stream rejected: {rep.fault_message}",
                                              rep.fault_reason), False
         if rep.done:
-            p.output_tokens = tokens = self.relay.counted
-            self.relayer._done(p, tokens, self.first_at)
+            self.ended = True
+            lease.finished(self.relay.counted)
             return rep.forward, b"", True
         return rep.forward, None, None
 
@@ -218,33 +261,15 @@ class _Outbox:
 
 
 class Relayer:
-    def __init__(self, pool: Pool, admission: Admission, metrics: RouterMetrics,
-                 predictor: Predictor | None, idle_s: float = 120.0) -> None:
+    """Runs a lease's upstream call and relays the answer; what it sees goes to the lease."""
+
+    def __init__(self, idle_s: float = 120.0, native: bool = True,
+                 count_path: Callable[[str], None] | None = None) -> None:
         self.idle_s = idle_s  # an engine silent this long in the middle of an answer stalled
+        self.native = native  # streams relayed from the read callback where `send` allows
+        self.count_path = count_path or (lambda _: None)
+        self.warned = False
         self.upstreams: dict[str, Upstream] = {}
-        self.pool = pool
-        self.admission = admission
-        self.metrics = metrics
-        self.predictor = predictor
-
-    def placed(self, p: Placed) -> None:
-        p.alone = p.engine.prefill == 1
-        p.engine.prefill_tokens += p.tokens
-
-    def _first_output(self, p: Placed) -> None:
-        if p.phase == "prefill":
-            p.phase = "decode"
-            p.first_at = time.monotonic()
-            p.engine.prefill_tokens -= p.tokens
-            self.admission.to_decode(p.engine)
-
-    def release(self, p: Placed) -> None:
-        if p.phase == "prefill":
-            p.engine.prefill_tokens -= p.tokens
-            self.admission.leave_prefill(p.engine)
-        elif p.phase == "decode":
-            self.admission.leave_decode(p.engine)
-        p.phase = "done"
 
     def upstream(self, e: Engine) -> Upstream:
         up = self.upstreams.get(e.url)
@@ -256,20 +281,21 @@ class Relayer:
         for up in self.upstreams.values():
             up.close()
 
-    async def run(self, p: Placed, send: Send) -> str:
-        """Relay `p`'s answer to `send`; how it ended: "completed", "stream_fault" (the
-        stream ended with an error event) or "engine_error" (the engine's own non-200
-        answer, passed through). Raises EngineFailed or a 504 before anything was sent."""
-        e = p.engine
-        body = upstream_body(p.intake, e.spec.token_ids)
-        p.sent_at = time.monotonic()
+    async def run(self, lease: Lease, send: Send) -> str:
+        """Relay the lease's answer to `send`; how it ended: "completed", "stream_fault"
+        (the stream ended with an error event) or "engine_error" (the engine's own non-200
+        answer, passed through). Raises EngineBusy (a 429, nothing sent), EngineFailed or a
+        504 before anything was sent."""
+        e = lease.on
+        body = upstream_body(lease.intake, e.spec.token_ids)
+        lease.sent_at = time.monotonic()
         try:
-            resp = await self.upstream(e).request(p.intake.route, body, p.deadline)
+            resp = await self.upstream(e).request(lease.intake.route, body, lease.deadline)
         except asyncio.TimeoutError:
             raise ApiError(504, "the request deadline passed before the engine answered",
                            type="timeout_error", code="deadline_exceeded") from None
         except OSError as exc:
-            self.pool.mark_failed(e, f"request failed: {exc}")
+            lease.fault("connect", f"request failed: {exc}")
             raise EngineFailed(str(exc)) from exc
         done = False
         try:
@@ -279,17 +305,18 @@ class Relayer:
                     data = await resp.read_all()
                 except UpstreamError:
                     data = b""  # the status is the engine's word; a cut body adds nothing
-                ctype = (resp.content_type or "application/json").encode()
                 done = True
-                if resp.status == 429:  # the engine's capacity refusal is a rejection too
-                    self.metrics.rejected.labels("engine_busy").inc()
-                headers = [("retry-after", resp.retry_after)] if resp.retry_after else []
-                await asgi.send_bytes(send, resp.status, data, ctype, headers)
+                refusal = Refusal(resp.status, data,
+                                  (resp.content_type or "application/json").encode(),
+                                  resp.retry_after)
+                if resp.status == 429:
+                    raise EngineBusy(e.name, refusal)
+                await refusal.send(send)
                 return "engine_error"
-            if p.intake.stream:
-                done = await self._stream(p, resp, send)
+            if lease.intake.stream:
+                done = await self._stream(lease, resp, send)
                 return "completed" if done else "stream_fault"
-            outcome = await self._assemble(p, resp, send)
+            outcome = await self._assemble(lease, resp, send)
             done = outcome == "completed"
             return outcome
         finally:
@@ -297,75 +324,77 @@ class Relayer:
             # away) closes the connection: that is how the engine learns to stop.
             resp.release(done)
 
-    async def _read(self, p: Placed, resp: Exchange) -> bytes:
+    async def _read(self, lease: Lease, resp: Exchange) -> bytes:
         """Next body bytes (b"" if the engine broke off), for as long as nothing has gone
         to the client: the deadline bounds the wait, and so does the idle gap."""
         loop = asyncio.get_running_loop()
         try:
-            return await resp.read(min(p.deadline, loop.time() + self.idle_s))
+            return await resp.read(min(lease.deadline, loop.time() + self.idle_s))
         except asyncio.TimeoutError:
-            if not _past(p.deadline):
-                raise self._stalled(p) from None
+            if not _past(lease.deadline):
+                raise self._stalled(lease) from None
             raise ApiError(504, "the request deadline passed before the engine answered",
                            type="timeout_error", code="deadline_exceeded") from None
         except UpstreamError:
             return b""
 
-    def _stalled(self, p: Placed) -> EngineFailed:
-        e = p.engine
-        self.metrics.stream_faults.labels(e.name, "engine_stalled").inc()
-        self.pool.mark_failed(e, f"sent nothing for {self.idle_s:g}s mid-answer")
+    def _stalled(self, lease: Lease) -> EngineFailed:
+        lease.fault("engine_stalled", f"sent nothing for {self.idle_s:g}s mid-answer")
         return EngineFailed(f"the engine sent nothing for {self.idle_s:g}s")
 
-    def _timed_out(self, p: Placed) -> bytes:
+    def _timed_out(self, lease: Lease) -> bytes:
         """The error event that ends a stream that ran out of time (its deadline, or the
-        engine's idle gap), counted."""
-        if _past(p.deadline):
-            self.metrics.stream_faults.labels(p.engine.name, "deadline_exceeded").inc()
+        engine's idle gap), reported."""
+        if _past(lease.deadline):
+            lease.fault("deadline_exceeded")
             return _error_event("the request deadline passed", "deadline_exceeded")
-        self._stalled(p)
+        self._stalled(lease)
         return _error_event(f"the engine sent nothing for {self.idle_s:g}s", "engine_stalled")
 
-    async def _stream(self, p: Placed, resp: Exchange, send: Send) -> bool:
-        e = p.engine
-        relay = StreamRelay(strip_token_ids=not p.intake.wants_token_ids,
+    async def _stream(self, lease: Lease, resp: Exchange, send: Send) -> bool:
+        e = lease.on
+        relay = StreamRelay(strip_token_ids=not lease.intake.wants_token_ids,
                             require_token_ids=e.spec.token_ids,
-                            drop_usage=not p.intake.include_usage)
-        st = _Stream(self, p, relay, resp.complete)
+                            drop_usage=not lease.intake.include_usage)
+        st = _Stream(lease, relay, resp.complete)
         # Until the first bytes are out, a fault can still be an HTTP error and the deadline
         # applies: the stream is pulled read by read.
         sent_type: type | None = None  # what `send` returns when it sent at once
         while True:
-            chunk = await self._read(p, resp)
+            chunk = await self._read(lease, resp)
             if not chunk:
                 st.broken()
                 raise EngineFailed("stream ended before any output")
             forward, final, outcome = st.step(chunk)
             if forward or final is not None:
-                await asgi.start_stream(send)
+                sent_type, rest = _done_at_call(send(asgi.stream_head()))
+                if rest is not None:
+                    await rest
                 if forward:
-                    self.metrics.engine(e.name).ttfb.observe(time.monotonic() - p.arrived)
-                    sent = send({"type": "http.response.body", "body": forward,
-                                 "more_body": True})
-                    sent_type = type(sent) if _completes_at_call(sent) else None
-                    await sent
+                    lease.first_byte()
+                    await send({"type": "http.response.body", "body": forward,
+                                "more_body": True})
             if final is not None:
                 await asgi.stream_chunk(send, final, more=False)
             if outcome is not None:
                 return outcome
             if forward:
                 break
-        if sent_type is not None:
-            return await self._push(st, resp, send, sent_type)
+        if self.native:
+            if sent_type is not None:
+                self.count_path("native")
+                return await self._push(st, resp, send, sent_type)
+            self._warn_not_native()
+        self.count_path("awaited")
         read = resp.read  # bound once: this loop runs once per socket read (often a token)
         loop = asyncio.get_running_loop()
         while True:
             try:
-                chunk = await read(min(p.deadline, loop.time() + self.idle_s))
+                chunk = await read(min(lease.deadline, loop.time() + self.idle_s))
             except UpstreamError:
                 chunk = b""
             except asyncio.TimeoutError:
-                await asgi.stream_chunk(send, self._timed_out(p), more=False)
+                await asgi.stream_chunk(send, self._timed_out(lease), more=False)
                 return False
             forward, final, outcome = st.step(chunk)
             if forward:
@@ -374,6 +403,13 @@ class Relayer:
                 await asgi.stream_chunk(send, final, more=False)
             if outcome is not None:
                 return outcome
+
+    def _warn_not_native(self) -> None:
+        if not self.warned:
+            self.warned = True
+            log.warning("serving.native_relay is on, but this server's ASGI send must be "
+                        "awaited: streams are relayed from Python (slower; see "
+                        "narwhal_relayed_streams_total{path})")
 
     async def _push(self, st: _Stream, resp: Exchange, send: Send, sent_type: type) -> bool:
         """Relay the rest of the stream from the connection's read callback.
@@ -442,13 +478,13 @@ class Relayer:
             now, reads = loop.time(), resp.reads
             # While a send waits for the client, the engine is not read: no reads then is
             # the client's pace, not a stalled engine.
-            if _past(st.p.deadline) or (reads == seen and not out.holding):
-                out.put(self._timed_out(st.p), more=False)
+            if _past(st.lease.deadline) or (reads == seen and not out.holding):
+                out.put(self._timed_out(st.lease), more=False)
                 end(False)
                 return
-            timer[0] = loop.call_at(min(now + self.idle_s, st.p.deadline), watch, reads)
+            timer[0] = loop.call_at(min(now + self.idle_s, st.lease.deadline), watch, reads)
 
-        timer.append(loop.call_at(min(loop.time() + self.idle_s, st.p.deadline), watch,
+        timer.append(loop.call_at(min(loop.time() + self.idle_s, st.lease.deadline), watch,
                                   resp.reads))
         resp.push(on_body, relay)
         try:
@@ -460,54 +496,34 @@ class Relayer:
             resp.push(None)
             resp.hold(False)
 
-    def _done(self, p: Placed, tokens: int, first_at: float) -> None:
-        m, name = self.metrics.engine(p.engine.name), p.engine.name
-        if self.predictor is not None:
-            ttft = p.first_at - p.sent_at if p.first_at else None
-            if ttft is not None and p.predicted_s is not None:
-                self.metrics.predicted_ttft.labels(name).observe(p.predicted_s)
-                self.metrics.observed_ttft.labels(name).observe(ttft)
-            self.predictor.profiles[name].observe(
-                p.intake.prompt_bytes, p.prompt_tokens, ttft, p.alone, tokens,
-                time.monotonic() - first_at if first_at else 0.0, p.predicted_s,
-                cached_tokens=p.cached_tokens or 0)
-        self.pool.succeeded(p.engine)
-        m.completed.inc()
-        m.output_tokens.inc(tokens)
-        if tokens > 1 and first_at:
-            m.tpot.observe((time.monotonic() - first_at) / (tokens - 1))
-
-    async def _assemble(self, p: Placed, resp: Exchange, send: Send) -> str:
-        e = p.engine
-        asm = Assembler(p.intake.kind, keep_token_ids=p.intake.wants_token_ids,
+    async def _assemble(self, lease: Lease, resp: Exchange, send: Send) -> str:
+        e = lease.on
+        asm = Assembler(lease.intake.kind, keep_token_ids=lease.intake.wants_token_ids,
                         require_token_ids=e.spec.token_ids)
-        first_at = 0.0
         chunk = b""
         try:
             while not asm.done:
-                chunk = await self._read(p, resp)
+                chunk = await self._read(lease, resp)
                 if not chunk:
-                    self.metrics.stream_faults.labels(e.name, "engine_disconnected").inc()
-                    self.pool.mark_failed(e, "stream ended early")
+                    lease.fault("engine_disconnected", "stream ended early")
                     raise EngineFailed("the engine stream ended before [DONE]")
                 if asm.feed(chunk):
-                    self._first_output(p)
-                    first_at = time.monotonic()
-            body = asm.finish(p.intake.estimated_prompt_tokens())
+                    lease.first_output()
+            body = asm.finish(lease.intake.estimated_prompt_tokens())
             # Only the engine's own count: the estimate must not be learned from itself.
-            p.prompt_tokens = asm.reported_prompt_tokens
-            p.cached_tokens = asm.reported_cached_tokens
+            lease.prompt_tokens = asm.reported_prompt_tokens
+            lease.cached_tokens = asm.reported_cached_tokens
         except AssemblyError as exc:
             refusal = _engine_refusal(chunk) if exc.field == "error" else None
             if refusal is not None:  # the engine's own error, in its stream: its answer
-                self.metrics.stream_faults.labels(e.name, "engine_error").inc()
+                lease.fault("engine_error")
                 await asgi.send_bytes(send, *refusal)
                 return "engine_error"
-            self.metrics.stream_faults.labels(e.name, "assembly").inc()
+            lease.fault("assembly")
             raise ApiError(502, f"the engine's output cannot be assembled: {exc}",
                            type="server_error", param=getattr(exc, "field", None),
                            code="bad_engine_output") from None
-        self.metrics.engine(e.name).ttfb.observe(time.monotonic() - p.arrived)
+        lease.first_byte()
         await asgi.send_bytes(send, 200, body)
-        self._done(p, asm.measured_output_tokens, first_at)
+        lease.finished(asm.measured_output_tokens)
         return "completed"

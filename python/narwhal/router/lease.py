@@ -1,0 +1,130 @@
+"""A placed request's seat on an engine, and what happens to it on the way through.
+
+`Admission.place()` hands out a `Lease`; its exit is the one place the seat is given back.
+The rule it keeps: a placed request holds one seat (prefill, then decode) on one engine,
+and releases it exactly once, however the request ends.
+
+The relay reports to the lease (`first_byte`, `first_output`, `finished`, `fault`); the
+lease moves its own seat and tells `Events`, where the predictor, the pool's health and the
+metrics subscribed once, at start. Nothing else touches an engine's counters.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from narwhal.router.engines import Engine
+    from narwhal.router.intake import Intake
+
+
+class Phase(enum.Enum):
+    QUEUED = "queued"  # waiting for a seat
+    PREFILL = "prefill"  # placed, before the first output token
+    DECODE = "decode"  # streaming output tokens
+    DONE = "done"  # the seat is given back
+
+
+class Seats(Protocol):
+    """What a lease needs from its owner (Admission): its seat moved and given back."""
+
+    def to_decode(self, lease: Lease) -> None: ...
+
+    def release(self, lease: Lease) -> None: ...
+
+
+Listener = Callable[["Lease"], None]
+FaultListener = Callable[["Lease", str, "str | None"], None]
+
+
+class Events:
+    """Subscribers to what happens to leases, registered once at start."""
+
+    def __init__(self) -> None:
+        self.first_byte: list[Listener] = []
+        self.first_output: list[Listener] = []
+        self.finished: list[Listener] = []
+        self.fault: list[FaultListener] = []
+
+    def subscribe(self, *, first_byte: Listener | None = None,
+                  first_output: Listener | None = None, finished: Listener | None = None,
+                  fault: FaultListener | None = None) -> None:
+        for hooks, hook in ((self.first_byte, first_byte), (self.first_output, first_output),
+                            (self.finished, finished)):
+            if hook is not None:
+                hooks.append(hook)
+        if fault is not None:
+            self.fault.append(fault)
+
+
+class Lease:
+    """One request's seat, from the queue to its release, with what was measured of it."""
+
+    __slots__ = ("_events", "_seats", "alone", "arrived", "cached_tokens", "deadline",
+                 "decode_s", "engine", "exclude", "first_at", "intake", "output_tokens",
+                 "phase", "predicted_s", "prefer", "prompt_tokens", "sent_at", "tokens")
+
+    def __init__(self, seats: Seats, events: Events, intake: Intake, arrived: float,
+                 deadline: float, *, tokens: int = 0, predicted_s: float | None = None,
+                 prefer: Engine | None = None, exclude: frozenset[str] = frozenset()) -> None:
+        self._seats = seats
+        self._events = events
+        self.intake = intake
+        self.arrived = arrived
+        self.deadline = deadline
+        self.tokens = tokens  # sized prompt tokens, in engine.prefill_tokens while in prefill
+        self.predicted_s = predicted_s  # projected TTFT on `prefer`, for drift scoring
+        self.prefer = prefer
+        self.exclude = exclude  # engine names not to place on (they refused it already)
+        self.phase = Phase.QUEUED
+        self.engine: Engine | None = None
+        self.alone = False  # the engine's prefill was ours alone at placement
+        self.sent_at = 0.0
+        self.first_at = 0.0
+        self.decode_s = 0.0  # first output token to the last
+        self.prompt_tokens: int | None = None
+        self.cached_tokens: int | None = None  # of those, what the engine's cache served
+        self.output_tokens = 0
+
+    @property
+    def on(self) -> Engine:
+        """The engine the lease holds a seat on."""
+        assert self.engine is not None, "the lease is not placed"
+        return self.engine
+
+    def first_byte(self) -> None:
+        """The first bytes of the answer went to the client."""
+        for hook in self._events.first_byte:
+            hook(self)
+
+    def first_output(self) -> None:
+        """The engine's first output token: the seat moves from prefill to decode."""
+        if self.phase is not Phase.PREFILL:
+            return
+        self.first_at = time.monotonic()
+        self._seats.to_decode(self)
+        for hook in self._events.first_output:
+            hook(self)
+
+    def finished(self, output_tokens: int) -> None:
+        """The engine answered in full."""
+        self.output_tokens = output_tokens
+        if self.first_at:
+            self.decode_s = time.monotonic() - self.first_at
+        for hook in self._events.finished:
+            hook(self)
+
+    def fault(self, kind: str, against_engine: str | None = None) -> None:
+        """The answer ended in a fault of `kind`; `against_engine` says why it counts as
+        evidence that the engine is broken (a reset, a truncation, a stall), None when it
+        does not (the engine's own error event, a frame the relay refused)."""
+        for hook in self._events.fault:
+            hook(self, kind, against_engine)
+
+    def release(self) -> None:
+        if self.phase in (Phase.PREFILL, Phase.DECODE):
+            self._seats.release(self)
+        self.phase = Phase.DONE
