@@ -34,16 +34,16 @@ def content() -> str:
 
 
 async def offer(url: str, rate: float, seconds: float) -> tuple[list[float], int, int]:
-    body = {"model": "main", "stream": True, "messages": [{"role": "user",
-                                                           "content": content()}]}
+    body = {"model": "main", "stream": True, "messages": [{"role": "user", "content": content()}]}
     ttfts: list[float] = []
     refused = failed = 0
 
     async def one(s: aiohttp.ClientSession) -> None:
         nonlocal refused, failed
         t = time.perf_counter()
-        async with s.post(url + "/v1/chat/completions", json=body,
-                          timeout=aiohttp.ClientTimeout(total=60)) as r:
+        async with s.post(
+            url + "/v1/chat/completions", json=body, timeout=aiohttp.ClientTimeout(total=60)
+        ) as r:
             if r.status in (429, 408, 503):  # refused (sglang's queue: 429 full, 408 expired)
                 refused += 1
                 return
@@ -65,8 +65,7 @@ async def offer(url: str, rate: float, seconds: float) -> tuple[list[float], int
 
 
 async def warm(url: str) -> None:
-    body = {"model": "main", "stream": True, "messages": [{"role": "user",
-                                                           "content": content()}]}
+    body = {"model": "main", "stream": True, "messages": [{"role": "user", "content": content()}]}
     async with aiohttp.ClientSession() as s:
         for _ in range(5):
             async with s.post(url + "/v1/chat/completions", json=body) as r:
@@ -85,8 +84,9 @@ def main() -> None:
     ap.add_argument("--sglang", help="sglang-router executable, run beside with its queue")
     a = ap.parse_args()
     eport = free_port()
-    eng = start([sys.executable, "-m", "tests.scripted_engine", "--port", str(eport)],
-                "/health", eport)
+    eng = start(
+        [sys.executable, "-m", "tests.scripted_engine", "--port", str(eport)], "/health", eport
+    )
     rows = []
     engine = f"http://127.0.0.1:{eport}"
     try:
@@ -94,12 +94,20 @@ def main() -> None:
         for mode in ("open", "predictive"):
             port = free_port()
             cfg = Path(tempfile.mkdtemp()) / "n.yaml"
-            cfg.write_text(f"model: main\nlisten: {{port: {port}}}\nadmission: {mode}\n"
-                           f"predictive: {{ttft_budget_s: {BUDGET_S}}}\n"
-                           "phases: {prefill_concurrency: 64}\nqueue: {wait_s: 60}\n"
-                           f"engines:\n  - {{name: e, url: '{engine}'}}\n")
-            doors.append((f"narwhal {mode}", [str(BIN / "narwhal"), "serve", "--config",
-                                              str(cfg)], "/ready", port))
+            cfg.write_text(
+                f"model: main\nlisten: {{port: {port}}}\nadmission: {mode}\n"
+                f"predictive: {{ttft_budget_s: {BUDGET_S}}}\n"
+                "phases: {prefill_concurrency: 64}\nqueue: {wait_s: 60}\n"
+                f"engines:\n  - {{name: e, url: '{engine}'}}\n"
+            )
+            doors.append(
+                (
+                    f"narwhal {mode}",
+                    [str(BIN / "narwhal"), "serve", "--config", str(cfg)],
+                    "/ready",
+                    port,
+                )
+            )
         if a.sglang:
             # sglang-router's admission: a cap on requests in flight (a token bucket whose
             # refill defaults to the cap per second) plus a bounded queue with a timeout that
@@ -108,11 +116,31 @@ def main() -> None:
             # trying).
             for cap in (5, 1):
                 port = free_port()
-                doors.append((f"sglang-router, {cap} in flight, queue 16 for 1 s",
-                              [a.sglang, "launch", "--host", "127.0.0.1", "--port", str(port),
-                               "--worker-urls", engine, "--policy", "round_robin",
-                               "--max-concurrent-requests", str(cap), "--queue-size", "16",
-                               "--queue-timeout-secs", str(int(BUDGET_S))], "/health", port))
+                doors.append(
+                    (
+                        f"sglang-router, {cap} in flight, queue 16 for 1 s",
+                        [
+                            a.sglang,
+                            "launch",
+                            "--host",
+                            "127.0.0.1",
+                            "--port",
+                            str(port),
+                            "--worker-urls",
+                            engine,
+                            "--policy",
+                            "round_robin",
+                            "--max-concurrent-requests",
+                            str(cap),
+                            "--queue-size",
+                            "16",
+                            "--queue-timeout-secs",
+                            str(int(BUDGET_S)),
+                        ],
+                        "/health",
+                        port,
+                    )
+                )
         for name, cmd, health, port in doors:
             router = start(cmd, health, port)
             try:
@@ -122,18 +150,34 @@ def main() -> None:
             finally:
                 stop(router)
             within = sum(1 for t in ttfts if t <= BUDGET_S)
-            rows.append((name, len(ttfts) + refused + failed, len(ttfts), refused, failed,
-                         pct(ttfts, 0.5), pct(ttfts, 0.99), within))
+            rows.append(
+                (
+                    name,
+                    len(ttfts) + refused + failed,
+                    len(ttfts),
+                    refused,
+                    failed,
+                    pct(ttfts, 0.5),
+                    pct(ttfts, 0.99),
+                    within,
+                )
+            )
     finally:
         stop(eng)
-    print(f"Offered {a.rate:g} req/s for {a.seconds:g} s; engine capacity 5 req/s; "
-          f"TTFT budget {BUDGET_S:g} s.\n")
-    print("| front door / admission | offered | admitted | refused | failed | TTFT p50 s "
-          "| TTFT p99 s | admitted within budget |")
+    print(
+        f"Offered {a.rate:g} req/s for {a.seconds:g} s; engine capacity 5 req/s; "
+        f"TTFT budget {BUDGET_S:g} s.\n"
+    )
+    print(
+        "| front door / admission | offered | admitted | refused | failed | TTFT p50 s "
+        "| TTFT p99 s | admitted within budget |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for mode, off, adm, ref, fail, p50, p99, within in rows:
-        print(f"| {mode} | {off} | {adm} | {ref} | {fail} | {p50:.2f} | {p99:.2f} "
-              f"| {within} ({within / max(adm, 1):.0%}) |")
+        print(
+            f"| {mode} | {off} | {adm} | {ref} | {fail} | {p50:.2f} | {p99:.2f} "
+            f"| {within} ({within / max(adm, 1):.0%}) |"
+        )
 
 
 if __name__ == "__main__":

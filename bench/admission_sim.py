@@ -41,8 +41,9 @@ class SimEngine:
 
 def run(policy: str, load: float, engines: int, seconds: float, seed: int) -> dict[str, Any]:
     rng = random.Random(seed)
-    sims = [SimEngine(Engine(EngineSpec(f"e{i}"), f"sim://{i}", healthy=True))
-            for i in range(engines)]
+    sims = [
+        SimEngine(Engine(EngineSpec(f"e{i}"), f"sim://{i}", healthy=True)) for i in range(engines)
+    ]
     predictor = Predictor([s.engine for s in sims])
     for s in sims:
         prof = predictor.profiles[s.engine.name]
@@ -70,7 +71,8 @@ def run(policy: str, load: float, engines: int, seconds: float, seed: int) -> di
                 s.decoding += 1
                 if policy == "predictive":
                     predictor.profiles[s.engine.name].observe(
-                        int(tokens * BYTES_PER_TOKEN), tokens, ttft, False, 0, 0.0, projected)
+                        int(tokens * BYTES_PER_TOKEN), tokens, ttft, False, 0, 0.0, projected
+                    )
             else:
                 s.decoding -= 1
         prompt = max(16, int(rng.lognormvariate(math.log(PROMPT_MEDIAN), 0.6)))
@@ -101,10 +103,17 @@ def run(policy: str, load: float, engines: int, seconds: float, seed: int) -> di
     ttfts.sort()
     good = sum(1 for x in ttfts if x <= BUDGET_S)
     admitted = len(ttfts)
-    return {"policy": policy, "load": load, "offered": admitted + refused, "admitted": admitted,
-            "refused": refused, "goodput": good / seconds, "capacity": capacity,
-            "within": good / max(admitted, 1),
-            "p99": ttfts[min(admitted - 1, int(0.99 * admitted))] if admitted else math.nan}
+    return {
+        "policy": policy,
+        "load": load,
+        "offered": admitted + refused,
+        "admitted": admitted,
+        "refused": refused,
+        "goodput": good / seconds,
+        "capacity": capacity,
+        "within": good / max(admitted, 1),
+        "p99": ttfts[min(admitted - 1, int(0.99 * admitted))] if admitted else math.nan,
+    }
 
 
 def main() -> None:
@@ -113,17 +122,26 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=60.0)
     ap.add_argument("--plot")
     a = ap.parse_args()
-    rows = [run(p, load, a.engines, a.seconds, seed=7)
-            for load in (0.5, 1.0, 2.0, 4.0) for p in ("open", "predictive")]
-    print(f"{a.engines} engines, {a.seconds:g} s simulated, TTFT budget {BUDGET_S:g} s, "
-          f"capacity {rows[0]['capacity']:.0f} req/s\n")
-    print("| load | policy | offered | admitted | admitted within budget | goodput req/s "
-          "| goodput / capacity | p99 TTFT admitted s |")
+    rows = [
+        run(p, load, a.engines, a.seconds, seed=7)
+        for load in (0.5, 1.0, 2.0, 4.0)
+        for p in ("open", "predictive")
+    ]
+    print(
+        f"{a.engines} engines, {a.seconds:g} s simulated, TTFT budget {BUDGET_S:g} s, "
+        f"capacity {rows[0]['capacity']:.0f} req/s\n"
+    )
+    print(
+        "| load | policy | offered | admitted | admitted within budget | goodput req/s "
+        "| goodput / capacity | p99 TTFT admitted s |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['load']:g}x | {r['policy']} | {r['offered']:.0f} | {r['admitted']:.0f} "
-              f"| {r['within']:.1%} | {r['goodput']:.0f} | {r['goodput'] / r['capacity']:.0%} "
-              f"| {r['p99']:.2f} |")
+        print(
+            f"| {r['load']:g}x | {r['policy']} | {r['offered']:.0f} | {r['admitted']:.0f} "
+            f"| {r['within']:.1%} | {r['goodput']:.0f} | {r['goodput'] / r['capacity']:.0%} "
+            f"| {r['p99']:.2f} |"
+        )
     if a.plot:
         import matplotlib
 
@@ -136,10 +154,17 @@ def main() -> None:
             loads = [r["load"] for r in rs]
             ax1.plot(loads, [r["goodput"] / r["capacity"] for r in rs], marker="o", label=p)
             ax2.plot(loads, [r["p99"] for r in rs], marker="o", label=p)
-        ax1.set(xlabel="offered load (x capacity)", ylabel="goodput / capacity",
-                title="Requests within the TTFT budget")
-        ax2.set(xlabel="offered load (x capacity)", ylabel="p99 TTFT of admitted (s)",
-                yscale="log", title="Latency of what was admitted")
+        ax1.set(
+            xlabel="offered load (x capacity)",
+            ylabel="goodput / capacity",
+            title="Requests within the TTFT budget",
+        )
+        ax2.set(
+            xlabel="offered load (x capacity)",
+            ylabel="p99 TTFT of admitted (s)",
+            yscale="log",
+            title="Latency of what was admitted",
+        )
         ax2.axhline(BUDGET_S, color="grey", linestyle="--", label="budget")
         for ax in (ax1, ax2):
             ax.legend()

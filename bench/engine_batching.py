@@ -31,8 +31,16 @@ from narwhal.bundled_model import smollm2_path
 from tests.conftest import Server, free_port, start_engine
 
 LEVELS = (1, 2, 4, 8)
-TOPICS = ("a lighthouse keeper", "a mountain village", "a clockmaker", "a river pilot",
-          "a desert caravan", "a lost violin", "a city garden", "a night train")
+TOPICS = (
+    "a lighthouse keeper",
+    "a mountain village",
+    "a clockmaker",
+    "a river pilot",
+    "a desert caravan",
+    "a lost violin",
+    "a city garden",
+    "a night train",
+)
 
 
 @dataclass
@@ -51,8 +59,12 @@ class Stream:
 
 async def one_stream(session: aiohttp.ClientSession, url: str, i: int, n: int) -> Stream:
     s = Stream(time.perf_counter())
-    body = {"prompt": f"Write a long story about {TOPICS[i % len(TOPICS)]}.\n\n",
-            "max_tokens": n, "temperature": 0, "stream": True}
+    body = {
+        "prompt": f"Write a long story about {TOPICS[i % len(TOPICS)]}.\n\n",
+        "max_tokens": n,
+        "temperature": 0,
+        "stream": True,
+    }
     async with session.post(url + "/v1/completions", json=body) as r:
         async for line in r.content:
             if not line.startswith(b"data: {"):
@@ -70,8 +82,9 @@ async def _wave(url: str, concurrency: int, n: int) -> tuple[float, list[Stream]
     timeout = aiohttp.ClientTimeout(total=600)
     async with aiohttp.ClientSession(timeout=timeout) as session:
         t0 = time.perf_counter()
-        streams = await asyncio.gather(*(one_stream(session, url, i, n)
-                                         for i in range(concurrency)))
+        streams = await asyncio.gather(
+            *(one_stream(session, url, i, n) for i in range(concurrency))
+        )
     return t0, list(streams)
 
 
@@ -81,10 +94,12 @@ def wave(url: str, concurrency: int, n: int) -> dict[str, float]:
     t0, streams = asyncio.run(_wave(url, concurrency, n))
     wall = max(s.last or t0 for s in streams) - t0
     tpots = sorted(x for s in streams if (x := s.tpot) is not None)
-    return {"agg": sum(s.tokens for s in streams) / wall,
-            "p50": statistics.median(tpots),
-            "p99": tpots[min(len(tpots) - 1, round(0.99 * (len(tpots) - 1)))],
-            "worst": tpots[-1]}
+    return {
+        "agg": sum(s.tokens for s in streams) / wall,
+        "p50": statistics.median(tpots),
+        "p99": tpots[min(len(tpots) - 1, round(0.99 * (len(tpots) - 1)))],
+        "worst": tpots[-1],
+    }
 
 
 def in_process(model: str, threads: int, rounds: int = 3) -> dict[int, tuple[float, float]]:
@@ -113,8 +128,12 @@ def in_process(model: str, threads: int, rounds: int = 3) -> dict[int, tuple[flo
     out: dict[int, tuple[float, float]] = {}
 
     async def level(c: int) -> None:
-        reqs = [Request(m.tokenize(f"Write a long story about {TOPICS[i]}.\n\n"),
-                        Sampling(0, 1, 0, 0, 96)) for i in range(c)]
+        reqs = [
+            Request(
+                m.tokenize(f"Write a long story about {TOPICS[i]}.\n\n"), Sampling(0, 1, 0, 0, 96)
+            )
+            for i in range(c)
+        ]
         spent[0] = 0.0
         t = time.perf_counter()
         for i, r in enumerate(reqs):
@@ -136,12 +155,15 @@ def in_process(model: str, threads: int, rounds: int = 3) -> dict[int, tuple[flo
     finally:
         llama_cpp.llama_decode = inner
         loop.stop()
-    return {c: (statistics.median(r for r, _ in got[c]), statistics.median(f for _, f in got[c]))
-            for c in LEVELS}
+    return {
+        c: (statistics.median(r for r, _ in got[c]), statistics.median(f for _, f in got[c]))
+        for c in LEVELS
+    }
 
 
-def decode_ceiling(model: str, threads: int, rounds: int = 5,
-                   block: int = 20) -> dict[int, tuple[float, float, float]]:
+def decode_ceiling(
+    model: str, threads: int, rounds: int = 5, block: int = 20
+) -> dict[int, tuple[float, float, float]]:
     """Tokens/s of bare `llama_decode` steps of 1, 2, 4 and 8 tokens (one per sequence, all
     with logits), nothing else: what any batching engine over this build and model can reach.
     Its 8-token figure over its 1-token figure bounds the scaling at 8 streams. The sizes are
@@ -194,20 +216,56 @@ def decode_ceiling(model: str, threads: int, rounds: int = 5,
 
 def llama_cpp_server(model: str, n_threads: str) -> Server:
     port = free_port()
-    return Server([sys.executable, "-m", "llama_cpp.server", "--model", model, "--port",
-                   str(port), "--n_ctx", "2048", "--n_threads", n_threads,
-                   "--n_threads_batch", n_threads, "--verbose", "false"],
-                  "/v1/models", port,
-                  timeout=120)
+    return Server(
+        [
+            sys.executable,
+            "-m",
+            "llama_cpp.server",
+            "--model",
+            model,
+            "--port",
+            str(port),
+            "--n_ctx",
+            "2048",
+            "--n_threads",
+            n_threads,
+            "--n_threads_batch",
+            n_threads,
+            "--verbose",
+            "false",
+        ],
+        "/v1/models",
+        port,
+        timeout=120,
+    )
 
 
 def llama_server(exe: str, model: str, n_threads: str) -> Server:
     """llama.cpp's own server (built from the llama.cpp that llama-cpp-python vendors), with
     the same slots and context as LexiEngine --parallel 8."""
     port = free_port()
-    return Server([exe, "-m", model, "--port", str(port), "--host", "127.0.0.1",
-                   "-np", "8", "-c", "8192", "-t", n_threads, "-tb", n_threads],
-                  "/health", port, timeout=120)
+    return Server(
+        [
+            exe,
+            "-m",
+            model,
+            "--port",
+            str(port),
+            "--host",
+            "127.0.0.1",
+            "-np",
+            "8",
+            "-c",
+            "8192",
+            "-t",
+            n_threads,
+            "-tb",
+            n_threads,
+        ],
+        "/health",
+        port,
+        timeout=120,
+    )
 
 
 def main() -> None:
@@ -223,10 +281,12 @@ def main() -> None:
     n_threads = str(a.threads)  # the same for every server
     threads = ("--threads", n_threads)
     servers = {
-        "LexiEngine --parallel 8": lambda: start_engine(model, "--parallel", "8",
-                                                        "--ctx-size", "8192", *threads),
-        "LexiEngine --parallel 1": lambda: start_engine(model, "--parallel", "1",
-                                                        "--queue-wait", "600", *threads),
+        "LexiEngine --parallel 8": lambda: start_engine(
+            model, "--parallel", "8", "--ctx-size", "8192", *threads
+        ),
+        "LexiEngine --parallel 1": lambda: start_engine(
+            model, "--parallel", "1", "--queue-wait", "600", *threads
+        ),
         "llama-cpp-python server": lambda: llama_cpp_server(model, n_threads),
     }
     if a.llama_server:
@@ -259,34 +319,49 @@ def main() -> None:
         return sorted(r["agg"] / b["agg"] for r, b in zip(rounds[name][c], ref, strict=True))
 
     print(f"{a.rounds} rounds; medians, and the range of the per-round scaling\n")
-    print("| server | streams | aggregate tok/s | scaling vs 1 stream (range) | p50 TPOT ms "
-          "| p99 TPOT ms | worst stream TPOT / 1-stream TPOT |")
+    print(
+        "| server | streams | aggregate tok/s | scaling vs 1 stream (range) | p50 TPOT ms "
+        "| p99 TPOT ms | worst stream TPOT / 1-stream TPOT |"
+    )
     print("|---|---|---|---|---|---|---|")
     for name in rounds:
         for c in LEVELS:
             sc = scaling(name, c)
-            worst = statistics.median(r["worst"] / b["p50"] for r, b in
-                                      zip(rounds[name][c], rounds[name][1], strict=True))
-            print(f"| {name} | {c} | {med(name, c, 'agg'):.1f} "
-                  f"| {statistics.median(sc):.2f}x ({sc[0]:.2f}-{sc[-1]:.2f}) "
-                  f"| {med(name, c, 'p50') * 1e3:.1f} | {med(name, c, 'p99') * 1e3:.1f} "
-                  f"| {worst:.2f}x |")
-    print("\n| decode loop in process (no HTTP) | streams | tok/s | scaling | time in "
-          "llama_decode |\n|---|---|---|---|---|")
+            worst = statistics.median(
+                r["worst"] / b["p50"] for r, b in zip(rounds[name][c], rounds[name][1], strict=True)
+            )
+            print(
+                f"| {name} | {c} | {med(name, c, 'agg'):.1f} "
+                f"| {statistics.median(sc):.2f}x ({sc[0]:.2f}-{sc[-1]:.2f}) "
+                f"| {med(name, c, 'p50') * 1e3:.1f} | {med(name, c, 'p99') * 1e3:.1f} "
+                f"| {worst:.2f}x |"
+            )
+    print(
+        "\n| decode loop in process (no HTTP) | streams | tok/s | scaling | time in "
+        "llama_decode |\n|---|---|---|---|---|"
+    )
     ip = in_process(model, a.threads, a.rounds)
     for c in LEVELS:
-        print(f"| DecodeLoop, 8 slots | {c} | {ip[c][0]:.1f} | {ip[c][0] / ip[1][0]:.2f}x "
-              f"| {ip[c][1]:.0%} |")
-    print("\n| bare llama_decode (the ceiling) | tokens per step | tok/s (median) "
-          "| scaling (range over rounds) |\n|---|---|---|---|")
+        print(
+            f"| DecodeLoop, 8 slots | {c} | {ip[c][0]:.1f} | {ip[c][0] / ip[1][0]:.2f}x "
+            f"| {ip[c][1]:.0%} |"
+        )
+    print(
+        "\n| bare llama_decode (the ceiling) | tokens per step | tok/s (median) "
+        "| scaling (range over rounds) |\n|---|---|---|---|"
+    )
     ceil = decode_ceiling(model, a.threads)
     for c in LEVELS:
         rate, lo, hi = ceil[c]
-        print(f"| {os.path.basename(model)} | {c} | {rate:.1f} | {rate / ceil[1][0]:.2f}x "
-              f"({lo:.2f}-{hi:.2f}) |")
+        print(
+            f"| {os.path.basename(model)} | {c} | {rate:.1f} | {rate / ceil[1][0]:.2f}x "
+            f"({lo:.2f}-{hi:.2f}) |"
+        )
     vs = scaling("LexiEngine --parallel 8", 8, "LexiEngine --parallel 1")
-    print(f"\nat 8 streams: --parallel 8 / --parallel 1 aggregate = {statistics.median(vs):.2f}x "
-          f"({vs[0]:.2f}-{vs[-1]:.2f} over rounds)")
+    print(
+        f"\nat 8 streams: --parallel 8 / --parallel 1 aggregate = {statistics.median(vs):.2f}x "
+        f"({vs[0]:.2f}-{vs[-1]:.2f} over rounds)"
+    )
     if a.plot:
         import matplotlib
 

@@ -19,7 +19,7 @@ from tests.conftest import start_engine
 
 PROMPT = "Write a long story about a lighthouse keeper."
 # A fixed-length grammar keeps both sides generating exactly the same number of tokens.
-GRAMMAR = 'root ::= [a-z ]{{{n}}}'
+GRAMMAR = "root ::= [a-z ]{{{n}}}"
 
 
 def bare(model: str, n: int, threads: int) -> float:
@@ -29,14 +29,14 @@ def bare(model: str, n: int, threads: int) -> float:
     from narwhal.engine import kernels
 
     with kernels.extra_buffer_types(kernels.for_this_build().repack):  # as LexiEngine loads
-        llm = Llama(model, n_ctx=2048, n_threads=threads, n_threads_batch=threads,
-                    verbose=False)
+        llm = Llama(model, n_ctx=2048, n_threads=threads, n_threads_batch=threads, verbose=False)
     toks = llm.tokenize(PROMPT.encode(), add_bos=False, special=True)
     g = LlamaGrammar.from_string(GRAMMAR.format(n=n), verbose=False)
     count = 0
     t = 0.0
-    for _ in llm.generate(toks, temp=0.0, top_k=40, top_p=0.95, min_p=0.05, grammar=g,
-                          repeat_penalty=1.0):
+    for _ in llm.generate(
+        toks, temp=0.0, top_k=40, top_p=0.95, min_p=0.05, grammar=g, repeat_penalty=1.0
+    ):
         count += 1
         if count == 1:
             t = time.perf_counter()
@@ -46,8 +46,13 @@ def bare(model: str, n: int, threads: int) -> float:
 
 
 def over_http(url: str, n: int) -> float:
-    body = {"prompt": PROMPT, "max_tokens": n, "temperature": 0, "stream": True,
-            "grammar": GRAMMAR.format(n=n)}
+    body = {
+        "prompt": PROMPT,
+        "max_tokens": n,
+        "temperature": 0,
+        "stream": True,
+        "grammar": GRAMMAR.format(n=n),
+    }
     count = 0
     t = 0.0
     with httpx.stream("POST", url + "/v1/completions", json=body, timeout=300) as r:
@@ -63,8 +68,12 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--tokens", type=int, default=256)
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--threads", type=int, default=os.cpu_count() or 1,
-                   help="CPU threads, the same on both sides")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=os.cpu_count() or 1,
+        help="CPU threads, the same on both sides",
+    )
     a = p.parse_args()
     model = str(smollm2_path())
     eng = start_engine(model, "--threads", str(a.threads))
@@ -77,8 +86,7 @@ def main() -> None:
         eng.stop()
     print("| threads | tokens | bare llama-cpp-python tok/s | LexiEngine HTTP tok/s | ratio |")
     print("|---|---|---|---|---|")
-    print(f"| {a.threads} | {a.tokens} | {max(b):.1f} | {max(h):.1f} | "
-          f"{max(h) / max(b):.2f}x |")
+    print(f"| {a.threads} | {a.tokens} | {max(b):.1f} | {max(h):.1f} | {max(h) / max(b):.2f}x |")
 
 
 if __name__ == "__main__":

@@ -52,8 +52,17 @@ def main() -> None:
             for name, path in models.items():
                 for repack in (True, False):
                     servers[name, repack] = start_engine(
-                        path, "--repack" if repack else "--no-repack", "--parallel", "8",
-                        "--ctx-size", "4096", "--threads", str(a.threads), "--temp", "0")
+                        path,
+                        "--repack" if repack else "--no-repack",
+                        "--parallel",
+                        "8",
+                        "--ctx-size",
+                        "4096",
+                        "--threads",
+                        str(a.threads),
+                        "--temp",
+                        "0",
+                    )
             got: dict[tuple[str, bool, int], list[float]] = {}
             for _ in range(a.rounds):
                 for c in LEVELS:
@@ -69,10 +78,11 @@ def main() -> None:
         for c in LEVELS:
             on = statistics.median(got[name, True, c])
             off = statistics.median(got[name, False, c])
-            ratios = [x / y for x, y in zip(got[name, True, c], got[name, False, c],
-                                            strict=True)]
-            print(f"| {name} | {c} | {on:.1f} | {off:.1f} | {statistics.median(ratios):.2f}x "
-                  f"({min(ratios):.2f}-{max(ratios):.2f}) |")
+            ratios = [x / y for x, y in zip(got[name, True, c], got[name, False, c], strict=True)]
+            print(
+                f"| {name} | {c} | {on:.1f} | {off:.1f} | {statistics.median(ratios):.2f}x "
+                f"({min(ratios):.2f}-{max(ratios):.2f}) |"
+            )
 
 
 if __name__ == "__main__":

@@ -16,16 +16,32 @@ from narwhal import asgi
 
 
 def _frame(i: int) -> bytes:
-    return b"data: " + orjson.dumps({
-        "id": "x-1", "object": "chat.completion.chunk", "created": 1, "model": "scripted",
-        "choices": [{"index": 0, "delta": {"content": f"w{i} "}, "logprobs": None,
-                     "finish_reason": None}]}) + b"\n\n"
+    return (
+        b"data: "
+        + orjson.dumps(
+            {
+                "id": "x-1",
+                "object": "chat.completion.chunk",
+                "created": 1,
+                "model": "scripted",
+                "choices": [
+                    {
+                        "index": 0,
+                        "delta": {"content": f"w{i} "},
+                        "logprobs": None,
+                        "finish_reason": None,
+                    }
+                ],
+            }
+        )
+        + b"\n\n"
+    )
 
 
-async def answered_alone(scope: dict[str, Any], receive: asgi.Receive,
-                         send: asgi.Send) -> bool:
+async def answered_alone(scope: dict[str, Any], receive: asgi.Receive, send: asgi.Send) -> bool:
     """Lifespan and `/health`, which every bench door answers the same way."""
     if scope["type"] == "lifespan":
+
         async def nothing() -> None:
             return None
 

@@ -41,9 +41,24 @@ for _ in range(n + 1):
 
 def instructions(workload: str, side: str, runs: int) -> int:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    out = subprocess.run(["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null",
-                          sys.executable, "-c", WORKER, workload, side, str(runs)],
-                         capture_output=True, text=True, env=env, cwd=ROOT, check=True)
+    out = subprocess.run(
+        [
+            "valgrind",
+            "--tool=callgrind",
+            "--callgrind-out-file=/dev/null",
+            sys.executable,
+            "-c",
+            WORKER,
+            workload,
+            side,
+            str(runs),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        check=True,
+    )
     m = re.search(r"Collected : (\d+)", out.stderr)
     if m is None:
         raise RuntimeError(out.stderr[-2000:])
@@ -54,16 +69,20 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--runs", type=int, default=10)
     a = ap.parse_args()
-    print("| workload | events | relay: Rust instr/event | relay: python/rust "
-          "| assemble: Rust instr/event | assemble: python/rust |")
+    print(
+        "| workload | events | relay: Rust instr/event | relay: python/rust "
+        "| assemble: Rust instr/event | assemble: python/rust |"
+    )
     print("|---|---|---|---|---|---|")
     for name, (frames, _, _) in WORKLOADS.items():
         base = instructions(name, "none", a.runs)
         per = {s: (instructions(name, s, a.runs) - base) / (a.runs + 1) for s in SIDES}
         n = len(frames)
-        print(f"| {name} | {n} | {per['rust_relay'] / n:.0f} "
-              f"| {per['ref_relay'] / per['rust_relay']:.1f}x "
-              f"| {per['rust_asm'] / n:.0f} | {per['ref_asm'] / per['rust_asm']:.1f}x |")
+        print(
+            f"| {name} | {n} | {per['rust_relay'] / n:.0f} "
+            f"| {per['ref_relay'] / per['rust_relay']:.1f}x "
+            f"| {per['rust_asm'] / n:.0f} | {per['ref_asm'] / per['rust_asm']:.1f}x |"
+        )
 
 
 if __name__ == "__main__":

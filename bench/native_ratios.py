@@ -1,6 +1,6 @@
 """Side-by-side ratios for the Rust hot paths, measured in one run: prints bench/README's table.
 
-    .venv/bin/python -m bench.native_ratios
+.venv/bin/python -m bench.native_ratios
 """
 
 from __future__ import annotations
@@ -30,8 +30,10 @@ def best(fn: Callable[[], object], repeat: int = 7) -> float:
 
 
 def main() -> None:
-    print("| workload | events | decode: python/rust | decode: rust/newline-scan "
-          "| relay: python/rust | assemble: python/rust |")
+    print(
+        "| workload | events | decode: python/rust | decode: rust/newline-scan "
+        "| relay: python/rust | assemble: python/rust |"
+    )
     print("|---|---|---|---|---|---|")
     for name, (frames, kind, chunks) in WORKLOADS.items():
         d_rust = best(lambda c=chunks: rust_decode(c))
@@ -41,8 +43,10 @@ def main() -> None:
         r_ref = best(lambda c=chunks: ref_relay(c))
         a_rust = best(lambda c=chunks, k=kind: rust_assemble(c, k))
         a_ref = best(lambda c=chunks, k=kind: ref_assemble_chunks(c, k))
-        print(f"| {name} | {len(frames)} | {d_ref / d_rust:.1f}x | {d_rust / d_scan:.1f}x "
-              f"| {r_ref / r_rust:.1f}x | {a_ref / a_rust:.1f}x |")
+        print(
+            f"| {name} | {len(frames)} | {d_ref / d_rust:.1f}x | {d_rust / d_scan:.1f}x "
+            f"| {r_ref / r_rust:.1f}x | {a_ref / a_rust:.1f}x |"
+        )
 
 
 if __name__ == "__main__":

@@ -79,11 +79,11 @@ class Result:
         return s[min(len(s) - 1, int(q * len(s)))] * 1000
 
 
-async def load(url: str, concurrency: int, requests: int, tokens: int,
-               pace_ms: float = 0.0) -> tuple[int, list[float]]:
+async def load(
+    url: str, concurrency: int, requests: int, tokens: int, pace_ms: float = 0.0
+) -> tuple[int, list[float]]:
     script = f"script:paced:{tokens}:{pace_ms}" if pace_ms else f"script:echo:{tokens}"
-    body = {"model": "main", "stream": True,
-            "messages": [{"role": "user", "content": script}]}
+    body = {"model": "main", "stream": True, "messages": [{"role": "user", "content": script}]}
     sem = asyncio.Semaphore(concurrency)
     ttfb: list[float] = []
     got = 0
@@ -95,8 +95,11 @@ async def load(url: str, concurrency: int, requests: int, tokens: int,
             async with sem:
                 t = time.perf_counter()
                 first = True
-                async with s.post(url + "/v1/chat/completions", json=body,
-                                  timeout=aiohttp.ClientTimeout(total=120)) as r:
+                async with s.post(
+                    url + "/v1/chat/completions",
+                    json=body,
+                    timeout=aiohttp.ClientTimeout(total=120),
+                ) as r:
                     async for chunk in r.content.iter_any():
                         if first:
                             ttfb.append(time.perf_counter() - t)
@@ -108,8 +111,9 @@ async def load(url: str, concurrency: int, requests: int, tokens: int,
 
 
 def start(args: list[str], health: str, port: int) -> subprocess.Popen[bytes]:
-    p = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                         start_new_session=True)
+    p = subprocess.Popen(
+        args, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
     wait_http(f"http://127.0.0.1:{port}{health}", p, 60)
     return p
 
@@ -127,38 +131,78 @@ def doors(engine: str, a: argparse.Namespace) -> list[tuple[str, list[str], str,
     tmp = Path(tempfile.mkdtemp())
     # The last one leaves its threads to the OS scheduler (serving.cpu_affinity: none) to
     # show what keeping to one CPU, the default, is worth.
-    for dialect, placement, label in (("openai", "auto", "openai dialect"),
-                                     ("lexi", "auto", "lexi dialect"),
-                                     ("openai", "none", "openai dialect, cpu_affinity: none")):
+    for dialect, placement, label in (
+        ("openai", "auto", "openai dialect"),
+        ("lexi", "auto", "lexi dialect"),
+        ("openai", "none", "openai dialect, cpu_affinity: none"),
+    ):
         port = free_port()
         cfg = tmp / f"{port}.yaml"
-        cfg.write_text(f"model: main\nlisten: {{port: {port}}}\nadmission: open\n"
-                       f"serving: {{cpu_affinity: {placement}}}\n"
-                       f"phases: {{prefill_concurrency: 512, decode_concurrency: 512}}\n"
-                       f"queue: {{size: 1024}}\n"
-                       f"engines:\n  - {{name: e, url: '{engine}', dialect: {dialect}}}\n")
-        out.append((f"narwhal ({label})", [str(BIN / "narwhal"), "serve", "--config", str(cfg)],
-                    "/ready", port))
+        cfg.write_text(
+            f"model: main\nlisten: {{port: {port}}}\nadmission: open\n"
+            f"serving: {{cpu_affinity: {placement}}}\n"
+            f"phases: {{prefill_concurrency: 512, decode_concurrency: 512}}\n"
+            f"queue: {{size: 1024}}\n"
+            f"engines:\n  - {{name: e, url: '{engine}', dialect: {dialect}}}\n"
+        )
+        out.append(
+            (
+                f"narwhal ({label})",
+                [str(BIN / "narwhal"), "serve", "--config", str(cfg)],
+                "/ready",
+                port,
+            )
+        )
     # The floors keep to the CPU Narwhal keeps to by default (serving.cpu_affinity: auto).
     cpus = affinity.choose("auto", os.sched_getaffinity(0))
     pinned = ["taskset", "-c", ",".join(map(str, sorted(cpus)))] if cpus else []
-    granian = [*pinned, sys.executable, "-m", "granian", "--interface", "asgi", "--loop",
-               "uvloop", "--host", "127.0.0.1", "--no-ws"]
+    granian = [
+        *pinned,
+        sys.executable,
+        "-m",
+        "granian",
+        "--interface",
+        "asgi",
+        "--loop",
+        "uvloop",
+        "--host",
+        "127.0.0.1",
+        "--no-ws",
+    ]
     # No upstream at all: what Granian + asyncio cost per streamed chunk by themselves.
     port = free_port()
     out.append((FLOOR, [*granian, "--port", str(port), "bench.floor_app:app"], "/health", port))
     # An upstream but no logic: each read of the engine's answer handed to `send` as is.
     port = free_port()
-    out.append((PROXY_FLOOR, [*granian, "--port", str(port), "bench.floor_proxy:app"],
-                "/health", port))
+    out.append(
+        (PROXY_FLOOR, [*granian, "--port", str(port), "bench.floor_proxy:app"], "/health", port)
+    )
     for name, exe in ((SGLANG, a.sglang), (VLLM, a.vllm)):
         if exe:
             port = free_port()
             sub = ["launch"] if name == SGLANG else []
             # Both default their metrics listener to port 29000: one each, so both can run.
-            out.append((name, [exe, *sub, "--host", "127.0.0.1", "--port", str(port),
-                               "--worker-urls", engine, "--policy", "round_robin",
-                               "--prometheus-port", str(free_port())], "/health", port))
+            out.append(
+                (
+                    name,
+                    [
+                        exe,
+                        *sub,
+                        "--host",
+                        "127.0.0.1",
+                        "--port",
+                        str(port),
+                        "--worker-urls",
+                        engine,
+                        "--policy",
+                        "round_robin",
+                        "--prometheus-port",
+                        str(free_port()),
+                    ],
+                    "/health",
+                    port,
+                )
+            )
     return out
 
 
@@ -173,19 +217,32 @@ def main() -> None:
     ap.add_argument("--vllm")
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--levels", default="1,64,256")
-    ap.add_argument("--pace-ms", type=float, default=0.0,
-                    help="the engine emits tokens this far apart (0: as fast as it can)")
-    ap.add_argument("--rounds", type=int, default=1,
-                    help="measure each level this many times (median and range reported)")
-    ap.add_argument("--scale", type=int, default=1,
-                    help="multiply the requests per round (longer rounds, less tick noise)")
+    ap.add_argument(
+        "--pace-ms",
+        type=float,
+        default=0.0,
+        help="the engine emits tokens this far apart (0: as fast as it can)",
+    )
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="measure each level this many times (median and range reported)",
+    )
+    ap.add_argument(
+        "--scale",
+        type=int,
+        default=1,
+        help="multiply the requests per round (longer rounds, less tick noise)",
+    )
     a = ap.parse_args()
     levels = [int(x) for x in a.levels.split(",")]
     eport = free_port()
     engine = f"http://127.0.0.1:{eport}"
     os.environ["NARWHAL_FLOOR_ENGINE"] = engine
-    eng = start([sys.executable, "-m", "tests.scripted_engine", "--port", str(eport)],
-                "/health", eport)
+    eng = start(
+        [sys.executable, "-m", "tests.scripted_engine", "--port", str(eport)], "/health", eport
+    )
     results: dict[tuple[str, int], Result] = {}
     running: list[tuple[str, subprocess.Popen[bytes] | None, int]] = [("direct", None, eport)]
     try:
@@ -199,8 +256,9 @@ def main() -> None:
                 print(f"{door}: did not start ({e})", file=sys.stderr)
         for door, _, port in running:
             for c in levels:
-                asyncio.run(load(f"http://127.0.0.1:{port}", min(c, 8), 8, a.tokens,
-                                 a.pace_ms))  # warm up
+                asyncio.run(
+                    load(f"http://127.0.0.1:{port}", min(c, 8), 8, a.tokens, a.pace_ms)
+                )  # warm up
                 results[door, c] = Result(door, c, 0, 0, 0.0, [], [])
         for _ in range(a.rounds):
             for c in levels:
@@ -208,8 +266,9 @@ def main() -> None:
                 for door, proc, port in running:
                     pid = proc.pid if proc else eng.pid
                     before = tree_cpu(pid)
-                    tokens, ttfb = asyncio.run(load(f"http://127.0.0.1:{port}", c, n,
-                                                    a.tokens, a.pace_ms))
+                    tokens, ttfb = asyncio.run(
+                        load(f"http://127.0.0.1:{port}", c, n, a.tokens, a.pace_ms)
+                    )
                     cpu = tree_cpu(pid) - before
                     r = results[door, c]
                     r.requests += n
@@ -226,8 +285,10 @@ def main() -> None:
 
 
 def report(results: dict[tuple[str, int], Result], levels: list[int], order: list[str]) -> None:
-    print("| front door | streams | tokens | CPU µs/token (median) | range over rounds "
-          "| CPU ms/request | TTFB p50 ms | TTFB p99 ms | added p50 ms | added p99 ms |")
+    print(
+        "| front door | streams | tokens | CPU µs/token (median) | range over rounds "
+        "| CPU ms/request | TTFB p50 ms | TTFB p99 ms | added p50 ms | added p99 ms |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
     for door in order:
         for c in levels:
@@ -238,16 +299,21 @@ def report(results: dict[tuple[str, int], Result], levels: list[int], order: lis
             cpu_req = "" if direct else f"{r.cpu_s / r.requests * 1e3:.2f}"
             added50 = "" if direct else f"{r.pct(0.5) - d.pct(0.5):.1f}"
             added99 = "" if direct else f"{r.pct(0.99) - d.pct(0.99):.1f}"
-            print(f"| {r.door} | {r.concurrency} | {r.tokens} | {cpu_tok} | {spread} | {cpu_req} "
-                  f"| {r.pct(0.5):.1f} | {r.pct(0.99):.1f} | {added50} | {added99} |")
+            print(
+                f"| {r.door} | {r.concurrency} | {r.tokens} | {cpu_tok} | {spread} | {cpu_req} "
+                f"| {r.pct(0.5):.1f} | {r.pct(0.99):.1f} | {added50} | {added99} |"
+            )
     peers = [p for p in (SGLANG, VLLM) if (p, levels[0]) in results]
     if not peers:
         return
     # Each round's CPU per token against the best Rust router in that same round; the
     # median over rounds is the side-by-side ratio (drift between rounds cancels out).
     print()
-    print("| front door | " + " | ".join(f"{c} streams: / best Rust router (range)"
-                                          for c in levels) + " |")
+    print(
+        "| front door | "
+        + " | ".join(f"{c} streams: / best Rust router (range)" for c in levels)
+        + " |"
+    )
     print("|---|" + "---|" * len(levels))
     for door in order:
         if door == "direct" or door in peers:
@@ -257,8 +323,11 @@ def report(results: dict[tuple[str, int], Result], levels: list[int], order: lis
             rounds = results[door, c].rounds
             best = [min(results[p, c].rounds[i] for p in peers) for i in range(len(rounds))]
             ratios = [x / b for x, b in zip(rounds, best, strict=True) if b > 0]
-            cells.append(f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f})"
-                         if ratios else "n/a")
+            cells.append(
+                f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f})"
+                if ratios
+                else "n/a"
+            )
         print(f"| {door} | " + " | ".join(cells) + " |")
 
 

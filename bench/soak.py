@@ -33,10 +33,9 @@ FAULTS = {
     "engine_500": ({"prompt": "script:status:500", "stream": True}, {}, {500}),
     "engine_429": ({"prompt": "script:status:429", "stream": False}, {}, {429}),
     "engine_dies": ({"prompt": "script:die", "stream": True}, {}, {200, 502, 503}),
-    "deadline": ({"prompt": "script:hang", "stream": True}, {"x-narwhal-timeout-ms": "300"},
-                 {200}),
-    "bad_json": (b"{\"prompt\": ", {}, {400}),
-    "too_deep": (b"{\"prompt\": \"x\", \"a\": " + b"[" * 300 + b"]" * 300 + b"}", {}, {400}),
+    "deadline": ({"prompt": "script:hang", "stream": True}, {"x-narwhal-timeout-ms": "300"}, {200}),
+    "bad_json": (b'{"prompt": ', {}, {400}),
+    "too_deep": (b'{"prompt": "x", "a": ' + b"[" * 300 + b"]" * 300 + b"}", {}, {400}),
     "bad_header": ({"prompt": "hi"}, {"x-narwhal-timeout-ms": "9" * 400}, {200}),
 }
 
@@ -58,22 +57,31 @@ def _sample(pid: int) -> tuple[int, int]:
     return rss, len(list(Path(f"/proc/{pid}/fd").iterdir()))
 
 
-async def client(url: str, end: float, fault_share: float, tally: collections.Counter[str],
-                 rng: random.Random) -> None:
+async def client(
+    url: str, end: float, fault_share: float, tally: collections.Counter[str], rng: random.Random
+) -> None:
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as s:
         while time.monotonic() < end:
             hang_up = rng.random() < fault_share / 2
             name = rng.choice(list(FAULTS)) if rng.random() < fault_share else "ok"
-            body, headers, expect = FAULTS.get(name, (
-                {"prompt": f"script:echo:{rng.randint(8, 64)}", "stream": rng.random() < .8},
-                {}, {200}))
+            body, headers, expect = FAULTS.get(
+                name,
+                (
+                    {"prompt": f"script:echo:{rng.randint(8, 64)}", "stream": rng.random() < 0.8},
+                    {},
+                    {200},
+                ),
+            )
             data = body if isinstance(body, bytes) else orjson.dumps(body)
             tally["requests"] += 1
             tally["faults injected"] += name != "ok"
             tally["bad inputs"] += name in ("bad_json", "too_deep", "bad_header")
             try:
-                async with s.post(url + "/v1/completions", data=data, headers={
-                        "content-type": "application/json", **headers}) as r:
+                async with s.post(
+                    url + "/v1/completions",
+                    data=data,
+                    headers={"content-type": "application/json", **headers},
+                ) as r:
                     if hang_up:  # the client goes away mid-answer
                         await r.content.readany()
                         tally["client hang-ups"] += 1
@@ -84,15 +92,20 @@ async def client(url: str, end: float, fault_share: float, tally: collections.Co
                         tally[f"unexpected {r.status} ({name})"] += 1
                         if r.status >= 500:
                             tally["5xx not injected"] += 1
-                    elif name == "ok" and r.status == 200 and b"[DONE]" not in text \
-                            and b'"choices"' not in text:
+                    elif (
+                        name == "ok"
+                        and r.status == 200
+                        and b"[DONE]" not in text
+                        and b'"choices"' not in text
+                    ):
                         tally["lost"] += 1
             except (aiohttp.ClientError, asyncio.TimeoutError):
                 tally["lost"] += 1
 
 
-async def run(url: str, seconds: float, streams: int, faults: float,
-              pid: int) -> tuple[collections.Counter[str], list[tuple[float, int, int, int]]]:
+async def run(
+    url: str, seconds: float, streams: int, faults: float, pid: int
+) -> tuple[collections.Counter[str], list[tuple[float, int, int, int]]]:
     tally: collections.Counter[str] = collections.Counter()
     samples: list[tuple[float, int, int, int]] = []
     end = time.monotonic() + seconds
@@ -103,9 +116,10 @@ async def run(url: str, seconds: float, streams: int, faults: float,
             await asyncio.sleep(1)
 
     rng = random.Random(7)
-    await asyncio.gather(sampler(), *(client(url, end, faults, tally,
-                                             random.Random(rng.random()))
-                                      for _ in range(streams)))
+    await asyncio.gather(
+        sampler(),
+        *(client(url, end, faults, tally, random.Random(rng.random())) for _ in range(streams)),
+    )
     samples.append((time.monotonic(), tally["requests"], *_sample(pid)))
     return tally, samples
 
@@ -117,14 +131,18 @@ def main() -> None:
     p.add_argument("--faults", type=float, default=0.05)
     a = p.parse_args()
     port = free_port()
-    engine = Server([sys.executable, "-m", "tests.scripted_engine", "--port", str(port)],
-                    "/health", port)
-    router = start_router(Path(tempfile.mkdtemp()), f"""
+    engine = Server(
+        [sys.executable, "-m", "tests.scripted_engine", "--port", str(port)], "/health", port
+    )
+    router = start_router(
+        Path(tempfile.mkdtemp()),
+        f"""
 listen: {{port: $PORT}}
 admission: open
 health: {{interval_s: 0.2}}
 engines: [{{name: s, url: "{engine.url}", dialect: openai}}]
-""")
+""",
+    )
     try:
         pid = _worker(router.proc.pid)
         tally, samples = asyncio.run(run(router.url, a.seconds, a.streams, a.faults, pid))
@@ -132,10 +150,12 @@ engines: [{{name: s, url: "{engine.url}", dialect: openai}}]
     finally:
         router.stop()
         engine.stop()
-    warm = samples[min(len(samples) - 1, max(1, len(samples) // 5)):]
+    warm = samples[min(len(samples) - 1, max(1, len(samples) // 5)) :]
     slope = statistics.linear_regression([s[1] for s in warm], [s[2] for s in warm]).slope
-    print(f"{a.seconds:g} s, {a.streams} clients, {a.faults:.0%} faulty; router alive after: "
-          f"{alive}\n")
+    print(
+        f"{a.seconds:g} s, {a.streams} clients, {a.faults:.0%} faulty; router alive after: "
+        f"{alive}\n"
+    )
     for k, v in sorted(tally.items()):
         print(f"| {k} | {v} |")
     print(f"| RSS start / end (MiB) | {samples[0][2] / 1024:.1f} / {samples[-1][2] / 1024:.1f} |")

@@ -29,8 +29,11 @@ class Up(Server):
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc = subprocess.Popen(
             [str(BIN / "narwhal"), "up", "--port", str(self.port), "--threads", str(threads)],
-            cwd=ROOT, start_new_session=True, stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL)
+            cwd=ROOT,
+            start_new_session=True,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         wait_http(self.url + "/ready", self.proc, 180)
 
 
@@ -46,8 +49,7 @@ def main() -> None:
     choices = (cpus, cpus - 1)
     ups = {t: Up(t) for t in choices}
     got: dict[tuple[int, int], list[dict[str, float]]] = {}
-    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
-            for _ in range(a.busy)]
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(a.busy)]
     try:
         for _ in range(a.rounds):
             for c in LEVELS:
@@ -58,15 +60,18 @@ def main() -> None:
             b.kill()
         for up in ups.values():
             up.stop()
-    print(f"{cpus} CPUs, {a.busy} busy processes beside, {a.tokens} tokens a stream, "
-          f"median of {a.rounds} rounds\n")
+    print(
+        f"{cpus} CPUs, {a.busy} busy processes beside, {a.tokens} tokens a stream, "
+        f"median of {a.rounds} rounds\n"
+    )
     print("| streams | threads | tok/s | worst TPOT ms | tok/s vs threads = CPUs |")
     print("|---|---|---|---|---|")
     for c in LEVELS:
         for t in choices:
             agg = [w["agg"] for w in got[t, c]]
-            ratio = statistics.median(x / y for x, y in zip(
-                agg, (w["agg"] for w in got[cpus, c]), strict=True))
+            ratio = statistics.median(
+                x / y for x, y in zip(agg, (w["agg"] for w in got[cpus, c]), strict=True)
+            )
             worst = statistics.median(w["worst"] for w in got[t, c]) * 1000
             print(f"| {c} | {t} | {statistics.median(agg):.1f} | {worst:.1f} | {ratio:.2f}x |")
 

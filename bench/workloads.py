@@ -7,7 +7,7 @@ from tests.streams import chat_stream, completion_stream, sse, tool_stream
 
 def chunks(data: bytes, size: int = 1400) -> list[bytes]:
     # ~one TCP segment per read, the size an upstream socket read usually hands over
-    return [data[i:i + size] for i in range(0, len(data), size)]
+    return [data[i : i + size] for i in range(0, len(data), size)]
 
 
 CHAT_2000 = chat_stream(2000, token_ids=True)

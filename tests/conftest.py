@@ -25,8 +25,9 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def wait_http(url: str, proc: subprocess.Popen[bytes], timeout: float = 60,
-              status: int = 200) -> None:
+def wait_http(
+    url: str, proc: subprocess.Popen[bytes], timeout: float = 60, status: int = 200
+) -> None:
     end = time.monotonic() + timeout
     while time.monotonic() < end:
         if proc.poll() is not None:
@@ -47,8 +48,9 @@ class Server:
         # A file, not a pipe: a pipe nobody reads fills up (64 KiB of log lines) and then
         # blocks the server on its next write.
         self.log = tempfile.TemporaryFile()  # noqa: SIM115 - lives as long as the server
-        self.proc = subprocess.Popen(args, cwd=ROOT, start_new_session=True,
-                                     stdout=subprocess.DEVNULL, stderr=self.log)
+        self.proc = subprocess.Popen(
+            args, cwd=ROOT, start_new_session=True, stdout=subprocess.DEVNULL, stderr=self.log
+        )
         try:
             wait_http(self.url + health, self.proc, timeout)
         except Exception:
@@ -79,16 +81,31 @@ def model_path() -> str:
 
 def start_engine(model: str, *extra: str) -> Server:
     port = free_port()
-    return Server([str(BIN / "lexi-engine"), "serve", "-m", model, "--port", str(port),
-                   "--ctx-size", "2048", *extra], "/health", port, timeout=120)
+    return Server(
+        [
+            str(BIN / "lexi-engine"),
+            "serve",
+            "-m",
+            model,
+            "--port",
+            str(port),
+            "--ctx-size",
+            "2048",
+            *extra,
+        ],
+        "/health",
+        port,
+        timeout=120,
+    )
 
 
 def start_router(tmp: Path, yaml_text: str) -> Server:
     port = free_port()
     cfg = tmp / f"narwhal-{port}.yaml"
     cfg.write_text(yaml_text.replace("$PORT", str(port)))
-    return Server([str(BIN / "narwhal"), "serve", "--config", str(cfg)], "/ready", port,
-                  timeout=120)
+    return Server(
+        [str(BIN / "narwhal"), "serve", "--config", str(cfg)], "/ready", port, timeout=120
+    )
 
 
 def start_test_engine(module: str, *args: str) -> Server:

@@ -14,8 +14,9 @@ import contextlib
 
 import orjson
 
-OK_HEAD = (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
-           b"transfer-encoding: chunked\r\n\r\n")
+OK_HEAD = (
+    b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+)
 
 # Response heads no engine should send; each must be a 502 for its request, nothing more.
 BAD_HEADS: dict[str, bytes] = {
@@ -23,12 +24,14 @@ BAD_HEADS: dict[str, bytes] = {
     "http2_status": b"HTTP/2 200\r\ncontent-length: 0\r\n\r\n",
     "two_digit_status": b"HTTP/1.1 20 OK\r\ncontent-length: 0\r\n\r\n",
     "header_without_colon": b"HTTP/1.1 200 OK\r\nthis is no header\r\n\r\n",
-    "conflicting_length": (b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\ncontent-length: 6\r\n\r\n"
-                           b"hello"),
+    "conflicting_length": (
+        b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\ncontent-length: 6\r\n\r\nhello"
+    ),
     "negative_length": b"HTTP/1.1 200 OK\r\ncontent-length: -5\r\n\r\n",
     "non_utf8_header": b"HTTP/1.1 200 OK\r\nx-bad: \xff\xfe\r\ncontent-length: 0\r\n\r\n",
-    "switching_protocols": (b"HTTP/1.1 101 Switching Protocols\r\nupgrade: websocket\r\n"
-                            b"connection: upgrade\r\n\r\n"),
+    "switching_protocols": (
+        b"HTTP/1.1 101 Switching Protocols\r\nupgrade: websocket\r\nconnection: upgrade\r\n\r\n"
+    ),
 }
 
 
@@ -37,10 +40,18 @@ def chunk(data: bytes) -> bytes:
 
 
 def frame(text: str, chat: bool, finish: str | None = None) -> bytes:
-    choice = ({"index": 0, "delta": {"content": text}, "finish_reason": finish} if chat
-              else {"index": 0, "text": text, "finish_reason": finish})
-    return b"data: " + orjson.dumps({"id": "f-1", "object": "x", "created": 1, "model": "f",
-                                     "choices": [choice]}) + b"\n\n"
+    choice = (
+        {"index": 0, "delta": {"content": text}, "finish_reason": finish}
+        if chat
+        else {"index": 0, "text": text, "finish_reason": finish}
+    )
+    return (
+        b"data: "
+        + orjson.dumps(
+            {"id": "f-1", "object": "x", "created": 1, "model": "f", "choices": [choice]}
+        )
+        + b"\n\n"
+    )
 
 
 def fault_of(body: dict[str, object]) -> str:
@@ -82,16 +93,26 @@ async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> 
                 writer.write(b"Invalid SSH identification string.\r\n")
                 break
             if name == "trailing_bytes":  # a whole answer, then bytes nobody asked for
-                writer.write(OK_HEAD + chunk(frame("hi", chat)) + chunk(frame("", chat, "stop"))
-                             + chunk(b"data: [DONE]\n\n") + b"0\r\n\r\nHTTP/1.1 200 OK\r\n")
+                writer.write(
+                    OK_HEAD
+                    + chunk(frame("hi", chat))
+                    + chunk(frame("", chat, "stop"))
+                    + chunk(b"data: [DONE]\n\n")
+                    + b"0\r\n\r\nHTTP/1.1 200 OK\r\n"
+                )
                 await writer.drain()
                 break
             if name == "stall_after_first":  # one token, then silence with the socket open
                 writer.write(OK_HEAD + chunk(frame("hi", chat)))
                 await writer.drain()
                 await asyncio.sleep(3600)
-            writer.write(OK_HEAD + chunk(frame("hi", chat)) + chunk(frame("", chat, "stop"))
-                         + chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n")
+            writer.write(
+                OK_HEAD
+                + chunk(frame("hi", chat))
+                + chunk(frame("", chat, "stop"))
+                + chunk(b"data: [DONE]\n\n")
+                + b"0\r\n\r\n"
+            )
             await writer.drain()
     writer.close()
 

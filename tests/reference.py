@@ -39,12 +39,12 @@ class RefSseDecoder:
                     raise SseError("too large")
                 return out
             i = min(cut)
-            line, sep = self.buf[:i], self.buf[i:i + 1]
+            line, sep = self.buf[:i], self.buf[i : i + 1]
             start = self.offset
             rest = i + 1
             if sep == b"\r":
                 if len(self.buf) > i + 1:
-                    if self.buf[i + 1:i + 2] == b"\n":
+                    if self.buf[i + 1 : i + 2] == b"\n":
                         rest += 1
                 else:
                     self.skip_lf = True
@@ -82,8 +82,7 @@ class RefSseDecoder:
             self.last_id = value
 
 
-GENERATED = ("content", "reasoning", "reasoning_content", "refusal", "tool_calls",
-             "function_call")
+GENERATED = ("content", "reasoning", "reasoning_content", "refusal", "tool_calls", "function_call")
 
 
 def _carries(v: Any) -> bool:
@@ -144,11 +143,12 @@ def ref_assemble(frames: list[str], kind: str) -> dict[str, Any]:
             usage = f["usage"]
         for pos, c in enumerate(f.get("choices") or []):
             idx = c.get("index", pos)
-            acc = choices.setdefault(idx, {"text": None, "calls": {}, "extra": {}, "lp": {},
-                                           "finish": None, "n": 0})
+            acc = choices.setdefault(
+                idx, {"text": None, "calls": {}, "extra": {}, "lp": {}, "finish": None, "n": 0}
+            )
             if c.get("finish_reason") is not None:
                 acc["finish"] = c["finish_reason"]
-            for k, v in ((c.get("logprobs") or {}).items()):
+            for k, v in (c.get("logprobs") or {}).items():
                 if v is not None:
                     acc["lp"].setdefault(k, []).extend(v)
             parts = c.get("delta") or {} if kind == "chat" else {"content": c.get("text")}
@@ -162,8 +162,9 @@ def ref_assemble(frames: list[str], kind: str) -> dict[str, Any]:
                         acc["extra"][k] = acc["extra"].get(k, "") + v
                     gen |= v != ""
             for p2, tc in enumerate(parts.get("tool_calls") or []):
-                slot = acc["calls"].setdefault(tc.get("index", p2), {"id": "", "name": "",
-                                                                     "arguments": ""})
+                slot = acc["calls"].setdefault(
+                    tc.get("index", p2), {"id": "", "name": "", "arguments": ""}
+                )
                 slot["id"] += tc.get("id") or ""
                 fn = tc.get("function") or {}
                 slot["name"] += fn.get("name") or ""
@@ -176,9 +177,14 @@ def ref_assemble(frames: list[str], kind: str) -> dict[str, Any]:
         ch: dict[str, Any] = {"index": idx}
         if kind == "chat":
             msg: dict[str, Any] = {"role": "assistant"}
-            calls = [{"id": c["id"], "type": "function",
-                      "function": {"name": c["name"], "arguments": c["arguments"]}}
-                     for _, c in sorted(acc["calls"].items())]
+            calls = [
+                {
+                    "id": c["id"],
+                    "type": "function",
+                    "function": {"name": c["name"], "arguments": c["arguments"]},
+                }
+                for _, c in sorted(acc["calls"].items())
+            ]
             msg["content"] = acc["text"] if acc["text"] or not calls else None
             if acc["text"] is None and not calls:
                 msg["content"] = ""
@@ -193,14 +199,18 @@ def ref_assemble(frames: list[str], kind: str) -> dict[str, Any]:
         ch["finish_reason"] = acc["finish"]
         out_choices.append(ch)
     n = sum(a["n"] for a in choices.values())
-    return {**meta, "object": "chat.completion" if kind == "chat" else "text_completion",
-            "choices": out_choices,
-            "usage": usage or {"prompt_tokens": 0, "completion_tokens": n, "total_tokens": n}}
+    return {
+        **meta,
+        "object": "chat.completion" if kind == "chat" else "text_completion",
+        "choices": out_choices,
+        "usage": usage or {"prompt_tokens": 0, "completion_tokens": n, "total_tokens": n},
+    }
 
 
 class RefThinkSplitter:
-    def __init__(self, open_: str = "<think>", close: str = "</think>",
-                 start_in_reasoning: bool = False) -> None:
+    def __init__(
+        self, open_: str = "<think>", close: str = "</think>", start_in_reasoning: bool = False
+    ) -> None:
         self.open, self.close = open_, close
         self.text = ""
         self.start_in = start_in_reasoning
@@ -214,7 +224,7 @@ class RefThinkSplitter:
             s = t.lstrip()
             if not s.startswith(self.open):
                 return "", t
-            body = s[len(self.open):]
+            body = s[len(self.open) :]
         if self.close in body:
             r, _, c = body.partition(self.close)
             return r, c.lstrip()

@@ -16,8 +16,16 @@ import orjson
 from aiohttp import web
 
 PREFILL_LOCK = asyncio.Lock()
-STATS: dict[str, Any] = {"ms_per_token": 0.0, "requests": 0, "disconnects": 0, "last": None,
-                         "healthy": True, "active": 0, "connections": 0, "busy": False}
+STATS: dict[str, Any] = {
+    "ms_per_token": 0.0,
+    "requests": 0,
+    "disconnects": 0,
+    "last": None,
+    "healthy": True,
+    "active": 0,
+    "connections": 0,
+    "busy": False,
+}
 # Client ports that sent completion requests: how many connections the router opened.
 PEERS: set[Any] = set()
 
@@ -38,18 +46,38 @@ def _prompt_tokens(body: dict[str, Any]) -> int:
     return max(1, len(text) // 4)
 
 
-def _frame(body: dict[str, Any], chat: bool, piece: dict[str, Any] | None, ids: list[Any] | None,
-           finish: str | None = None, **top: Any) -> bytes:
+def _frame(
+    body: dict[str, Any],
+    chat: bool,
+    piece: dict[str, Any] | None,
+    ids: list[Any] | None,
+    finish: str | None = None,
+    **top: Any,
+) -> bytes:
     if chat:
-        choice: dict[str, Any] = {"index": 0, "delta": piece or {}, "logprobs": None,
-                                  "finish_reason": finish}
+        choice: dict[str, Any] = {
+            "index": 0,
+            "delta": piece or {},
+            "logprobs": None,
+            "finish_reason": finish,
+        }
     else:
-        choice = {"index": 0, "text": (piece or {}).get("content", ""), "logprobs": None,
-                  "finish_reason": finish}
+        choice = {
+            "index": 0,
+            "text": (piece or {}).get("content", ""),
+            "logprobs": None,
+            "finish_reason": finish,
+        }
     if ids is not None and body.get("return_token_ids"):
         choice["token_ids"] = ids
-    frame = {"id": "x-1", "object": "chat.completion.chunk" if chat else "text_completion",
-             "created": 1, "model": "scripted", "choices": [choice], **top}
+    frame = {
+        "id": "x-1",
+        "object": "chat.completion.chunk" if chat else "text_completion",
+        "created": 1,
+        "model": "scripted",
+        "choices": [choice],
+        **top,
+    }
     return b"data: " + orjson.dumps(frame) + b"\n\n"
 
 
@@ -64,10 +92,11 @@ async def completions(request: web.Request) -> web.StreamResponse:
     if STATS["busy"]:
         name, arg = "status", "429"
     if name == "status":
-        return web.json_response({"error": {"message": "engine says no", "type": "x",
-                                             "param": "grammar", "code": None}},
-                                 status=int(arg),
-                                 headers={"retry-after": "1"} if arg == "429" else None)
+        return web.json_response(
+            {"error": {"message": "engine says no", "type": "x", "param": "grammar", "code": None}},
+            status=int(arg),
+            headers={"retry-after": "1"} if arg == "429" else None,
+        )
     if name == "slow_first":
         await asyncio.sleep(int(arg) / 1000)
     if name == "prefill_serial":
@@ -92,13 +121,15 @@ async def completions(request: web.Request) -> web.StreamResponse:
     return resp
 
 
-async def _script_body(resp: web.StreamResponse, body: dict[str, Any], chat: bool, name: str,
-                       arg: str) -> None:
+async def _script_body(
+    resp: web.StreamResponse, body: dict[str, Any], chat: bool, name: str, arg: str
+) -> None:
     w = resp.write
     prompt = list(range(_prompt_tokens(body)))
     first_top = {"prompt_token_ids": prompt} if body.get("return_token_ids") and chat else {}
-    await w(_frame(body, chat, {"role": "assistant", "content": ""} if chat else None, [],
-                   **first_top))
+    await w(
+        _frame(body, chat, {"role": "assistant", "content": ""} if chat else None, [], **first_top)
+    )
     n = int(arg) if name == "echo" and arg else 4
     pace = 0.0
     if name == "paced":  # paced:N:MS, N tokens MS apart, as a decoding engine emits them
@@ -125,22 +156,41 @@ async def _script_body(resp: web.StreamResponse, body: dict[str, Any], chat: boo
         await w(_frame(body, chat, {"content": "x", "audio": {"data": "AAAA"}}, [5]))
     elif name == "tools":
         for idx, fn in ((0, "f"), (1, "g")):
-            await w(_frame(body, chat, {"tool_calls": [{"index": idx, "id": f"call_{idx}",
-                                                        "type": "function",
-                                                        "function": {"name": fn,
-                                                                     "arguments": "{\"a\""}}]},
-                           [10 + idx]))
-            await w(_frame(body, chat, {"tool_calls": [{"index": idx,
-                                                        "function": {"arguments": ": 1}"}}]},
-                           [20 + idx]))
+            await w(
+                _frame(
+                    body,
+                    chat,
+                    {
+                        "tool_calls": [
+                            {
+                                "index": idx,
+                                "id": f"call_{idx}",
+                                "type": "function",
+                                "function": {"name": fn, "arguments": '{"a"'},
+                            }
+                        ]
+                    },
+                    [10 + idx],
+                )
+            )
+            await w(
+                _frame(
+                    body,
+                    chat,
+                    {"tool_calls": [{"index": idx, "function": {"arguments": ": 1}"}}]},
+                    [20 + idx],
+                )
+            )
         await w(_frame(body, chat, None, [], finish="tool_calls"))
         await w(b"data: [DONE]\n\n")
         return
     elif name == "error_event":  # as LexiEngine ends a stream it cannot finish: no [DONE]
         await w(_frame(body, chat, {"content": "a"}, [7]))
-        await w(b'data: {"error": {"message": "no tool call came", "type": '
-                b'"invalid_response_error", "param": "tool_choice", '
-                b'"code": "tool_call_invalid"}}\n\n')
+        await w(
+            b'data: {"error": {"message": "no tool call came", "type": '
+            b'"invalid_response_error", "param": "tool_choice", '
+            b'"code": "tool_call_invalid"}}\n\n'
+        )
         return
     elif name == "reasoning":
         await w(_frame(body, chat, {"reasoning_content": "hmm"}, [3]))
@@ -157,8 +207,14 @@ async def _script_body(resp: web.StreamResponse, body: dict[str, Any], chat: boo
         await asyncio.sleep(0.05)  # the usage frame arrives in a read of its own
     if (body.get("stream_options") or {}).get("include_usage") and name != "no_usage":
         usage = {"prompt_tokens": 3, "completion_tokens": n, "total_tokens": 3 + n}
-        frame = {"id": "x-1", "object": "chat.completion.chunk", "created": 1,
-                 "model": "scripted", "choices": [], "usage": usage}
+        frame = {
+            "id": "x-1",
+            "object": "chat.completion.chunk",
+            "created": 1,
+            "model": "scripted",
+            "choices": [],
+            "usage": usage,
+        }
         await w(b"data: " + orjson.dumps(frame) + b"\n\n")
     await w(b"data: [DONE]\n\n")
 
@@ -179,10 +235,17 @@ async def stats(request: web.Request) -> web.Response:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--port", type=int, required=True)
-    p.add_argument("--prefill-ms-per-token", type=float, default=0.0,
-                   help="prefill cost of every request (4 prompt bytes make a token)")
-    p.add_argument("--busy", action="store_true",
-                   help="answer every completion 429 inference_busy (with Retry-After)")
+    p.add_argument(
+        "--prefill-ms-per-token",
+        type=float,
+        default=0.0,
+        help="prefill cost of every request (4 prompt bytes make a token)",
+    )
+    p.add_argument(
+        "--busy",
+        action="store_true",
+        help="answer every completion 429 inference_busy (with Retry-After)",
+    )
     args = p.parse_args()
     STATS["ms_per_token"] = args.prefill_ms_per_token
     STATS["busy"] = args.busy

@@ -19,7 +19,9 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def router(scripted: Server, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    r = start_router(tmp_path_factory.mktemp("a"), f"""
+    r = start_router(
+        tmp_path_factory.mktemp("a"),
+        f"""
 model: main
 listen: {{port: $PORT}}
 admission: open
@@ -29,7 +31,8 @@ serving: {{http_retention_limit: 3}}
 health: {{interval_s: 0.2}}
 engines:
   - {{name: s, url: '{scripted.url}', dialect: lexi}}
-""")
+""",
+    )
     yield r
     r.stop()
 
@@ -43,8 +46,13 @@ def engine_state(router: Server) -> dict[str, Any]:
 
 
 def background(router: Server, content: str, out: list[int]) -> threading.Thread:
-    t = threading.Thread(target=lambda: out.append(httpx.post(
-        router.url + "/v1/chat/completions", json=chat(content), timeout=30).status_code))
+    t = threading.Thread(
+        target=lambda: out.append(
+            httpx.post(
+                router.url + "/v1/chat/completions", json=chat(content), timeout=30
+            ).status_code
+        )
+    )
     t.start()
     return t
 
@@ -74,8 +82,7 @@ def test_prefill_limit_queues_then_the_queue_wait_expires_with_504(router: Serve
     assert results == [200]
 
 
-def test_full_queue_is_429_and_a_queued_request_is_placed_when_room_frees(
-        router: Server) -> None:
+def test_full_queue_is_429_and_a_queued_request_is_placed_when_room_frees(router: Server) -> None:
     results: list[int] = []
     first = background(router, "script:slow_first:400", results)
     wait_for(lambda: engine_state(router)["prefill"] == 1)
@@ -109,9 +116,11 @@ def test_a_client_leaving_the_queue_frees_its_place(router: Server, scripted: Se
 
 def test_retention_limit_is_429(router: Server) -> None:
     # Two streams in decode and one request in prefill hold all three retention seats.
-    with httpx.Client(timeout=30) as c, \
-            c.stream("POST", router.url + "/v1/chat/completions", json=chat("script:hang")) as a, \
-            c.stream("POST", router.url + "/v1/chat/completions", json=chat("script:hang")) as b:
+    with (
+        httpx.Client(timeout=30) as c,
+        c.stream("POST", router.url + "/v1/chat/completions", json=chat("script:hang")) as a,
+        c.stream("POST", router.url + "/v1/chat/completions", json=chat("script:hang")) as b,
+    ):
         alive = [s.iter_raw() for s in (a, b)]  # a dropped iterator closes its stream
         for it in alive:
             next(it)
@@ -127,6 +136,11 @@ def test_retention_limit_is_429(router: Server) -> None:
 
 
 def test_everything_returns_to_zero(router: Server) -> None:
-    wait_for(lambda: metric(router, "narwhal_retained") == 0
-             and metric(router, "narwhal_queued") == 0
-             and engine_state(router)["prefill"] == 0 and engine_state(router)["decode"] == 0)
+    wait_for(
+        lambda: (
+            metric(router, "narwhal_retained") == 0
+            and metric(router, "narwhal_queued") == 0
+            and engine_state(router)["prefill"] == 0
+            and engine_state(router)["decode"] == 0
+        )
+    )

@@ -35,9 +35,23 @@ def uvicorn_router(scripted: Server, tmp_path_factory: pytest.TempPathFactory) -
     cfg.write_text(CONFIG.replace("URL", scripted.url).replace("$PORT", str(port)))
     service.hand_off(CONFIG_ENV, load(str(cfg)).to_json())
     try:
-        s = Server([sys.executable, "-m", "uvicorn", "--factory", "narwhal.router.app:create_app",
-                    "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"],
-                   "/ready", port)
+        s = Server(
+            [
+                sys.executable,
+                "-m",
+                "uvicorn",
+                "--factory",
+                "narwhal.router.app:create_app",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--log-level",
+                "warning",
+            ],
+            "/ready",
+            port,
+        )
     finally:
         del os.environ[CONFIG_ENV]
     yield s
@@ -45,11 +59,13 @@ def uvicorn_router(scripted: Server, tmp_path_factory: pytest.TempPathFactory) -
 
 
 def test_paced_stream_is_relayed_whole(uvicorn_router: Server) -> None:
-    r = httpx.post(uvicorn_router.url + "/v1/chat/completions",
-                   json=chat("script:paced:5:10", stream=True), timeout=30)
+    r = httpx.post(
+        uvicorn_router.url + "/v1/chat/completions",
+        json=chat("script:paced:5:10", stream=True),
+        timeout=30,
+    )
     frames = sse_frames(r.text)
-    text = "".join(f["choices"][0]["delta"].get("content", "") for f in frames[:-1]
-                   if f["choices"])
+    text = "".join(f["choices"][0]["delta"].get("content", "") for f in frames[:-1] if f["choices"])
     assert text == "w0 w1 w2 w3 w4 "
     assert frames[-1] == "[DONE]"
     assert "token_ids" not in r.text
@@ -57,15 +73,17 @@ def test_paced_stream_is_relayed_whole(uvicorn_router: Server) -> None:
 
 
 def test_death_mid_stream_and_assembly(uvicorn_router: Server) -> None:
-    r = httpx.post(uvicorn_router.url + "/v1/chat/completions",
-                   json=chat("script:die", stream=True), timeout=30)
+    r = httpx.post(
+        uvicorn_router.url + "/v1/chat/completions",
+        json=chat("script:die", stream=True),
+        timeout=30,
+    )
     assert sse_frames(r.text)[-1]["error"]["code"] == "engine_disconnected"
     _wait_ready(uvicorn_router)  # the failed engine is back once its health probe passes
-    r = httpx.post(uvicorn_router.url + "/v1/chat/completions",
-                   json=chat("script:paced:3:5"), timeout=30)
+    r = httpx.post(
+        uvicorn_router.url + "/v1/chat/completions", json=chat("script:paced:3:5"), timeout=30
+    )
     assert r.json()["choices"][0]["message"]["content"] == "w0 w1 w2 "
-
-
 
 
 def test_client_gone_before_first_byte_cancels_at_once(uvicorn_router: Server) -> None:

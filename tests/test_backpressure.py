@@ -23,8 +23,10 @@ def _open(port: int, tokens: int) -> socket.socket:
     s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     s.connect(("127.0.0.1", port))
     body = orjson.dumps({"prompt": f"script:echo:{tokens}", "stream": True})
-    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: t\r\ncontent-type: application/json\r\n"
-              b"content-length: %d\r\n\r\n%s" % (len(body), body))
+    s.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nHost: t\r\ncontent-type: application/json\r\n"
+        b"content-length: %d\r\n\r\n%s" % (len(body), body)
+    )
     return s
 
 
@@ -51,7 +53,7 @@ def _dechunk(body: bytes) -> bytes:
         n = int(body[i:j], 16)
         if n == 0:
             return b"".join(out)
-        out.append(body[j + 2:j + 2 + n])
+        out.append(body[j + 2 : j + 2 + n])
         i = j + 2 + n + 2
 
 
@@ -69,11 +71,14 @@ def _worker_rss_kib(main_pid: int) -> int:
 
 @pytest.fixture(scope="module")
 def router(scripted: Server, tmp_path_factory: pytest.TempPathFactory) -> Server:
-    r = start_router(tmp_path_factory.mktemp("bp"), f"""
+    r = start_router(
+        tmp_path_factory.mktemp("bp"),
+        f"""
 listen: {{port: $PORT}}
 admission: open
 engines: [{{name: s, url: "{scripted.url}", dialect: openai}}]
-""")
+""",
+    )
     yield r  # type: ignore[misc]
     r.stop()
 
@@ -87,8 +92,9 @@ def test_a_stalled_client_gets_every_token_in_order(router: Server) -> None:
         for s, first in zip(streams, firsts, strict=True):
             text = _read_all(s, first)
             got = [int(x) for x in re.findall(rb'"text":"w(\d+) "', text)]
-            assert got == list(range(n)), next(
-                (i, g) for i, g in enumerate(got) if g != i) if got != list(range(n)) else None
+            assert got == list(range(n)), (
+                next((i, g) for i, g in enumerate(got) if g != i) if got != list(range(n)) else None
+            )
             assert text.rstrip().endswith(b"data: [DONE]")
     finally:
         for s in streams:
@@ -131,8 +137,10 @@ def _open_paced(port: int) -> socket.socket:
     s = socket.socket()
     s.connect(("127.0.0.1", port))
     body = orjson.dumps({"prompt": "script:paced:100:20", "stream": True})
-    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: t\r\ncontent-type: application/json\r\n"
-              b"content-length: %d\r\n\r\n%s" % (len(body), body))
+    s.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nHost: t\r\ncontent-type: application/json\r\n"
+        b"content-length: %d\r\n\r\n%s" % (len(body), body)
+    )
     return s
 
 
@@ -141,9 +149,12 @@ def test_the_deadline_covers_the_stream_after_its_first_token(router: Server) ->
     client's `x-narwhal-timeout-ms` ends it, and every seat comes back."""
     import httpx
 
-    r = httpx.post(router.url + "/v1/completions", timeout=30,
-                   headers={"x-narwhal-timeout-ms": "1500"},
-                   json={"prompt": "script:hang", "stream": True})
+    r = httpx.post(
+        router.url + "/v1/completions",
+        timeout=30,
+        headers={"x-narwhal-timeout-ms": "1500"},
+        json={"prompt": "script:hang", "stream": True},
+    )
     assert r.status_code == 200
     assert r.text.rstrip().endswith('"code":"deadline_exceeded"}}')
     m = httpx.get(router.url + "/metrics").text
@@ -151,16 +162,18 @@ def test_the_deadline_covers_the_stream_after_its_first_token(router: Server) ->
     assert "narwhal_retained 0.0" in m
 
 
-def test_a_slow_client_is_not_taken_for_a_stalled_engine(scripted: Server,
-                                                         tmp_path: Path) -> None:
+def test_a_slow_client_is_not_taken_for_a_stalled_engine(scripted: Server, tmp_path: Path) -> None:
     """While the client does not read, the router does not read the engine either; the
     idle-gap watchdog must not blame the engine for that silence."""
-    r = start_router(tmp_path, f"""
+    r = start_router(
+        tmp_path,
+        f"""
 listen: {{port: $PORT}}
 admission: open
 serving: {{stream_idle_timeout_s: 0.5}}
 engines: [{{name: s, url: "{scripted.url}", dialect: openai}}]
-""")
+""",
+    )
     try:
         s = _open(r.port, 30_000)
         try:

@@ -30,8 +30,19 @@ def room(word: str, n: int) -> int:
 
 @pytest.fixture(scope="module")
 def engine(model_path: str) -> Iterator[Server]:
-    s = start_engine(model_path, "--parallel", "4", "--prefill-chunk", "32", "--temp", "0",
-                     "--queue-wait", "0", "--ctx-size", "8192")
+    s = start_engine(
+        model_path,
+        "--parallel",
+        "4",
+        "--prefill-chunk",
+        "32",
+        "--temp",
+        "0",
+        "--queue-wait",
+        "0",
+        "--ctx-size",
+        "8192",
+    )
     yield s
     s.stop()
 
@@ -39,8 +50,9 @@ def engine(model_path: str) -> Iterator[Server]:
 def stream_text(url: str, body: dict[str, Any], log: list[tuple[float, str]]) -> str:
     """Streams a completion; records (arrival time, text) per chunk. Returns the text."""
     text = []
-    with httpx.stream("POST", url + "/v1/completions", json=body | {"stream": True},
-                      timeout=120) as r:
+    with httpx.stream(
+        "POST", url + "/v1/completions", json=body | {"stream": True}, timeout=120
+    ) as r:
         assert r.status_code == 200, r.read()
         for line in r.iter_lines():
             if line.startswith("data: {"):
@@ -67,11 +79,18 @@ def run_together(fns: list[Any]) -> list[Any]:
 
 def test_concurrent_streams_are_correct_independent_and_interleaved(engine: Server) -> None:
     logs: list[list[tuple[float, str]]] = [[] for _ in WORDS]
-    texts = run_together([
-        (lambda i=i, w=w: stream_text(engine.url, {"prompt": f"Say {w}", "max_tokens": room(w, 40),
-                                                    "grammar": exact(w, 40)}, logs[i]))
-        for i, w in enumerate(WORDS)
-    ])
+    texts = run_together(
+        [
+            (
+                lambda i=i, w=w: stream_text(
+                    engine.url,
+                    {"prompt": f"Say {w}", "max_tokens": room(w, 40), "grammar": exact(w, 40)},
+                    logs[i],
+                )
+            )
+            for i, w in enumerate(WORDS)
+        ]
+    )
     assert texts == [(w + " ") * 40 for w in WORDS]
     # Decoded together: every stream had output before any stream ended.
     first_ends = min(log[-1][0] for log in logs)
@@ -85,12 +104,18 @@ def test_same_text_alone_and_batched_at_temperature_zero(engine: Server) -> None
     alone = httpx.post(engine.url + "/v1/completions", json=body, timeout=120).json()
 
     def beside(prompt: str) -> Any:
-        return lambda: httpx.post(engine.url + "/v1/completions",
-                                  json={"prompt": prompt, "max_tokens": 24},
-                                  timeout=120).json()
+        return lambda: httpx.post(
+            engine.url + "/v1/completions", json={"prompt": prompt, "max_tokens": 24}, timeout=120
+        ).json()
 
-    batched = run_together([beside(body["prompt"]), beside("The capital of France is"),
-                            beside("def fibonacci(n):"), beside("Dear friend,")])
+    batched = run_together(
+        [
+            beside(body["prompt"]),
+            beside("The capital of France is"),
+            beside("def fibonacci(n):"),
+            beside("Dear friend,"),
+        ]
+    )
     assert batched[0]["choices"][0]["text"] == alone["choices"][0]["text"]
     assert batched[0]["usage"]["completion_tokens"] == 24
 
@@ -99,9 +124,11 @@ def test_prefix_reuse_shows_in_cached_tokens(engine: Server) -> None:
     shared = "The history of the river valley is long. " * 12
 
     def ask(prompt: str) -> dict[str, Any]:
-        r = httpx.post(engine.url + "/v1/completions", json={"prompt": prompt, "max_tokens": 1,
-                                                             "return_token_ids": True},
-                       timeout=120)
+        r = httpx.post(
+            engine.url + "/v1/completions",
+            json={"prompt": prompt, "max_tokens": 1, "return_token_ids": True},
+            timeout=120,
+        )
         return r.json()  # type: ignore[no-any-return]
 
     a = ask(shared + "First question?")
@@ -113,14 +140,22 @@ def test_prefix_reuse_shows_in_cached_tokens(engine: Server) -> None:
     assert b["usage"]["prompt_tokens_details"]["cached_tokens"] == common
     again = ask(shared + "Second, different question?")
     assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == len(ids_b) - 1
-    fresh = httpx.post(engine.url + "/v1/completions", timeout=120, json={
-        "prompt": shared + "Second, different question?", "max_tokens": 1,
-        "cache_prompt": False}).json()  # llama-server's switch: evaluate it all
+    fresh = httpx.post(
+        engine.url + "/v1/completions",
+        timeout=120,
+        json={
+            "prompt": shared + "Second, different question?",
+            "max_tokens": 1,
+            "cache_prompt": False,
+        },
+    ).json()  # llama-server's switch: evaluate it all
     assert fresh["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     assert fresh["choices"][0]["text"] == again["choices"][0]["text"]
-    chat = httpx.post(engine.url + "/v1/chat/completions",
-                      json={"messages": [{"role": "user", "content": shared}],
-                            "max_tokens": 1}, timeout=120).json()
+    chat = httpx.post(
+        engine.url + "/v1/chat/completions",
+        json={"messages": [{"role": "user", "content": shared}], "max_tokens": 1},
+        timeout=120,
+    ).json()
     assert "cached_tokens" in chat["usage"]["prompt_tokens_details"]
 
 
@@ -129,16 +164,21 @@ def test_long_prompt_beside_a_stream_keeps_it_flowing(engine: Server) -> None:
     window: dict[str, float] = {}
 
     def streamer() -> str:
-        return stream_text(engine.url, {"prompt": "Count", "max_tokens": room("tick", 300),
-                                        "grammar": exact("tick", 300)}, log)
+        return stream_text(
+            engine.url,
+            {"prompt": "Count", "max_tokens": room("tick", 300), "grammar": exact("tick", 300)},
+            log,
+        )
 
     def long_prompt() -> int:
         while len(log) < 5:  # the stream is decoding
             time.sleep(0.01)
         window["sent"] = time.monotonic()
-        r = httpx.post(engine.url + "/v1/completions",
-                       json={"prompt": "All work and no play makes a dull day. " * 60,
-                             "max_tokens": 1}, timeout=120)
+        r = httpx.post(
+            engine.url + "/v1/completions",
+            json={"prompt": "All work and no play makes a dull day. " * 60, "max_tokens": 1},
+            timeout=120,
+        )
         window["answered"] = time.monotonic()
         return int(r.json()["usage"]["prompt_tokens"])
 
@@ -157,17 +197,18 @@ def test_cancellation_frees_the_slot_at_once(model_path: str) -> None:
         with httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=60) as one:
             c1 = one.iter_bytes()  # held: dropping the iterator would close the stream
             assert next(c1)
-            with httpx.stream("POST", s.url + "/v1/completions", json=body,
-                              timeout=60) as two:
+            with httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=60) as two:
                 c2 = two.iter_bytes()
                 assert next(c2)
-                third = httpx.post(s.url + "/v1/completions",
-                                   json={"prompt": "Hi", "max_tokens": 2}, timeout=60)
+                third = httpx.post(
+                    s.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=60
+                )
                 assert third.status_code == 429
             # `two` is closed: its slot comes back within a decode step.
             for _ in range(100):
-                third = httpx.post(s.url + "/v1/completions",
-                                   json={"prompt": "Hi", "max_tokens": 2}, timeout=60)
+                third = httpx.post(
+                    s.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=60
+                )
                 if third.status_code == 200:
                     break
                 time.sleep(0.02)
@@ -207,8 +248,10 @@ def test_each_step_lists_sequences_in_slot_order(model_path: str) -> None:
         return int(inner(ctx, batch))
 
     async def run() -> None:
-        reqs = [Request(m.tokenize(f"Tell me about {w}s and more {w}s."), Sampling(0, 1, 0, 0, 6))
-                for w in WORDS]
+        reqs = [
+            Request(m.tokenize(f"Tell me about {w}s and more {w}s."), Sampling(0, 1, 0, 0, 6))
+            for w in WORDS
+        ]
         for slot, r in zip((2, 0, 3, 1), reqs, strict=True):  # arrival order != slot order
             loop.submit(slot, r)
             await asyncio.sleep(0.01)

@@ -15,12 +15,15 @@ from tests.conftest import Server, start_router
 
 @pytest.fixture(scope="module")
 def router(scripted: Server, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    r = start_router(tmp_path_factory.mktemp("conns"), f"""
+    r = start_router(
+        tmp_path_factory.mktemp("conns"),
+        f"""
 listen: {{port: $PORT}}
 admission: open
 serving: {{header_timeout_s: 1, body_timeout_s: 1}}
 engines: [{{name: s, url: "{scripted.url}", dialect: openai}}]
-""")
+""",
+    )
     yield r
     r.stop()
 
@@ -43,8 +46,9 @@ def test_1100_silent_connections_do_not_lock_others_out(router: Server) -> None:
         for _ in range(1100):  # Granian's default allowed 1,024 connections at once
             silent.append(socket.create_connection(("127.0.0.1", router.port)))
         assert httpx.get(router.url + "/health", timeout=10).status_code == 200
-        r = httpx.post(router.url + "/v1/completions", timeout=10,
-                       json={"prompt": "hi", "max_tokens": 2})
+        r = httpx.post(
+            router.url + "/v1/completions", timeout=10, json={"prompt": "hi", "max_tokens": 2}
+        )
         assert r.status_code == 200
     finally:
         for s in silent:
@@ -63,8 +67,10 @@ def test_a_trickled_head_and_an_idle_keep_alive_are_closed(router: Server) -> No
 
 def test_a_body_that_stops_midway_is_408_in_the_envelope(router: Server) -> None:
     with contextlib.closing(socket.create_connection(("127.0.0.1", router.port))) as s:
-        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: t\r\ncontent-type: application/json"
-                  b"\r\ncontent-length: 100\r\n\r\n{\"prompt\": ")
+        s.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: t\r\ncontent-type: application/json"
+            b'\r\ncontent-length: 100\r\n\r\n{"prompt": '
+        )
         s.settimeout(10)
         got = b""
         while b"\r\n\r\n" not in got or not got.rstrip().endswith(b"}"):

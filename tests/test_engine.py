@@ -34,8 +34,9 @@ THINK_TEMPLATE = (
 
 @pytest.fixture(scope="module")
 def engine(model_path: str) -> Iterator[Server]:
-    s = start_engine(model_path, "--alias", "main", "--alias", "client-main",
-                     "--queue-wait", "30", "--temp", "0")
+    s = start_engine(
+        model_path, "--alias", "main", "--alias", "client-main", "--queue-wait", "30", "--temp", "0"
+    )
     yield s
     s.stop()
 
@@ -102,9 +103,16 @@ def test_completions_keep_raw_text(engine: Server) -> None:
 
 
 def test_token_ids_follow_the_vllm_shape(engine: Server) -> None:
-    r = post(engine, "/v1/chat/completions", chat(grammar=THINK, return_token_ids=True,
-                                                  stream=True,
-                                                  stream_options={"include_usage": True}))
+    r = post(
+        engine,
+        "/v1/chat/completions",
+        chat(
+            grammar=THINK,
+            return_token_ids=True,
+            stream=True,
+            stream_options={"include_usage": True},
+        ),
+    )
     fs = frames(r)
     assert fs[-1] == "[DONE]"
     assert isinstance(fs[0]["prompt_token_ids"], list) and fs[0]["prompt_token_ids"]
@@ -116,17 +124,30 @@ def test_token_ids_follow_the_vllm_shape(engine: Server) -> None:
 
     whole = post(engine, "/v1/chat/completions", chat(grammar=THINK, return_token_ids=True))
     assert whole.json()["choices"][0]["token_ids"] == ids
-    comp = post(engine, "/v1/completions", {"prompt": "Hello", "max_tokens": 3,
-                                             "return_token_ids": True})
+    comp = post(
+        engine, "/v1/completions", {"prompt": "Hello", "max_tokens": 3, "return_token_ids": True}
+    )
     assert comp.json()["choices"][0]["prompt_token_ids"]
     assert len(comp.json()["choices"][0]["token_ids"]) == 3
 
 
 def test_stream_interval_groups_tokens(engine: Server) -> None:
-    r = post(engine, "/v1/completions", {"prompt": "Hello", "max_tokens": 6, "stream": True,
-                                          "stream_interval": 3, "return_token_ids": True})
-    groups = [len(f["choices"][0]["token_ids"]) for f in frames(r)
-              if f != "[DONE]" and f["choices"][0]["token_ids"]]
+    r = post(
+        engine,
+        "/v1/completions",
+        {
+            "prompt": "Hello",
+            "max_tokens": 6,
+            "stream": True,
+            "stream_interval": 3,
+            "return_token_ids": True,
+        },
+    )
+    groups = [
+        len(f["choices"][0]["token_ids"])
+        for f in frames(r)
+        if f != "[DONE]" and f["choices"][0]["token_ids"]
+    ]
     assert groups == [3, 3]
 
 
@@ -135,10 +156,16 @@ def test_stop_strings_seed_and_length(engine: Server) -> None:
     r = post(engine, "/v1/completions", {"prompt": "x", "grammar": g, "stop": ["STOP"]})
     c = r.json()["choices"][0]
     assert (c["text"], c["finish_reason"]) == ("alpha beta ", "stop")
-    a = post(engine, "/v1/completions", {"prompt": "Once", "max_tokens": 8, "temperature": 1.0,
-                                          "seed": 7}).json()
-    b = post(engine, "/v1/completions", {"prompt": "Once", "max_tokens": 8, "temperature": 1.0,
-                                          "seed": 7}).json()
+    a = post(
+        engine,
+        "/v1/completions",
+        {"prompt": "Once", "max_tokens": 8, "temperature": 1.0, "seed": 7},
+    ).json()
+    b = post(
+        engine,
+        "/v1/completions",
+        {"prompt": "Once", "max_tokens": 8, "temperature": 1.0, "seed": 7},
+    ).json()
     assert a["choices"][0]["text"] == b["choices"][0]["text"]
     assert a["choices"][0]["finish_reason"] == "length"
     assert a["usage"]["completion_tokens"] == 8
@@ -146,45 +173,74 @@ def test_stop_strings_seed_and_length(engine: Server) -> None:
 
 def test_response_format_json_and_logprobs(engine: Server) -> None:
     schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
-    r = post(engine, "/v1/chat/completions", chat(
-        max_tokens=40, response_format={"type": "json_schema",
-                                        "json_schema": {"name": "x", "schema": schema}}))
+    r = post(
+        engine,
+        "/v1/chat/completions",
+        chat(
+            max_tokens=40,
+            response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}},
+        ),
+    )
     assert isinstance(orjson.loads(r.json()["choices"][0]["message"]["content"])["n"], int)
     r = post(engine, "/v1/chat/completions", chat(max_tokens=3, logprobs=True, top_logprobs=2))
     lp = r.json()["choices"][0]["logprobs"]["content"]
     assert len(lp) == 3 and all(e["logprob"] <= 0 and len(e["top_logprobs"]) == 2 for e in lp)
 
 
-@pytest.mark.parametrize(("body", "param"), [
-    (chat(n=2), "n"),
-    (chat(grammar="root ::= undefined_rule"), "grammar"),
-    # 30,000 nested groups overflowed llama.cpp's parser stack and killed the engine.
-    (chat(grammar="root ::= " + "(" * 30000 + '"a"' + ")" * 30000), "grammar"),
-    (chat(grammar="root ::= " + '"a" ' * 300_000), "grammar"),  # 1.2 MB of grammar
-    (chat(temperature=5), "temperature"),
-    # Schemas that are not JSON Schemas, or that the converter cannot take: once bare 500s.
-    *((chat(response_format={"type": "json_schema", "json_schema": {"name": "x",
-                                                                     "schema": schema}}),
-       "response_format.json_schema.schema" + where)
-      for schema, where in (({"type": "string", "pattern": "a+"}, ""),
-                            ({"type": 5}, ".type"),
-                            ({"type": "object", "properties": [1]}, ".properties"),
-                            ({"$defs": [1], "type": "object"}, ".$defs"),
-                            ({"anyOf": 5}, ".anyOf"))),
-    (chat(reasoning_effort="extreme"), "reasoning_effort"),
-    (chat(chat_template_kwargs={"messages": []}), "chat_template_kwargs.messages"),
-    ({"messages": [{"role": "user", "content": "x", "reasoning_content": "no"}]},
-     "messages[0].reasoning_content"),
-    ({"messages": []}, "messages"),
-    ({"messages": [{"role": "user", "content": "x"}, {"role": "tool", "content": "3"}]},
-     "messages[1].tool_call_id"),
-    ({"messages": [{"role": "assistant", "content": "",
-                    "tool_calls": [{"id": "c", "function": {"name": "f",
-                                                            "arguments": "{bad"}}]}]},
-     "messages[0].tool_calls[0].function.arguments"),
-])
-def test_bad_requests_are_400_with_param(engine: Server, body: dict[str, Any],
-                                         param: str) -> None:
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        (chat(n=2), "n"),
+        (chat(grammar="root ::= undefined_rule"), "grammar"),
+        # 30,000 nested groups overflowed llama.cpp's parser stack and killed the engine.
+        (chat(grammar="root ::= " + "(" * 30000 + '"a"' + ")" * 30000), "grammar"),
+        (chat(grammar="root ::= " + '"a" ' * 300_000), "grammar"),  # 1.2 MB of grammar
+        (chat(temperature=5), "temperature"),
+        # Schemas that are not JSON Schemas, or that the converter cannot take: once bare 500s.
+        *(
+            (
+                chat(
+                    response_format={
+                        "type": "json_schema",
+                        "json_schema": {"name": "x", "schema": schema},
+                    }
+                ),
+                "response_format.json_schema.schema" + where,
+            )
+            for schema, where in (
+                ({"type": "string", "pattern": "a+"}, ""),
+                ({"type": 5}, ".type"),
+                ({"type": "object", "properties": [1]}, ".properties"),
+                ({"$defs": [1], "type": "object"}, ".$defs"),
+                ({"anyOf": 5}, ".anyOf"),
+            )
+        ),
+        (chat(reasoning_effort="extreme"), "reasoning_effort"),
+        (chat(chat_template_kwargs={"messages": []}), "chat_template_kwargs.messages"),
+        (
+            {"messages": [{"role": "user", "content": "x", "reasoning_content": "no"}]},
+            "messages[0].reasoning_content",
+        ),
+        ({"messages": []}, "messages"),
+        (
+            {"messages": [{"role": "user", "content": "x"}, {"role": "tool", "content": "3"}]},
+            "messages[1].tool_call_id",
+        ),
+        (
+            {
+                "messages": [
+                    {
+                        "role": "assistant",
+                        "content": "",
+                        "tool_calls": [{"id": "c", "function": {"name": "f", "arguments": "{bad"}}],
+                    }
+                ]
+            },
+            "messages[0].tool_calls[0].function.arguments",
+        ),
+    ],
+)
+def test_bad_requests_are_400_with_param(engine: Server, body: dict[str, Any], param: str) -> None:
     r = post(engine, "/v1/chat/completions", body)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
@@ -199,12 +255,16 @@ def test_a_grammar_nested_a_few_hundred_deep_still_works(engine: Server) -> None
 
 
 def test_history_reasoning_is_accepted_and_not_replayed(engine: Server) -> None:
-    body = {"messages": [{"role": "user", "content": "hi"},
-                         {"role": "assistant", "content": "hello",
-                          "reasoning_content": "SECRET-THOUGHT " * 50},
-                         {"role": "tool", "tool_call_id": "c1", "name": "f", "content": "3"},
-                         {"role": "user", "content": "again"}],
-            "max_tokens": 1, "return_token_ids": True}
+    body = {
+        "messages": [
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "hello", "reasoning_content": "SECRET-THOUGHT " * 50},
+            {"role": "tool", "tool_call_id": "c1", "name": "f", "content": "3"},
+            {"role": "user", "content": "again"},
+        ],
+        "max_tokens": 1,
+        "return_token_ids": True,
+    }
     with_rc = post(engine, "/v1/chat/completions", body).json()
     body["messages"][1].pop("reasoning_content")
     without = post(engine, "/v1/chat/completions", body).json()
@@ -214,8 +274,12 @@ def test_history_reasoning_is_accepted_and_not_replayed(engine: Server) -> None:
 def test_reasoning_effort_is_501_for_a_template_that_cannot_think(engine: Server) -> None:
     r = post(engine, "/v1/chat/completions", chat(reasoning_effort="high", max_tokens=1))
     assert r.status_code == 501
-    assert post(engine, "/v1/chat/completions",
-                chat(reasoning_effort="none", max_tokens=1)).status_code == 200
+    assert (
+        post(
+            engine, "/v1/chat/completions", chat(reasoning_effort="none", max_tokens=1)
+        ).status_code
+        == 200
+    )
 
 
 def test_context_ceiling_is_400(engine: Server) -> None:
@@ -228,8 +292,9 @@ def test_two_requests_one_slot_are_both_answered(engine: Server) -> None:
     results: list[int] = []
 
     def go() -> None:
-        results.append(post(engine, "/v1/completions", {"prompt": "Hi", "max_tokens": 12})
-                       .status_code)
+        results.append(
+            post(engine, "/v1/completions", {"prompt": "Hi", "max_tokens": 12}).status_code
+        )
 
     ts = [threading.Thread(target=go) for _ in range(2)]
     for t in ts:
@@ -257,8 +322,7 @@ def test_an_unknown_previous_response_is_400_not_ignored(engine: Server) -> None
 
 
 def test_a_response_cut_short_says_so_in_its_message_item(engine: Server) -> None:
-    body = {"input": "hi", "grammar": 'root ::= "' + "word " * 50 + '"',
-            "max_output_tokens": 5}
+    body = {"input": "hi", "grammar": 'root ::= "' + "word " * 50 + '"', "max_output_tokens": 5}
     whole = post(engine, "/v1/responses", body).json()
     assert whole["status"] == "incomplete"
     assert [o["status"] for o in whole["output"]] == ["incomplete"]
@@ -271,9 +335,9 @@ def test_openai_sdk_against_the_engine(engine: Server) -> None:
     import openai
 
     client = openai.OpenAI(base_url=engine.url + "/v1", api_key="x")
-    out = client.chat.completions.create(model="main", messages=[{"role": "user",
-                                                                  "content": "hi"}],
-                                         extra_body={"grammar": THINK})
+    out = client.chat.completions.create(
+        model="main", messages=[{"role": "user", "content": "hi"}], extra_body={"grammar": THINK}
+    )
     assert out.choices[0].message.content == "The answer is 4."
     assert (out.choices[0].message.model_extra or {})["reasoning_content"] == "plan it"
     assert out.usage is not None and out.usage.completion_tokens > 10
@@ -281,17 +345,30 @@ def test_openai_sdk_against_the_engine(engine: Server) -> None:
 
 def test_metrics(engine: Server) -> None:
     m = httpx.get(engine.url + "/metrics").text
-    for name in ("lexi_requests_total", "lexi_output_tokens_total", "lexi_queue_depth",
-                 "lexi_slots_busy", "lexi_time_to_first_token_seconds",
-                 "lexi_time_per_output_token_seconds"):
+    for name in (
+        "lexi_requests_total",
+        "lexi_output_tokens_total",
+        "lexi_queue_depth",
+        "lexi_slots_busy",
+        "lexi_time_to_first_token_seconds",
+        "lexi_time_per_output_token_seconds",
+    ):
         assert name in m
 
 
 @pytest.fixture(scope="module")
 def busy_engine(model_path: str) -> Iterator[Server]:
-    s = start_engine(model_path, "--queue-wait", "0", "--api-key", "k1",
-                     "--chat-template-file", str(_template_file()),
-                     "--reasoning-format", "none")
+    s = start_engine(
+        model_path,
+        "--queue-wait",
+        "0",
+        "--api-key",
+        "k1",
+        "--chat-template-file",
+        str(_template_file()),
+        "--reasoning-format",
+        "none",
+    )
     yield s
     s.stop()
 
@@ -306,21 +383,32 @@ def _template_file() -> Path:
 
 def test_queue_wait_zero_is_429_busy(busy_engine: Server) -> None:
     auth = {"authorization": "Bearer k1"}
-    with httpx.stream("POST", busy_engine.url + "/v1/completions", headers=auth,
-                      json={"prompt": "Hi", "max_tokens": 1500, "stream": True,
-                            "grammar": LONG},
-                      timeout=60) as first:
+    with httpx.stream(
+        "POST",
+        busy_engine.url + "/v1/completions",
+        headers=auth,
+        json={"prompt": "Hi", "max_tokens": 1500, "stream": True, "grammar": LONG},
+        timeout=60,
+    ) as first:
         chunks = first.iter_bytes()
         assert next(chunks)
-        r = httpx.post(busy_engine.url + "/v1/completions", headers=auth,
-                       json={"prompt": "Hi", "max_tokens": 2}, timeout=60)
+        r = httpx.post(
+            busy_engine.url + "/v1/completions",
+            headers=auth,
+            json={"prompt": "Hi", "max_tokens": 2},
+            timeout=60,
+        )
         assert r.status_code == 429, r.text
         assert r.json()["error"]["code"] == "inference_busy"
     # The disconnect freed the slot (as soon as the server saw it and the decode loop's
     # next step dropped the request).
     for _ in range(100):
-        r = httpx.post(busy_engine.url + "/v1/completions", headers=auth,
-                       json={"prompt": "Hi", "max_tokens": 2}, timeout=60)
+        r = httpx.post(
+            busy_engine.url + "/v1/completions",
+            headers=auth,
+            json={"prompt": "Hi", "max_tokens": 2},
+            timeout=60,
+        )
         if r.status_code == 200:
             break
         time.sleep(0.02)
@@ -336,47 +424,73 @@ def test_api_key_applies_to_every_alias_but_not_health(busy_engine: Server) -> N
 
 def test_template_file_thinking_switch_and_raw_format(busy_engine: Server) -> None:
     auth = {"authorization": "Bearer k1"}
-    on = post(busy_engine, "/v1/chat/completions",
-              chat(reasoning_effort="high", max_tokens=1, return_token_ids=True), headers=auth)
-    off = post(busy_engine, "/v1/chat/completions",
-               chat(reasoning_effort="none", max_tokens=1, return_token_ids=True), headers=auth)
+    on = post(
+        busy_engine,
+        "/v1/chat/completions",
+        chat(reasoning_effort="high", max_tokens=1, return_token_ids=True),
+        headers=auth,
+    )
+    off = post(
+        busy_engine,
+        "/v1/chat/completions",
+        chat(reasoning_effort="none", max_tokens=1, return_token_ids=True),
+        headers=auth,
+    )
     assert on.status_code == off.status_code == 200
     assert len(off.json()["prompt_token_ids"]) > len(on.json()["prompt_token_ids"])
     raw = post(busy_engine, "/v1/chat/completions", chat(grammar=THINK), headers=auth).json()
     assert raw["choices"][0]["message"]["content"] == "<think>plan it</think>\n\nThe answer is 4."
 
 
-@pytest.mark.parametrize(("args", "flag"), [
-    (["--temp", "3"], "--temp"),
-    (["--top-k", "-1"], "--top-k"),
-    (["--n-predict", "0"], "--n-predict"),
-    (["--chat-template-kwargs", "{bad"], "--chat-template-kwargs"),
-    (["--chat-template-kwargs", "[1]"], "--chat-template-kwargs"),
-    (["--reasoning-format", "deepseek"], "--reasoning-format"),
-    (["--chat-template-file", "/nonexistent.jinja"], "--chat-template-file"),
-])
-def test_bad_launch_options_are_refused_before_listening(model_path: str, args: list[str],
-                                                         flag: str) -> None:
-    p = subprocess.run([str(BIN / "lexi-engine"), "serve", "-m", model_path, *args],
-                       capture_output=True, text=True, timeout=30)
+@pytest.mark.parametrize(
+    ("args", "flag"),
+    [
+        (["--temp", "3"], "--temp"),
+        (["--top-k", "-1"], "--top-k"),
+        (["--n-predict", "0"], "--n-predict"),
+        (["--chat-template-kwargs", "{bad"], "--chat-template-kwargs"),
+        (["--chat-template-kwargs", "[1]"], "--chat-template-kwargs"),
+        (["--reasoning-format", "deepseek"], "--reasoning-format"),
+        (["--chat-template-file", "/nonexistent.jinja"], "--chat-template-file"),
+    ],
+)
+def test_bad_launch_options_are_refused_before_listening(
+    model_path: str, args: list[str], flag: str
+) -> None:
+    p = subprocess.run(
+        [str(BIN / "lexi-engine"), "serve", "-m", model_path, *args],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert p.returncode == 2
     assert flag in p.stderr
 
 
-@pytest.mark.parametrize("content", [
-    b"", b"\xff\xfe", b"{% for x in %}", b"x" * 300_000,
-    # What can never render here is refused at start, not on every request (once: 500s,
-    # or a traceback at start).
-    b'{% include "other.jinja" %}', b'{% extends "base.jinja" %}', b'{% import "m" as m %}',
-    b"{{ 10**100000 }}",
-])
-def test_bad_template_files_are_refused(model_path: str, tmp_path: Path,
-                                        content: bytes) -> None:
+@pytest.mark.parametrize(
+    "content",
+    [
+        b"",
+        b"\xff\xfe",
+        b"{% for x in %}",
+        b"x" * 300_000,
+        # What can never render here is refused at start, not on every request (once: 500s,
+        # or a traceback at start).
+        b'{% include "other.jinja" %}',
+        b'{% extends "base.jinja" %}',
+        b'{% import "m" as m %}',
+        b"{{ 10**100000 }}",
+    ],
+)
+def test_bad_template_files_are_refused(model_path: str, tmp_path: Path, content: bytes) -> None:
     f = tmp_path / "t.jinja"
     f.write_bytes(content)
-    p = subprocess.run([str(BIN / "lexi-engine"), "serve", "-m", model_path,
-                        "--chat-template-file", str(f)], capture_output=True, text=True,
-                       timeout=30)
+    p = subprocess.run(
+        [str(BIN / "lexi-engine"), "serve", "-m", model_path, "--chat-template-file", str(f)],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert p.returncode == 2
     assert "--chat-template-file" in p.stderr
     assert "Traceback" not in p.stderr
@@ -402,20 +516,29 @@ def trap_engine(model_path: str, tmp_path_factory: pytest.TempPathFactory) -> It
     s.stop()
 
 
-@pytest.mark.parametrize(("body", "param"), [
-    (chat(chat_template_kwargs={"namespace": "x"}), "chat_template_kwargs.namespace"),
-    (chat(chat_template_kwargs={"enable_thinking": "no"}), "chat_template_kwargs.enable_thinking"),
-    (chat("add"), "messages"),  # the template adds a number to the request's text
-])
-def test_a_render_the_request_breaks_is_400_naming_it(trap_engine: Server,
-                                                      body: dict[str, Any], param: str) -> None:
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        (chat(chat_template_kwargs={"namespace": "x"}), "chat_template_kwargs.namespace"),
+        (
+            chat(chat_template_kwargs={"enable_thinking": "no"}),
+            "chat_template_kwargs.enable_thinking",
+        ),
+        (chat("add"), "messages"),  # the template adds a number to the request's text
+    ],
+)
+def test_a_render_the_request_breaks_is_400_naming_it(
+    trap_engine: Server, body: dict[str, Any], param: str
+) -> None:
     r = post(trap_engine, "/v1/chat/completions", body)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
 
 
-CHANNELS = ('root ::= "<|channel|>analysis<|message|>thought<|end|>'
-            '<|start|>assistant<|channel|>final<|message|>answer"')
+CHANNELS = (
+    'root ::= "<|channel|>analysis<|message|>thought<|end|>'
+    '<|start|>assistant<|channel|>final<|message|>answer"'
+)
 
 
 def test_thought_channel_content_is_the_final_channel_alone(trap_engine: Server) -> None:
@@ -435,8 +558,12 @@ def test_health_answers_while_a_template_renders(trap_engine: Server) -> None:
     import threading
 
     done = threading.Event()
-    slow = threading.Thread(target=lambda: (post(trap_engine, "/v1/chat/completions",
-                                                 chat("slow", max_tokens=1)), done.set()))
+    slow = threading.Thread(
+        target=lambda: (
+            post(trap_engine, "/v1/chat/completions", chat("slow", max_tokens=1)),
+            done.set(),
+        )
+    )
     slow.start()
     answered = 0
     with httpx.Client(timeout=60) as c:
@@ -465,13 +592,17 @@ def test_a_character_cut_by_the_token_limit_is_dropped(engine: Server) -> None:
     assert len(full["token_ids"]) > len(text)  # the emoji really span several tokens
 
 
-@pytest.mark.parametrize(("method", "path", "status", "allow"), [
-    ("POST", "/v1/models", 405, "GET"),
-    ("GET", "/v1/chat/completions", 405, "POST"),
-    ("POST", "/tokenize", 404, None),
-])
-def test_engine_routes_404_and_405_with_allow(engine: Server, method: str, path: str,
-                                              status: int, allow: str | None) -> None:
+@pytest.mark.parametrize(
+    ("method", "path", "status", "allow"),
+    [
+        ("POST", "/v1/models", 405, "GET"),
+        ("GET", "/v1/chat/completions", 405, "POST"),
+        ("POST", "/tokenize", 404, None),
+    ],
+)
+def test_engine_routes_404_and_405_with_allow(
+    engine: Server, method: str, path: str, status: int, allow: str | None
+) -> None:
     r = httpx.request(method, engine.url + path)
     assert r.status_code == status and r.headers.get("allow") == allow
     assert set(r.json()["error"]) == {"message", "type", "param", "code"}
@@ -481,14 +612,27 @@ def test_the_slot_is_free_once_an_error_ended_stream_has_ended(model_path: str) 
     s = start_engine(model_path, "--parallel", "1", "--queue-wait", "0")
     try:
         for _ in range(3):
-            ended = httpx.post(s.url + "/v1/chat/completions", timeout=60, json=chat(
-                stream=True, tool_choice="required", grammar='root ::= "no call"',
-                max_tokens=20, tools=[{"type": "function", "function": {
-                    "name": "get_weather", "parameters": {"type": "object"}}}])).text
+            ended = httpx.post(
+                s.url + "/v1/chat/completions",
+                timeout=60,
+                json=chat(
+                    stream=True,
+                    tool_choice="required",
+                    grammar='root ::= "no call"',
+                    max_tokens=20,
+                    tools=[
+                        {
+                            "type": "function",
+                            "function": {"name": "get_weather", "parameters": {"type": "object"}},
+                        }
+                    ],
+                ),
+            ).text
             assert "tool_call_invalid" in ended
             # The client has the stream's end: the one slot is free for the next request.
-            after = httpx.post(s.url + "/v1/completions", timeout=60,
-                               json={"prompt": "Hi", "max_tokens": 1})
+            after = httpx.post(
+                s.url + "/v1/completions", timeout=60, json={"prompt": "Hi", "max_tokens": 1}
+            )
             assert after.status_code == 200, after.text
     finally:
         s.stop()
@@ -499,23 +643,37 @@ def test_no_empty_delta_for_ids_the_client_did_not_ask_for(engine: Server) -> No
     held back, and a client that did not ask for IDs must not get them as `delta: {}`."""
     g = 'root ::= "<think>plan it</think>"'
     r = post(engine, "/v1/chat/completions", chat(grammar=g, stream=True))
-    frames = [orjson.loads(ln[6:]) for ln in r.text.splitlines()
-              if ln.startswith("data: {")]
-    empty = [f for f in frames if f["choices"] and f["choices"][0]["delta"] == {}
-             and f["choices"][0]["finish_reason"] is None]
+    frames = [orjson.loads(ln[6:]) for ln in r.text.splitlines() if ln.startswith("data: {")]
+    empty = [
+        f
+        for f in frames
+        if f["choices"]
+        and f["choices"][0]["delta"] == {}
+        and f["choices"][0]["finish_reason"] is None
+    ]
     assert empty == []
     assert frames[-1]["choices"][0]["finish_reason"] == "stop"
-    with_ids = post(engine, "/v1/chat/completions",
-                    chat(grammar=g, stream=True, return_token_ids=True)).text
-    ids = [i for ln in with_ids.splitlines() if ln.startswith("data: {")
-           for i in (orjson.loads(ln[6:])["choices"] or [{}])[0].get("token_ids") or []]
+    with_ids = post(
+        engine, "/v1/chat/completions", chat(grammar=g, stream=True, return_token_ids=True)
+    ).text
+    ids = [
+        i
+        for ln in with_ids.splitlines()
+        if ln.startswith("data: {")
+        for i in (orjson.loads(ln[6:])["choices"] or [{}])[0].get("token_ids") or []
+    ]
     whole = post(engine, "/v1/chat/completions", chat(grammar=g, return_token_ids=True))
     assert ids == whole.json()["choices"][0]["token_ids"]  # every ID, exactly once
 
 
 def _greedy_ids(s: Server, **kw: Any) -> list[int]:
-    body = {"prompt": "The capital of France is", "max_tokens": 24, "temperature": 0,
-            "return_token_ids": True, **kw}
+    body = {
+        "prompt": "The capital of France is",
+        "max_tokens": 24,
+        "temperature": 0,
+        "return_token_ids": True,
+        **kw,
+    }
     r = post(s, "/v1/completions", body)
     assert r.status_code == 200, r.text
     ids: list[int] = r.json()["choices"][0]["token_ids"]
@@ -539,19 +697,23 @@ def test_penalties_change_what_repeats(engine: Server) -> None:
         assert len(set(penalized)) > len(set(plain)), (field, plain, penalized)
 
 
-@pytest.mark.parametrize(("body", "param"), [
-    ({"frequency_penalty": 5}, "frequency_penalty"),
-    ({"presence_penalty": -2.5}, "presence_penalty"),
-    ({"repetition_penalty": 0}, "repetition_penalty"),
-    ({"logit_bias": {"abc": 1}}, "logit_bias"),
-    ({"logit_bias": {"10": 101}}, "logit_bias"),
-    ({"logit_bias": {"99999999": 1}}, "logit_bias"),
-    ({"logit_bias": [1]}, "logit_bias"),
-    ({"echo": True, "logprobs": 1}, "echo"),
-    ({"echo": "yes"}, "echo"),
-])
-def test_sampling_fields_out_of_range_are_400(engine: Server, body: dict[str, Any],
-                                               param: str) -> None:
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"frequency_penalty": 5}, "frequency_penalty"),
+        ({"presence_penalty": -2.5}, "presence_penalty"),
+        ({"repetition_penalty": 0}, "repetition_penalty"),
+        ({"logit_bias": {"abc": 1}}, "logit_bias"),
+        ({"logit_bias": {"10": 101}}, "logit_bias"),
+        ({"logit_bias": {"99999999": 1}}, "logit_bias"),
+        ({"logit_bias": [1]}, "logit_bias"),
+        ({"echo": True, "logprobs": 1}, "echo"),
+        ({"echo": "yes"}, "echo"),
+    ],
+)
+def test_sampling_fields_out_of_range_are_400(
+    engine: Server, body: dict[str, Any], param: str
+) -> None:
     r = post(engine, "/v1/completions", {"prompt": "Hi", "max_tokens": 2, **body})
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
@@ -560,7 +722,8 @@ def test_sampling_fields_out_of_range_are_400(engine: Server, body: dict[str, An
 def test_echo_puts_the_prompt_before_the_completion(engine: Server) -> None:
     body = {"prompt": "Q: what?", "max_tokens": 4, "echo": True, "grammar": 'root ::= " A."'}
     assert post(engine, "/v1/completions", body).json()["choices"][0]["text"] == "Q: what? A."
-    fs = [f for f in frames(post(engine, "/v1/completions", body | {"stream": True}))
-          if f != "[DONE]"]
+    fs = [
+        f for f in frames(post(engine, "/v1/completions", body | {"stream": True})) if f != "[DONE]"
+    ]
     assert fs[0]["choices"][0]["text"] == "Q: what?"
     assert "".join(f["choices"][0]["text"] for f in fs) == "Q: what? A."

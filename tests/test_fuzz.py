@@ -20,41 +20,105 @@ from hypothesis import strategies as st
 from narwhal.errors import ApiError
 from tests.conftest import Server, start_router
 
-SCALARS = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70),
-                    st.floats(allow_nan=False), st.text(max_size=40))
-JSON = st.recursive(SCALARS, lambda inner: st.one_of(
-    st.lists(inner, max_size=4), st.dictionaries(st.text(max_size=12), inner, max_size=4)),
-    max_leaves=25)
+SCALARS = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**70), 2**70),
+    st.floats(allow_nan=False),
+    st.text(max_size=40),
+)
+JSON = st.recursive(
+    SCALARS,
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=4), st.dictionaries(st.text(max_size=12), inner, max_size=4)
+    ),
+    max_leaves=25,
+)
 
-CHAT_KEYS = ("model", "messages", "stream", "n", "best_of", "max_tokens",
-             "max_completion_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
-             "tools", "tool_choice", "parallel_tool_calls", "response_format", "grammar",
-             "logprobs", "top_logprobs", "return_token_ids", "stream_options",
-             "chat_template_kwargs", "reasoning_effort", "audio", "modalities", "cache_prompt")
-MESSAGE = st.fixed_dictionaries({}, optional={
-    "role": st.one_of(st.sampled_from(["user", "assistant", "system", "tool", "developer"]),
-                      JSON),
-    "content": st.one_of(st.text(max_size=30), JSON,
-                         st.lists(st.fixed_dictionaries({"type": st.just("text"),
-                                                         "text": st.one_of(st.text(), JSON)}),
-                                  max_size=3)),
-    "tool_calls": JSON, "tool_call_id": JSON, "name": JSON, "reasoning_content": JSON})
+CHAT_KEYS = (
+    "model",
+    "messages",
+    "stream",
+    "n",
+    "best_of",
+    "max_tokens",
+    "max_completion_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "stop",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+    "response_format",
+    "grammar",
+    "logprobs",
+    "top_logprobs",
+    "return_token_ids",
+    "stream_options",
+    "chat_template_kwargs",
+    "reasoning_effort",
+    "audio",
+    "modalities",
+    "cache_prompt",
+)
+MESSAGE = st.fixed_dictionaries(
+    {},
+    optional={
+        "role": st.one_of(
+            st.sampled_from(["user", "assistant", "system", "tool", "developer"]), JSON
+        ),
+        "content": st.one_of(
+            st.text(max_size=30),
+            JSON,
+            st.lists(
+                st.fixed_dictionaries(
+                    {"type": st.just("text"), "text": st.one_of(st.text(), JSON)}
+                ),
+                max_size=3,
+            ),
+        ),
+        "tool_calls": JSON,
+        "tool_call_id": JSON,
+        "name": JSON,
+        "reasoning_content": JSON,
+    },
+)
 
 
 def _body(keys: tuple[str, ...], base: dict[str, Any]) -> st.SearchStrategy[dict[str, Any]]:
-    return st.builds(lambda extra, picked: {**base, **dict(picked), **extra},
-                     st.dictionaries(st.sampled_from(keys), JSON, max_size=4),
-                     st.lists(st.tuples(st.sampled_from(keys), JSON), max_size=2))
+    return st.builds(
+        lambda extra, picked: {**base, **dict(picked), **extra},
+        st.dictionaries(st.sampled_from(keys), JSON, max_size=4),
+        st.lists(st.tuples(st.sampled_from(keys), JSON), max_size=2),
+    )
 
 
 CHAT_BODIES = st.one_of(
     _body(CHAT_KEYS, {}),
-    st.builds(lambda msgs, rest: {**rest, "messages": msgs}, st.lists(MESSAGE, max_size=3),
-              _body(CHAT_KEYS, {})))
+    st.builds(
+        lambda msgs, rest: {**rest, "messages": msgs},
+        st.lists(MESSAGE, max_size=3),
+        _body(CHAT_KEYS, {}),
+    ),
+)
 COMPLETION_BODIES = _body((*CHAT_KEYS, "prompt", "echo", "suffix"), {"prompt": "hi"})
-RESPONSES_BODIES = _body(("input", "instructions", "max_output_tokens", "stream", "model",
-                          "previous_response_id", "temperature", "text", "tools"),
-                         {"input": "hi"})
+RESPONSES_BODIES = _body(
+    (
+        "input",
+        "instructions",
+        "max_output_tokens",
+        "stream",
+        "model",
+        "previous_response_id",
+        "temperature",
+        "text",
+        "tools",
+    ),
+    {"input": "hi"},
+)
 
 
 def _refusal_or_nothing(call: Any) -> None:
@@ -68,9 +132,12 @@ def _refusal_or_nothing(call: Any) -> None:
 
 # -- the router ---------------------------------------------------------------------------
 
+
 @settings(max_examples=400, deadline=None)
-@given(route=st.sampled_from(["/v1/chat/completions", "/v1/completions"]),
-       body=st.one_of(CHAT_BODIES, COMPLETION_BODIES, JSON))
+@given(
+    route=st.sampled_from(["/v1/chat/completions", "/v1/completions"]),
+    body=st.one_of(CHAT_BODIES, COMPLETION_BODIES, JSON),
+)
 def test_router_intake_never_raises_anything_but_a_4xx(route: str, body: Any) -> None:
     from narwhal.router import intake
 
@@ -97,30 +164,35 @@ def test_millisecond_headers_are_a_number_or_a_400(value: str) -> None:
 
 @pytest.fixture(scope="module")
 def router(scripted: Server, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    r = start_router(tmp_path_factory.mktemp("fuzz"), f"""
+    r = start_router(
+        tmp_path_factory.mktemp("fuzz"),
+        f"""
 listen: {{port: $PORT}}
 admission: open
 engines: [{{name: s, url: "{scripted.url}", dialect: openai}}]
-""")
+""",
+    )
     yield r
     r.stop()
 
 
-@settings(max_examples=150, deadline=None,
-          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(body=st.one_of(CHAT_BODIES, JSON), stream=st.booleans())
-def test_router_over_http_answers_in_the_envelope(router: Server, body: Any,
-                                                  stream: bool) -> None:
+def test_router_over_http_answers_in_the_envelope(router: Server, body: Any, stream: bool) -> None:
     if isinstance(body, dict) and "messages" in body:
         body = {**body, "stream": stream}
-    r = httpx.post(router.url + "/v1/chat/completions", timeout=30,
-                   content=json.dumps(body).encode())
+    r = httpx.post(
+        router.url + "/v1/chat/completions", timeout=30, content=json.dumps(body).encode()
+    )
     assert r.status_code < 500 or r.status_code in (502, 503, 504), r.text
     if r.status_code != 200:
         assert set(r.json()["error"]) == {"message", "type", "param", "code"}
 
 
 # -- LexiEngine ---------------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def lexi(model_path: str) -> Any:
@@ -132,8 +204,9 @@ def lexi(model_path: str) -> Any:
 
 
 @pytest.mark.slow
-@settings(max_examples=300, deadline=None,
-          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(body=CHAT_BODIES)
 def test_engine_chat_intake_never_raises_anything_but_a_4xx(lexi: Any, body: Any) -> None:
     from narwhal.engine import protocol
@@ -143,8 +216,9 @@ def test_engine_chat_intake_never_raises_anything_but_a_4xx(lexi: Any, body: Any
 
 
 @pytest.mark.slow
-@settings(max_examples=200, deadline=None,
-          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(body=st.one_of(COMPLETION_BODIES, RESPONSES_BODIES), which=st.booleans())
 def test_engine_completion_and_responses_intake(lexi: Any, body: Any, which: bool) -> None:
     from narwhal.engine import protocol

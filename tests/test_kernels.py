@@ -9,11 +9,15 @@ import pytest
 from narwhal.engine import kernels
 
 # llama_print_system_info() of a native build on Sapphire Rapids, and on an AVX2-only EPYC.
-AMX_INFO = ("CPU : SSE3 = 1 | SSSE3 = 1 | AVX = 1 | AVX2 = 1 | F16C = 1 | FMA = 1 | BMI2 = 1 | "
-            "AVX512 = 1 | AVX512_VBMI = 1 | AVX512_VNNI = 1 | AVX512_BF16 = 1 | "
-            "AMX_INT8 = 1 | LLAMAFILE = 1 | OPENMP = 1 | REPACK = 1 | ")
-AVX2_INFO = ("CPU : SSE3 = 1 | SSSE3 = 1 | AVX = 1 | AVX2 = 1 | F16C = 1 | FMA = 1 | "
-             "BMI2 = 1 | LLAMAFILE = 1 | OPENMP = 1 | REPACK = 1 | ")
+AMX_INFO = (
+    "CPU : SSE3 = 1 | SSSE3 = 1 | AVX = 1 | AVX2 = 1 | F16C = 1 | FMA = 1 | BMI2 = 1 | "
+    "AVX512 = 1 | AVX512_VBMI = 1 | AVX512_VNNI = 1 | AVX512_BF16 = 1 | "
+    "AMX_INT8 = 1 | LLAMAFILE = 1 | OPENMP = 1 | REPACK = 1 | "
+)
+AVX2_INFO = (
+    "CPU : SSE3 = 1 | SSSE3 = 1 | AVX = 1 | AVX2 = 1 | F16C = 1 | FMA = 1 | "
+    "BMI2 = 1 | LLAMAFILE = 1 | OPENMP = 1 | REPACK = 1 | "
+)
 
 
 def test_features_are_read_from_the_system_info() -> None:
@@ -42,10 +46,12 @@ def test_the_flags_win(info: str, asked: bool) -> None:
 
 
 def test_buffer_sizes_are_read_from_the_load_log() -> None:
-    log = ("load_tensors: loading model tensors, this can take a while... (mmap = true)\n"
-           "load_tensors:   CPU_Mapped model buffer size =    98.12 MiB\n"
-           "load_tensors:   CPU_REPACK model buffer size =    34.50 MiB\n"
-           "load_tensors:          AMX model buffer size =     1.25 MiB\n")
+    log = (
+        "load_tensors: loading model tensors, this can take a while... (mmap = true)\n"
+        "load_tensors:   CPU_Mapped model buffer size =    98.12 MiB\n"
+        "load_tensors:   CPU_REPACK model buffer size =    34.50 MiB\n"
+        "load_tensors:          AMX model buffer size =     1.25 MiB\n"
+    )
     assert kernels.buffers(log) == {"CPU_Mapped": 98.12, "CPU_REPACK": 34.5, "AMX": 1.25}
     assert kernels.buffers("nothing of the kind") == {}
 

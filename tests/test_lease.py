@@ -16,19 +16,23 @@ from narwhal.router.config import EngineSpec
 from narwhal.router.engines import Engine, Pool
 from narwhal.router.lease import Events, Lease, Phase
 
-REQ = intake.check(intake.CHAT, orjson.dumps(
-    {"model": "m", "messages": [{"role": "user", "content": "hi"}]}), "m")
+REQ = intake.check(
+    intake.CHAT, orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]}), "m"
+)
 
 
-def setup(n: int = 2, prefill: int = 1, decode: int = 1, queue: int = 4,
-          wait_s: float = 5.0) -> tuple[Admission, list[Engine], list[tuple[str, str]]]:
+def setup(
+    n: int = 2, prefill: int = 1, decode: int = 1, queue: int = 4, wait_s: float = 5.0
+) -> tuple[Admission, list[Engine], list[tuple[str, str]]]:
     engines = [Engine(EngineSpec(f"e{i}"), f"http://e{i}", healthy=True) for i in range(n)]
     pool = Pool(engines, prefill, decode, eject_after=2)
     events = Events()
     heard: list[tuple[str, str]] = []
-    events.subscribe(first_output=lambda lease: heard.append(("first", lease.on.name)),
-                     finished=lambda lease: heard.append(("finished", lease.on.name)),
-                     fault=lambda lease, kind, why: heard.append((kind, lease.on.name)))
+    events.subscribe(
+        first_output=lambda lease: heard.append(("first", lease.on.name)),
+        finished=lambda lease: heard.append(("finished", lease.on.name)),
+        fault=lambda lease, kind, why: heard.append((kind, lease.on.name)),
+    )
     pool.watch(events)
     return Admission(pool, 100, queue, wait_s, events), engines, heard
 
@@ -193,8 +197,11 @@ def test_faults_against_the_engine_eject_it_after_the_streak() -> None:
     adm, engines, heard = setup(n=1)
 
     async def go() -> None:
-        for kind, why in [("engine_error", None), ("engine_stalled", "quiet"),
-                          ("engine_disconnected", "cut")]:
+        for kind, why in [
+            ("engine_error", None),
+            ("engine_stalled", "quiet"),
+            ("engine_disconnected", "cut"),
+        ]:
             async with adm.place(REQ, 0.0, 1e9) as lease:
                 lease.fault(kind, why)
 

@@ -29,8 +29,12 @@ def _engine_pid(router_pid: int) -> int | None:
             stat = (d / "stat").read_text().split()
         except OSError:
             continue
-        if (any(c.endswith(b"lexi-engine") for c in cmd[:2]) and b"serve" in cmd
-                and int(d.name) in family and int(stat[3]) in family):
+        if (
+            any(c.endswith(b"lexi-engine") for c in cmd[:2])
+            and b"serve" in cmd
+            and int(d.name) in family
+            and int(stat[3]) in family
+        ):
             parent_cmd = Path(f"/proc/{stat[3]}/cmdline").read_bytes()
             if b"lexi-engine" not in parent_cmd:
                 return int(d.name)
@@ -55,7 +59,9 @@ def _descendants(pid: int) -> set[int]:
 
 
 def test_managed_engine_serves_restarts_and_stops(model_path: str, tmp_path: Path) -> None:
-    r = start_router(tmp_path, f"""
+    r = start_router(
+        tmp_path,
+        f"""
 model: main
 listen: {{port: $PORT}}
 admission: open
@@ -63,10 +69,10 @@ health: {{interval_s: 0.2}}
 engines:
   - name: local
     launch: {{model: {model_path}, parallel: 2, args: ["--ctx-size", "1024"]}}
-""")
+""",
+    )
     try:
-        body = {"model": "main", "messages": [{"role": "user", "content": "hi"}],
-                "max_tokens": 3}
+        body = {"model": "main", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
         ok = httpx.post(r.url + "/v1/chat/completions", json=body, timeout=60)
         assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] >= 1
         pid = _engine_pid(r.proc.pid)
@@ -90,47 +96,75 @@ engines:
     finally:
         r.stop()
     time.sleep(0.5)
-    alive = [p for p in tree if Path(f"/proc/{p}").exists()
-             and "Z" not in Path(f"/proc/{p}/stat").read_text().split()[2]]
+    alive = [
+        p
+        for p in tree
+        if Path(f"/proc/{p}").exists() and "Z" not in Path(f"/proc/{p}/stat").read_text().split()[2]
+    ]
     assert alive == []
 
 
 def _tool_call_through_the_router(url: str) -> None:
     """A LexiEngine tool call survives the router's relay (token IDs checked on every
     tool-call event) and its non-streaming assembly."""
-    call = ('<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}'
-            '</tool_call>')
-    body = {"model": "main", "messages": [{"role": "user", "content": "weather?"}],
-            "grammar": "root ::= " + json.dumps(call),
-            "tools": [{"type": "function", "function": {"name": "get_weather", "parameters": {
-                "type": "object", "properties": {"city": {"type": "string"}}}}}]}
+    call = '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>'
+    body = {
+        "model": "main",
+        "messages": [{"role": "user", "content": "weather?"}],
+        "grammar": "root ::= " + json.dumps(call),
+        "tools": [
+            {
+                "type": "function",
+                "function": {
+                    "name": "get_weather",
+                    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+                },
+            }
+        ],
+    }
     whole = httpx.post(url + "/v1/chat/completions", json=body, timeout=60)
     assert whole.status_code == 200, whole.text
     choice = whole.json()["choices"][0]
     assert choice["finish_reason"] == "tool_calls"
     (tc,) = choice["message"]["tool_calls"]
     assert (tc["function"]["name"], json.loads(tc["function"]["arguments"])) == (
-        "get_weather", {"city": "Oslo"})
-    streamed = httpx.post(url + "/v1/chat/completions", json=body | {"stream": True},
-                          timeout=60).text
+        "get_weather",
+        {"city": "Oslo"},
+    )
+    streamed = httpx.post(
+        url + "/v1/chat/completions", json=body | {"stream": True}, timeout=60
+    ).text
     assert "error" not in streamed and "<tool_call>" not in streamed
     assert '"name":"get_weather"' in streamed and streamed.rstrip().endswith("[DONE]")
     # A required call that does not come: LexiEngine's error event is this request's end,
     # relayed once; the engine stays in service for everyone else.
-    refused = httpx.post(url + "/v1/chat/completions", timeout=60, json=body | {
-        "stream": True, "tool_choice": "required", "grammar": 'root ::= "no call"',
-        "max_tokens": 20}).text
+    refused = httpx.post(
+        url + "/v1/chat/completions",
+        timeout=60,
+        json=body
+        | {
+            "stream": True,
+            "tool_choice": "required",
+            "grammar": 'root ::= "no call"',
+            "max_tokens": 20,
+        },
+    ).text
     assert refused.count('"error"') == 1 and "tool_call_invalid" in refused
     assert "engine_disconnected" not in refused
     assert httpx.get(url + "/ready").status_code == 200
-    whole = httpx.post(url + "/v1/chat/completions", timeout=60, json=body | {
-        "tool_choice": "required", "grammar": 'root ::= "no call"', "max_tokens": 20})
+    whole = httpx.post(
+        url + "/v1/chat/completions",
+        timeout=60,
+        json=body | {"tool_choice": "required", "grammar": 'root ::= "no call"', "max_tokens": 20},
+    )
     assert whole.status_code == 422  # LexiEngine's own status, not 502 bad_engine_output
     assert whole.json()["error"]["code"] == "tool_call_invalid"
 
 
 def test_predictor_learns_a_real_lexiengine(model_path: str, tmp_path: Path) -> None:
-    r = start_router(tmp_path, f"""
+    r = start_router(
+        tmp_path,
+        f"""
 model: main
 listen: {{port: $PORT}}
 admission: predictive
@@ -138,13 +172,20 @@ predictive: {{ttft_budget_s: 30}}
 engines:
   - name: local
     launch: {{model: {model_path}, parallel: 1, args: ["--ctx-size", "1024"]}}
-""")
+""",
+    )
     try:
         text = "Tell me about the sea and the animals that live in it. " * 8
         for _ in range(3):
-            ok = httpx.post(r.url + "/v1/chat/completions", timeout=60, json={
-                "messages": [{"role": "user", "content": text}], "max_tokens": 4,
-                "stream": True})
+            ok = httpx.post(
+                r.url + "/v1/chat/completions",
+                timeout=60,
+                json={
+                    "messages": [{"role": "user", "content": text}],
+                    "max_tokens": 4,
+                    "stream": True,
+                },
+            )
             assert ok.status_code == 200, ok.text
         prof = httpx.get(r.url + "/ready").json()["engines"][0]["profile"]
         assert prof["prefill_tokens_per_s"] > 0 and prof["prefill_samples"] >= 3
@@ -164,16 +205,20 @@ def _restarts(url: str) -> str | None:
     return None
 
 
-def test_a_crash_is_named_and_nothing_outlives_a_killed_router(model_path: str,
-                                                               tmp_path: Path) -> None:
-    r = start_router(tmp_path, f"""
+def test_a_crash_is_named_and_nothing_outlives_a_killed_router(
+    model_path: str, tmp_path: Path
+) -> None:
+    r = start_router(
+        tmp_path,
+        f"""
 listen: {{port: $PORT}}
 admission: open
 health: {{interval_s: 0.2}}
 engines:
   - name: local
     launch: {{model: {model_path}, parallel: 1, args: ["--ctx-size", "512"]}}
-""")
+""",
+    )
     tree: set[int] = set()
     try:
         assert _restarts(r.url) == "0.0"  # exported from the start

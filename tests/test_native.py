@@ -84,8 +84,9 @@ def test_sse_event_size_is_bounded() -> None:
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.integers(1, 40), st.booleans(), st.booleans(), st.lists(st.integers(0, 100_000),
-                                                                   max_size=8))
+@given(
+    st.integers(1, 40), st.booleans(), st.booleans(), st.lists(st.integers(0, 100_000), max_size=8)
+)
 def test_relay_matches_reference(n: int, strip: bool, reasoning: bool, cuts: list[int]) -> None:
     frames = chat_stream(n, token_ids=True, reasoning=reasoning)
     stream = sse(frames)
@@ -98,18 +99,16 @@ def test_relay_matches_reference(n: int, strip: bool, reasoning: bool, cuts: lis
         tokens += rep.output_tokens
     expect = b"".join(b"data: " + ref_relay_event(f, strip, True)[0] + b"\n\n" for f in frames)
     ref_tokens = sum(ref_relay_event(f, strip, True)[1] for f in frames)
-    assert [orjson.loads(x[6:]) if x != b"data: [DONE]" else x
-            for x in forwarded.split(b"\n\n") if x] == \
-           [orjson.loads(x[6:]) if x != b"data: [DONE]" else x
-            for x in expect.split(b"\n\n") if x]
+    assert [
+        orjson.loads(x[6:]) if x != b"data: [DONE]" else x for x in forwarded.split(b"\n\n") if x
+    ] == [orjson.loads(x[6:]) if x != b"data: [DONE]" else x for x in expect.split(b"\n\n") if x]
     assert tokens == ref_tokens == n
     assert (b"token_ids" in forwarded) is (not strip)
 
 
 @settings(max_examples=100, deadline=None)
 @given(st.integers(1, 30), st.booleans(), st.lists(st.integers(0, 100_000), max_size=8))
-def test_relay_push_answers_bytes_only_for_plain_output(n: int, ids: bool,
-                                                        cuts: list[int]) -> None:
+def test_relay_push_answers_bytes_only_for_plain_output(n: int, ids: bool, cuts: list[int]) -> None:
     """`push` forwards what `feed` forwards; a read that starts the output, carries prompt
     IDs or usage, or ends the stream comes back as the full report; `counted` is the
     stream's output tokens either way."""
@@ -119,9 +118,14 @@ def test_relay_push_answers_bytes_only_for_plain_output(n: int, ids: bool,
     for c in chunked(stream, cuts):
         got, rep = pushed.push(c), fed.feed(c)
         summed += rep.output_tokens or rep.generation_events
-        plain = not (rep.first_output or rep.done or rep.fault_reason or
-                     rep.prompt_ids is not None or rep.prompt_tokens is not None or
-                     rep.cached_tokens is not None)
+        plain = not (
+            rep.first_output
+            or rep.done
+            or rep.fault_reason
+            or rep.prompt_ids is not None
+            or rep.prompt_tokens is not None
+            or rep.cached_tokens is not None
+        )
         assert isinstance(got, bytes) is plain
         assert (got if isinstance(got, bytes) else got.forward) == rep.forward
     assert pushed.counted == fed.counted == summed
@@ -129,8 +133,7 @@ def test_relay_push_answers_bytes_only_for_plain_output(n: int, ids: bool,
         assert pushed.counted == n
 
 
-HEAD = (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
-        b"transfer-encoding: chunked\r\n\r\n")
+HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
 
 
 def http_chunked(frames: list[bytes]) -> bytes:
@@ -143,12 +146,13 @@ class Loop:
 
     def __init__(self) -> None:
         self.log: list[tuple[str, object]] = []
-        self.reader = UpstreamReader(4096, lambda b: self.log.append(("body", b)),
-                                     lambda m: self.log.append(("fault", m)))
+        self.reader = UpstreamReader(
+            4096, lambda b: self.log.append(("body", b)), lambda m: self.log.append(("fault", m))
+        )
 
     def read(self, data: bytes) -> None:
         buf = self.reader.get_buffer(-1)
-        buf[:len(data)] = data
+        buf[: len(data)] = data
         self.reader.buffer_updated(len(data))
 
     def send(self, message: dict[str, object]) -> None:
@@ -192,7 +196,8 @@ def test_upstream_reader_relays_reads_to_send(n: int, ids: bool, cuts: list[int]
     assert got == expect
     assert relay.counted == reference.counted == n
     assert b"".join(v for k, v in got if k != "body") == b"".join(
-        StreamRelay(True, ids).feed(f).forward for f in frames)
+        StreamRelay(True, ids).feed(f).forward for f in frames
+    )
 
 
 def test_upstream_reader_faults_and_failed_sends() -> None:
@@ -257,14 +262,17 @@ def test_relay_leaves_frames_without_ids_byte_identical() -> None:
     assert rep.forward == stream
 
 
-@pytest.mark.parametrize(("bad", "reason"), [
-    ({"delta": {"content": "x"}}, "missing_token_ids"),
-    ({"delta": {"content": "x"}, "token_ids": [True]}, "boolean_token_id"),
-    ({"delta": {"content": "x"}, "token_ids": [-3]}, "negative_token_id"),
-    ({"delta": {"content": "x"}, "token_ids": [1.5]}, "non_integer_token_id"),
-    ({"delta": {"tool_calls": [{"index": 0}]}, "token_ids": "1"}, "token_ids_not_a_list"),
-    ({"delta": {"refusal": "no"}}, "missing_token_ids"),
-])
+@pytest.mark.parametrize(
+    ("bad", "reason"),
+    [
+        ({"delta": {"content": "x"}}, "missing_token_ids"),
+        ({"delta": {"content": "x"}, "token_ids": [True]}, "boolean_token_id"),
+        ({"delta": {"content": "x"}, "token_ids": [-3]}, "negative_token_id"),
+        ({"delta": {"content": "x"}, "token_ids": [1.5]}, "non_integer_token_id"),
+        ({"delta": {"tool_calls": [{"index": 0}]}, "token_ids": "1"}, "token_ids_not_a_list"),
+        ({"delta": {"refusal": "no"}}, "missing_token_ids"),
+    ],
+)
 def test_relay_token_id_faults(bad: dict[str, object], reason: str) -> None:
     frame = orjson.dumps({"choices": [{"index": 0, **bad}]}).decode()
     with pytest.raises(ValueError):
@@ -274,11 +282,14 @@ def test_relay_token_id_faults(bad: dict[str, object], reason: str) -> None:
     assert rep.forward == b""
 
 
-@pytest.mark.parametrize("make", [
-    lambda: (chat_stream(30, token_ids=True, reasoning=True), "chat"),
-    lambda: (tool_stream(), "chat"),
-    lambda: (completion_stream(20, logprobs=True), "completion"),
-])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: (chat_stream(30, token_ids=True, reasoning=True), "chat"),
+        lambda: (tool_stream(), "chat"),
+        lambda: (completion_stream(20, logprobs=True), "completion"),
+    ],
+)
 @settings(max_examples=40, deadline=None)
 @given(cuts=st.lists(st.integers(0, 100_000), max_size=8))
 def test_assembler_matches_reference(make: object, cuts: list[int]) -> None:
@@ -300,8 +311,12 @@ def test_assembler_refuses_unknown_fields_by_name() -> None:
     assert e.value.field == "choices[0].delta.annotations"
 
 
-think_text = st.lists(st.sampled_from(["<think>", "</think>", "<", "</", "think", ">", "a", " ",
-                                       "\n", "é", "answer"]), max_size=14).map("".join)
+think_text = st.lists(
+    st.sampled_from(
+        ["<think>", "</think>", "<", "</", "think", ">", "a", " ", "\n", "é", "answer"]
+    ),
+    max_size=14,
+).map("".join)
 
 
 @settings(max_examples=400, deadline=None)

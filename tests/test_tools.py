@@ -20,14 +20,23 @@ from tests.test_engine import frames, post
 
 pytestmark = pytest.mark.slow
 
-WEATHER = {"type": "object", "description": "as the client wrote it",
-           "properties": {"city": {"type": "string", "description": "a city"},
-                          "days": {"type": "integer", "minimum": 1}},
-           "required": ["city"]}
-LOOKUP = {"type": "object", "properties": {"code": {"type": "string"},
-                                           "count": {"type": "integer"}}}
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
-         {"type": "function", "function": {"name": "lookup", "parameters": LOOKUP}}]
+WEATHER = {
+    "type": "object",
+    "description": "as the client wrote it",
+    "properties": {
+        "city": {"type": "string", "description": "a city"},
+        "days": {"type": "integer", "minimum": 1},
+    },
+    "required": ["city"],
+}
+LOOKUP = {
+    "type": "object",
+    "properties": {"code": {"type": "string"}, "count": {"type": "integer"}},
+}
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
+    {"type": "function", "function": {"name": "lookup", "parameters": LOOKUP}},
+]
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 HERMES = """{%- if tools %}<|im_start|>system
@@ -57,8 +66,10 @@ def forced(text: str) -> str:
     return "root ::= " + orjson.dumps(text).decode()
 
 
-CALL = ('Let me check. <tool_call>{"name": "get_weather", "arguments": '
-        '{"city": "Paris", "days": 3}}</tool_call>')
+CALL = (
+    'Let me check. <tool_call>{"name": "get_weather", "arguments": '
+    '{"city": "Paris", "days": 3}}</tool_call>'
+)
 
 
 @pytest.fixture(scope="module")
@@ -95,27 +106,32 @@ def test_json_form_call_streaming_and_not(engine: Server) -> None:
     msg = whole["message"]
     assert msg["content"] == "Let me check. "
     assert [c["function"]["name"] for c in msg["tool_calls"]] == ["get_weather"]
-    assert orjson.loads(msg["tool_calls"][0]["function"]["arguments"]) == {"city": "Paris",
-                                                                           "days": 3}
+    assert orjson.loads(msg["tool_calls"][0]["function"]["arguments"]) == {
+        "city": "Paris",
+        "days": 3,
+    }
     assert msg["tool_calls"][0]["id"].startswith("call_")
     assert whole["finish_reason"] == "tool_calls"
 
     s = streamed(engine, grammar=forced(CALL))
     assert s["content"] == msg["content"]
     assert [(c["name"], c["arguments"]) for c in s["calls"]] == [
-        (c["function"]["name"], c["function"]["arguments"]) for c in msg["tool_calls"]]
+        (c["function"]["name"], c["function"]["arguments"]) for c in msg["tool_calls"]
+    ]
     assert s["finish"] == "tool_calls" and s["calls"][0]["id"].startswith("call_")
 
 
 def test_function_form_values_follow_the_schema_and_several_calls(engine: Server) -> None:
-    text = ('<tool_call><function=lookup><parameter=code>123</parameter>'
-            '<parameter=count>123</parameter></function></tool_call>\n'
-            '<tool_call>{"name": "get_weather", "arguments": {"city": "Rome"}}</tool_call>')
+    text = (
+        "<tool_call><function=lookup><parameter=code>123</parameter>"
+        "<parameter=count>123</parameter></function></tool_call>\n"
+        '<tool_call>{"name": "get_weather", "arguments": {"city": "Rome"}}</tool_call>'
+    )
     msg = chat(engine, grammar=forced(text)).json()["choices"][0]["message"]
-    calls = [(c["function"]["name"], orjson.loads(c["function"]["arguments"]))
-             for c in msg["tool_calls"]]
-    assert calls == [("lookup", {"code": "123", "count": 123}),
-                     ("get_weather", {"city": "Rome"})]
+    calls = [
+        (c["function"]["name"], orjson.loads(c["function"]["arguments"])) for c in msg["tool_calls"]
+    ]
+    assert calls == [("lookup", {"code": "123", "count": 123}), ("get_weather", {"city": "Rome"})]
     assert msg["content"] is None
     s = streamed(engine, grammar=forced(text))
     assert [c["name"] for c in s["calls"]] == ["lookup", "get_weather"]
@@ -129,25 +145,35 @@ NOTE_PARAMS = [
 
 
 @pytest.mark.parametrize("param", NOTE_PARAMS)
-def test_function_form_text_for_every_way_a_schema_says_string(engine: Server,
-                                                               param: dict[str, Any]) -> None:
-    schema = {"type": "object", "properties": {"a": param}, "required": ["a"],
-              "$defs": {"text": {"type": "string"}}}
+def test_function_form_text_for_every_way_a_schema_says_string(
+    engine: Server, param: dict[str, Any]
+) -> None:
+    schema = {
+        "type": "object",
+        "properties": {"a": param},
+        "required": ["a"],
+        "$defs": {"text": {"type": "string"}},
+    }
     note = {"type": "function", "function": {"name": "note", "parameters": schema}}
     text = "<tool_call><function=note><parameter=a>123</parameter></function></tool_call>"
-    r = post(engine, "/v1/chat/completions",
-             {"messages": ASK, "tools": [note], "tool_choice": "required",
-              "grammar": forced(text)})
+    r = post(
+        engine,
+        "/v1/chat/completions",
+        {"messages": ASK, "tools": [note], "tool_choice": "required", "grammar": forced(text)},
+    )
     assert r.status_code == 200, r.text
     call = r.json()["choices"][0]["message"]["tool_calls"][0]["function"]
     assert (call["name"], orjson.loads(call["arguments"])) == ("note", {"a": "123"})
 
 
-@pytest.mark.parametrize("markup", [
-    '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>',
-    '<tool_call>{"name": "get_weather", "arguments": {"city": 7}}</tool_call>',
-    '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"</tool_call>',
-])
+@pytest.mark.parametrize(
+    "markup",
+    [
+        '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>',
+        '<tool_call>{"name": "get_weather", "arguments": {"city": 7}}</tool_call>',
+        '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"</tool_call>',
+    ],
+)
 def test_look_alikes_come_back_as_text(engine: Server, markup: str) -> None:
     ch = chat(engine, grammar=forced("Hmm " + markup)).json()["choices"][0]
     assert ch["message"]["content"] == "Hmm " + markup
@@ -160,38 +186,51 @@ def test_required_without_a_valid_call_is_a_clean_error(engine: Server) -> None:
     assert r.status_code == 422
     err = r.json()["error"]
     assert (err["code"], err["param"]) == ("tool_call_invalid", "tool_choice")
-    fs = frames(chat(engine, grammar=forced("no call here"), tool_choice="required",
-                     stream=True))
+    fs = frames(chat(engine, grammar=forced("no call here"), tool_choice="required", stream=True))
     assert fs[-1]["error"]["code"] == "tool_call_invalid"
     # The engine is fine afterwards (the slot came back).
     assert chat(engine, grammar=forced(CALL)).status_code == 200
 
 
 def test_named_tool_is_constrained_from_the_first_token(engine: Server) -> None:
-    r = chat(engine, tool_choice={"type": "function", "function": {"name": "get_weather"}},
-             max_tokens=120)
+    r = chat(
+        engine,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        max_tokens=120,
+    )
     assert r.status_code == 200, r.text
     ch = r.json()["choices"][0]
     (call,) = ch["message"]["tool_calls"]
     assert call["function"]["name"] == "get_weather"
-    assert jsonschema_rs.validator_for(WEATHER).is_valid(orjson.loads(
-        call["function"]["arguments"]))
+    assert jsonschema_rs.validator_for(WEATHER).is_valid(
+        orjson.loads(call["function"]["arguments"])
+    )
     assert ch["finish_reason"] == "tool_calls"
 
 
 def test_grammar_enforces_what_it_can_of_the_schema(engine: Server) -> None:
-    schema = {"type": "object", "properties": {
-        "code": {"type": "string", "pattern": "^[A-Z]{3}$"},
-        "unit": {"enum": ["celsius", "kelvin"]},
-        "when": {"type": "string", "format": "date"}},
-        "required": ["code", "unit", "when"]}
+    schema = {
+        "type": "object",
+        "properties": {
+            "code": {"type": "string", "pattern": "^[A-Z]{3}$"},
+            "unit": {"enum": ["celsius", "kelvin"]},
+            "when": {"type": "string", "format": "date"},
+        },
+        "required": ["code", "unit", "when"],
+    }
     tools = [{"type": "function", "function": {"name": "report", "parameters": schema}}]
-    r = post(engine, "/v1/chat/completions", {
-        "messages": ASK, "tools": tools, "max_tokens": 120,
-        "tool_choice": {"type": "function", "function": {"name": "report"}}})
+    r = post(
+        engine,
+        "/v1/chat/completions",
+        {
+            "messages": ASK,
+            "tools": tools,
+            "max_tokens": 120,
+            "tool_choice": {"type": "function", "function": {"name": "report"}},
+        },
+    )
     assert r.status_code == 200, r.text
-    args = orjson.loads(r.json()["choices"][0]["message"]["tool_calls"][0]["function"]
-                        ["arguments"])
+    args = orjson.loads(r.json()["choices"][0]["message"]["tool_calls"][0]["function"]["arguments"])
     assert jsonschema_rs.validator_for(schema, validate_formats=True).is_valid(args)
 
 
@@ -203,14 +242,27 @@ def test_auto_the_model_calls_on_its_own(engine: Server) -> None:
     for i, city in enumerate(("Paris", "Berlin", "Madrid")):
         history += [
             {"role": "user", "content": f"Weather in {city}?"},
-            {"role": "assistant", "content": None, "tool_calls": [
-                {"id": f"c{i}", "type": "function", "function": {
-                    "name": "get_weather", "arguments": orjson.dumps({"city": city}).decode()}}]},
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {
+                        "id": f"c{i}",
+                        "type": "function",
+                        "function": {
+                            "name": "get_weather",
+                            "arguments": orjson.dumps({"city": city}).decode(),
+                        },
+                    }
+                ],
+            },
             {"role": "tool", "tool_call_id": f"c{i}", "content": "sunny"},
-            {"role": "assistant", "content": f"It is sunny in {city}."}]
+            {"role": "assistant", "content": f"It is sunny in {city}."},
+        ]
     history.append({"role": "user", "content": "Weather in Rome?"})
-    r = post(engine, "/v1/chat/completions", {"messages": history, "tools": tools,
-                                              "max_tokens": 60})
+    r = post(
+        engine, "/v1/chat/completions", {"messages": history, "tools": tools, "max_tokens": 60}
+    )
     ch = r.json()["choices"][0]
     (call,) = ch["message"]["tool_calls"]
     assert call["function"]["name"] == "get_weather"
@@ -219,8 +271,12 @@ def test_auto_the_model_calls_on_its_own(engine: Server) -> None:
 
 
 def test_strict_tool_that_is_not_closed_is_refused(engine: Server) -> None:
-    tools = [{"type": "function", "function": {"name": "get_weather", "strict": True,
-                                               "parameters": WEATHER}}]
+    tools = [
+        {
+            "type": "function",
+            "function": {"name": "get_weather", "strict": True, "parameters": WEATHER},
+        }
+    ]
     r = post(engine, "/v1/chat/completions", {"messages": ASK, "tools": tools})
     assert r.status_code == 400
     assert "get_weather" in r.json()["error"]["message"]
@@ -243,37 +299,61 @@ def test_openai_sdk_tool_call_objects(engine: Server) -> None:
 
     client = openai.OpenAI(base_url=engine.url + "/v1", api_key="x")
     model = client.models.list().data[0].id
-    out = client.chat.completions.create(model=model, messages=ASK,  # type: ignore[arg-type]
-                                         tools=TOOLS,  # type: ignore[arg-type]
-                                         extra_body={"grammar": forced(CALL)})
+    out = client.chat.completions.create(
+        model=model,
+        messages=ASK,  # type: ignore[arg-type]
+        tools=TOOLS,  # type: ignore[arg-type]
+        extra_body={"grammar": forced(CALL)},
+    )
     call = out.choices[0].message.tool_calls[0]  # type: ignore[index]
     assert call.function.name == "get_weather"  # type: ignore[union-attr]
     assert orjson.loads(call.function.arguments)["city"] == "Paris"  # type: ignore[union-attr]
     assert out.choices[0].finish_reason == "tool_calls"
-    stream = client.chat.completions.create(model=model, messages=ASK,  # type: ignore[arg-type]
-                                            tools=TOOLS, stream=True,  # type: ignore[arg-type]
-                                            extra_body={"grammar": forced(CALL)})
-    names = [tc.function.name for chunk in stream for tc in (chunk.choices[0].delta.tool_calls
-                                                              or []) if tc.function.name]
+    stream = client.chat.completions.create(
+        model=model,
+        messages=ASK,  # type: ignore[arg-type]
+        tools=TOOLS,
+        stream=True,  # type: ignore[arg-type]
+        extra_body={"grammar": forced(CALL)},
+    )
+    names = [
+        tc.function.name
+        for chunk in stream
+        for tc in (chunk.choices[0].delta.tool_calls or [])
+        if tc.function.name
+    ]
     assert names == ["get_weather"]
 
 
-def test_history_and_tools_reach_a_template_that_renders_them(model_path: str,
-                                                              tmp_path: Path) -> None:
+def test_history_and_tools_reach_a_template_that_renders_them(
+    model_path: str, tmp_path: Path
+) -> None:
     from llama_cpp import Llama
 
     tpl = tmp_path / "hermes.jinja"
     tpl.write_text(HERMES)
     s = start_engine(model_path, "--chat-template-file", str(tpl), "--temp", "0")
     try:
-        history = [*ASK,
-                   {"role": "assistant", "content": None, "tool_calls": [
-                       {"id": "c1", "type": "function", "function": {
-                           "name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
-                   {"role": "tool", "tool_call_id": "c1", "name": "get_weather",
-                    "content": "sunny"}]
-        r = post(s, "/v1/chat/completions", {"messages": history, "tools": TOOLS,
-                                             "max_tokens": 1, "return_token_ids": True})
+        history = [
+            *ASK,
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {
+                        "id": "c1",
+                        "type": "function",
+                        "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                    }
+                ],
+            },
+            {"role": "tool", "tool_call_id": "c1", "name": "get_weather", "content": "sunny"},
+        ]
+        r = post(
+            s,
+            "/v1/chat/completions",
+            {"messages": history, "tools": TOOLS, "max_tokens": 1, "return_token_ids": True},
+        )
         assert r.status_code == 200, r.text
         vocab = Llama(model_path, vocab_only=True, verbose=False)
         prompt = vocab.detokenize(r.json()["prompt_token_ids"], special=True).decode()
@@ -282,9 +362,17 @@ def test_history_and_tools_reach_a_template_that_renders_them(model_path: str,
         assert '<tool_call>{"name": "get_weather", "arguments": {"city":"Paris"}}' in prompt
         assert "<tool_response>sunny</tool_response>" in prompt
         assert "You can call functions" not in prompt  # not the engine's own prompt
-        named = post(s, "/v1/chat/completions", {
-            "messages": ASK, "tools": TOOLS, "max_tokens": 150, "return_token_ids": True,
-            "tool_choice": {"type": "function", "function": {"name": "lookup"}}})
+        named = post(
+            s,
+            "/v1/chat/completions",
+            {
+                "messages": ASK,
+                "tools": TOOLS,
+                "max_tokens": 150,
+                "return_token_ids": True,
+                "tool_choice": {"type": "function", "function": {"name": "lookup"}},
+            },
+        )
         assert named.status_code == 200, named.text
         text = vocab.detokenize(named.json()["prompt_token_ids"], special=True).decode()
         assert "You must call lookup." in text  # a forced tool gets the engine's prompt

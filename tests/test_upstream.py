@@ -12,8 +12,9 @@ import pytest
 
 from narwhal.router.upstream import Upstream, UpstreamError
 
-CHUNKED_HEAD = (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
-                b"transfer-encoding: chunked\r\n\r\n")
+CHUNKED_HEAD = (
+    b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+)
 
 
 def chunked(*parts: bytes) -> bytes:
@@ -38,8 +39,11 @@ class RawServer:
         try:
             while True:
                 head = await reader.readuntil(b"\r\n\r\n")
-                length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
-                              if line.lower().startswith(b"content-length"))
+                length = next(
+                    int(line.split(b":")[1])
+                    for line in head.split(b"\r\n")
+                    if line.lower().startswith(b"content-length")
+                )
                 body = await reader.readexactly(length)
                 self.requests.append(head + body)
                 n += 1
@@ -144,8 +148,10 @@ def test_malformed_chunking_and_a_cut_body_are_errors() -> None:
 def test_length_and_close_delimited_bodies() -> None:
     async def answer(conn: int, n: int, w: asyncio.StreamWriter) -> bool:
         if conn == 1:
-            w.write(b"HTTP/1.1 429 Too Many\r\ncontent-type: application/json\r\n"
-                    b"content-length: 7\r\nconnection: close\r\n\r\n{\"e\":1}")
+            w.write(
+                b"HTTP/1.1 429 Too Many\r\ncontent-type: application/json\r\n"
+                b'content-length: 7\r\nconnection: close\r\n\r\n{"e":1}'
+            )
             return False
         w.write(b"HTTP/1.0 200 OK\r\n\r\nuntil close")
         return False

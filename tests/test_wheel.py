@@ -18,23 +18,37 @@ pytestmark = pytest.mark.slow
 def test_release_wheel_installs_and_runs(tmp_path: Path) -> None:
     maturin = shutil.which("maturin", path=str(BIN)) or "maturin"
     out = tmp_path / "dist"
-    subprocess.run([maturin, "build", "--release", "--quiet", "--out", str(out)], cwd=ROOT,
-                   check=True, timeout=900)
+    subprocess.run(
+        [maturin, "build", "--release", "--quiet", "--out", str(out)],
+        cwd=ROOT,
+        check=True,
+        timeout=900,
+    )
     wheels = list(out.glob("narwhal-*.whl"))
     assert len(wheels) == 1
     assert "abi3" in wheels[0].name
     env = tmp_path / "venv"
     venv.create(env, with_pip=True)
     py = env / "bin" / "python"
-    subprocess.run([str(py), "-m", "pip", "install", "--quiet", str(wheels[0])], check=True,
-                   timeout=900)
-    version = subprocess.run([str(env / "bin" / "narwhal"), "--version"], capture_output=True,
-                             text=True, check=True)
+    subprocess.run(
+        [str(py), "-m", "pip", "install", "--quiet", str(wheels[0])], check=True, timeout=900
+    )
+    version = subprocess.run(
+        [str(env / "bin" / "narwhal"), "--version"], capture_output=True, text=True, check=True
+    )
     assert version.stdout.startswith("narwhal ")
     probe = subprocess.run(
-        [str(py), "-c", "import narwhal._native as n, narwhal; "
-         "print(n.__file__); print(n.SseDecoder().feed(b'data: ok\\n\\n')[0].data)"],
-        capture_output=True, text=True, check=True, cwd=tmp_path)
+        [
+            str(py),
+            "-c",
+            "import narwhal._native as n, narwhal; "
+            "print(n.__file__); print(n.SseDecoder().feed(b'data: ok\\n\\n')[0].data)",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=tmp_path,
+    )
     path, data = probe.stdout.split()
     assert str(env) in path  # imported from the installed wheel, not the source tree
     assert data == "ok"

@@ -194,11 +194,19 @@ class UpstreamReader:
     decoder: ResponseDecoder | None
     @property
     def reads(self) -> int: ...  # reads so far: a watchdog's measure of a quiet engine
-    def __init__(self, size: int, on_body: Callable[[bytes], object],
-                 on_fault: Callable[[str | None], object]) -> None: ...
+    def __init__(
+        self,
+        size: int,
+        on_body: Callable[[bytes], object],
+        on_fault: Callable[[str | None], object],
+    ) -> None: ...
     def get_buffer(self, sizehint: int) -> bytearray: ...
     def buffer_updated(self, nbytes: int) -> None: ...
-    def start_relay(self, relay: StreamRelay, send: Callable[[dict[str, object]], object],
-                    on_report: Callable[[RelayChunk | BaseException | Awaitable[None]], object],
-                    sent_type: type) -> None: ...
+    def start_relay(
+        self,
+        relay: StreamRelay,
+        send: Callable[[dict[str, object]], object],
+        on_report: Callable[[RelayChunk | BaseException | Awaitable[None]], object],
+        sent_type: type,
+    ) -> None: ...
     def stop_relay(self) -> None: ...

@@ -45,11 +45,16 @@ async def read_body(receive: Receive, limit: int, timeout: float | None = None) 
             else:
                 msg = await asyncio.wait_for(receive(), max(end - loop.time(), 0.0))
         except asyncio.TimeoutError:
-            raise ApiError(408, f"the request body did not arrive within {timeout:g} s",
-                           type="invalid_request_error", code="request_timeout") from None
+            raise ApiError(
+                408,
+                f"the request body did not arrive within {timeout:g} s",
+                type="invalid_request_error",
+                code="request_timeout",
+            ) from None
         except Exception as exc:
-            raise ApiError(400, f"the request body could not be read: {exc}",
-                           code="bad_request_body") from None
+            raise ApiError(
+                400, f"the request body could not be read: {exc}", code="bad_request_body"
+            ) from None
         if msg["type"] == "http.disconnect":
             raise ClientGone
         chunk = msg.get("body", b"")
@@ -63,8 +68,12 @@ async def read_body(receive: Receive, limit: int, timeout: float | None = None) 
 
 def method_not_allowed(method: str, path: str, allow: str) -> ApiError:
     """405 for a known route asked with the wrong method, with `Allow` (RFC 9110)."""
-    return ApiError(405, f"{method} is not allowed on {path}; use {allow}",
-                    code="method_not_allowed", headers={"allow": allow})
+    return ApiError(
+        405,
+        f"{method} is not allowed on {path}; use {allow}",
+        code="method_not_allowed",
+        headers={"allow": allow},
+    )
 
 
 def header(scope: Scope, name: bytes) -> str | None:
@@ -123,8 +132,12 @@ async def watch_disconnect(receive: Receive, task: asyncio.Task[Any]) -> None:
             return
 
 
-async def lifespan(receive: Receive, send: Send, startup: Callable[[], Awaitable[None]],
-                   shutdown: Callable[[], Awaitable[None]]) -> None:
+async def lifespan(
+    receive: Receive,
+    send: Send,
+    startup: Callable[[], Awaitable[None]],
+    shutdown: Callable[[], Awaitable[None]],
+) -> None:
     while True:
         msg = await receive()
         if msg["type"] == "lifespan.startup":

@@ -64,8 +64,7 @@ class Address:
 def resolve(host: str, port: int) -> Address:
     """The address to bind for `host`: an IP as given, a name through the resolver."""
     try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
-                                   flags=socket.AI_PASSIVE)
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except (socket.gaierror, UnicodeError) as e:
         reason = e.args[1] if isinstance(e, socket.gaierror) and len(e.args) > 1 else str(e)
         raise StartError(f"cannot listen on {host!r}: {reason}") from None
@@ -84,10 +83,10 @@ def check_free(addr: Address) -> None:
             s.bind((addr.ip, addr.port))
         except OSError as e:
             if e.errno == errno.EADDRINUSE:
-                raise StartError(f"port {addr.port} on {addr.host} is already in use by "
-                                 "another process") from None
-            raise StartError(f"cannot listen on {addr.host}:{addr.port}: "
-                             f"{e.strerror}") from None
+                raise StartError(
+                    f"port {addr.port} on {addr.host} is already in use by another process"
+                ) from None
+            raise StartError(f"cannot listen on {addr.host}:{addr.port}: {e.strerror}") from None
 
 
 def describe_exit(code: int) -> str:
@@ -159,16 +158,19 @@ def serve(prog: str, target: str, addr: Address, limits: Limits, **granian: Any)
 
         def _stop_workers(self) -> None:
             # Granian forgets its workers as it stops them: keep how the dead ones ended.
-            self.exits = [w.inner.exitcode for w in self.wrks
-                          if not w.is_alive() and w.inner.exitcode]
+            self.exits = [
+                w.inner.exitcode for w in self.wrks if not w.is_alive() and w.inner.exitcode
+            ]
             super()._stop_workers()
 
         def signal_handler_interrupt(self, *args: Any, **kwargs: Any) -> None:
             self.interrupted += 1
             if self.interrupted == 1:
                 super().signal_handler_interrupt(*args, **kwargs)
-                _say(f"{prog}: stopping: draining in-flight requests for up to {grace_s:g} s "
-                     "(signal again to stop now)")
+                _say(
+                    f"{prog}: stopping: draining in-flight requests for up to {grace_s:g} s "
+                    "(signal again to stop now)"
+                )
                 return
             for w in self.wrks:
                 with contextlib.suppress(Exception):
@@ -176,12 +178,20 @@ def serve(prog: str, target: str, addr: Address, limits: Limits, **granian: Any)
             _say(f"{prog}: stopping now")
 
     os.environ[MAIN_PID_ENV] = str(os.getpid())
-    server = Server(target, factory=True, address=addr.ip, port=addr.port, workers=1,
-                    log_access=False, workers_kill_timeout=grace_s,
-                    backpressure=limits.max_connections,
-                    http1_settings=HTTP1Settings(
-                        header_read_timeout=max(1, round(limits.header_timeout_s * 1000))),
-                    **granian)
+    server = Server(
+        target,
+        factory=True,
+        address=addr.ip,
+        port=addr.port,
+        workers=1,
+        log_access=False,
+        workers_kill_timeout=grace_s,
+        backpressure=limits.max_connections,
+        http1_settings=HTTP1Settings(
+            header_read_timeout=max(1, round(limits.header_timeout_s * 1000))
+        ),
+        **granian,
+    )
     code = 0
     try:
         server.serve()
@@ -220,10 +230,12 @@ def _say(line: str) -> None:
 
 def crash_hint(sig: int) -> str:
     if sig in (signal.SIGSEGV, signal.SIGILL, signal.SIGBUS, signal.SIGABRT, signal.SIGFPE):
-        return ("; a crash inside native code (llama.cpp). If it happens on the first "
-                "request and the CPU has Intel AMX (amx_int8 in /proc/cpuinfo), start the "
-                "engine with --no-repack; otherwise run with fewer --threads or report it "
-                "with the stack printed above")
+        return (
+            "; a crash inside native code (llama.cpp). If it happens on the first "
+            "request and the CPU has Intel AMX (amx_int8 in /proc/cpuinfo), start the "
+            "engine with --no-repack; otherwise run with fewer --threads or report it "
+            "with the stack printed above"
+        )
     if sig == signal.SIGKILL:
         return "; killed from outside (the kernel's out-of-memory killer, or kill -9)"
     return ""

@@ -38,22 +38,36 @@ ROUTES = {
 class Metrics:
     def __init__(self, slots: int) -> None:
         r = self.registry = CollectorRegistry()
-        self.requests = Counter("lexi_requests", "Requests by route and status",
-                                ["route", "status"], registry=r)
+        self.requests = Counter(
+            "lexi_requests", "Requests by route and status", ["route", "status"], registry=r
+        )
         self.prompt_tokens = Counter("lexi_prompt_tokens", "Prompt tokens processed", registry=r)
         self.output_tokens = Counter("lexi_output_tokens", "Tokens generated", registry=r)
         self.queue_depth = Gauge("lexi_queue_depth", "Requests waiting for a slot", registry=r)
         self.slots_busy = Gauge("lexi_slots_busy", "Slots generating", registry=r)
         self.slots_total = Gauge("lexi_slots_total", "Slots", registry=r)
         self.slots_total.set(slots)
-        self.ttft = Histogram("lexi_time_to_first_token_seconds", "Time to first token",
-                              registry=r, buckets=(.01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10))
-        self.tpot = Histogram("lexi_time_per_output_token_seconds", "Time per output token",
-                              registry=r, buckets=(.002, .005, .01, .02, .05, .1, .25, .5, 1))
-        self.batch = Histogram("lexi_batch_tokens", "Tokens in one decode step's batch",
-                               registry=r, buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512))
-        self.cached_tokens = Counter("lexi_cached_prompt_tokens",
-                                     "Prompt tokens reused from a slot's KV", registry=r)
+        self.ttft = Histogram(
+            "lexi_time_to_first_token_seconds",
+            "Time to first token",
+            registry=r,
+            buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+        )
+        self.tpot = Histogram(
+            "lexi_time_per_output_token_seconds",
+            "Time per output token",
+            registry=r,
+            buckets=(0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1),
+        )
+        self.batch = Histogram(
+            "lexi_batch_tokens",
+            "Tokens in one decode step's batch",
+            registry=r,
+            buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512),
+        )
+        self.cached_tokens = Counter(
+            "lexi_cached_prompt_tokens", "Prompt tokens reused from a slot's KV", registry=r
+        )
 
 
 class Engine:
@@ -85,8 +99,9 @@ class Engine:
                 await asgi.send_json(send, 200, self._models())
             elif path == "/metrics":
                 self._refresh_gauges()
-                await asgi.send_bytes(send, 200, generate_latest(self.metrics.registry),
-                                      b"text/plain; version=0.0.4")
+                await asgi.send_bytes(
+                    send, 200, generate_latest(self.metrics.registry), b"text/plain; version=0.0.4"
+                )
             elif path in ROUTES:
                 if method != "POST":
                     raise asgi.method_not_allowed(method, path, "POST")
@@ -100,8 +115,10 @@ class Engine:
         except Exception:  # a bug: the client still gets the envelope, the log the trace
             log.exception("unhandled error on %s %s", method, path)
             with contextlib.suppress(Exception):  # unless the response had started
-                await asgi.send_error(send, ApiError(500, "internal error", type="server_error",
-                                                     code="internal_error"))
+                await asgi.send_error(
+                    send,
+                    ApiError(500, "internal error", type="server_error", code="internal_error"),
+                )
 
     async def _startup(self) -> None:
         pass
@@ -115,14 +132,25 @@ class Engine:
         auth = asgi.header(scope, b"authorization") or ""
         token = auth[7:].encode() if auth[:7].lower() == "bearer " else b""
         if not any(hmac.compare_digest(token, k) for k in self.keys):
-            raise ApiError(401, "invalid or missing API key", type="authentication_error",
-                           code="invalid_api_key")
+            raise ApiError(
+                401,
+                "invalid or missing API key",
+                type="authentication_error",
+                code="invalid_api_key",
+            )
 
     def _models(self) -> dict[str, Any]:
         created = int(os.path.getmtime(self.config.model))
-        data = [{"id": n, "object": "model", "created": created, "owned_by": "lexi-engine",
-                 **({"root": self.model.id} if i else {"meta": {"n_ctx": self.model.n_ctx}})}
-                for i, n in enumerate(self.model.names)]
+        data = [
+            {
+                "id": n,
+                "object": "model",
+                "created": created,
+                "owned_by": "lexi-engine",
+                **({"root": self.model.id} if i else {"meta": {"n_ctx": self.model.n_ctx}}),
+            }
+            for i, n in enumerate(self.model.names)
+        ]
         return {"object": "list", "data": data}
 
     def _refresh_gauges(self) -> None:
@@ -154,8 +182,13 @@ class Engine:
                 slot = await self.slots.acquire(lambda s: self.decoder.prefix_with(s, prompt))
             except Busy:
                 status = 429
-                raise ApiError(429, "all slots are busy", type="server_error",
-                               code="inference_busy", headers={"retry-after": "1"}) from None
+                raise ApiError(
+                    429,
+                    "all slots are busy",
+                    type="server_error",
+                    code="inference_busy",
+                    headers={"retry-after": "1"},
+                ) from None
             gen = Request(prompt, job.sampling, job.cache_prompt)
             # The slot goes back when the decode loop has let go of the request, not when
             # this task ends: a task cancelled twice must not hand on a slot still decoding.
@@ -198,12 +231,16 @@ class Engine:
                     finish = item
                     break
                 if finish.error:
-                    raise ApiError(500, finish.error, type="server_error",
-                                   code="generation_failed")
+                    raise ApiError(500, finish.error, type="server_error", code="generation_failed")
                 d = out.finish()
             except ToolCallFailed as e:
-                raise ApiError(422, str(e), type="invalid_response_error",
-                               code="tool_call_invalid", param="tool_choice") from None
+                raise ApiError(
+                    422,
+                    str(e),
+                    type="invalid_response_error",
+                    code="tool_call_invalid",
+                    param="tool_choice",
+                ) from None
             if job.stream:
                 tail = writer.delta(d) if d is not None else b""
                 last = writer.last(finish, out.finish_reason(finish))
@@ -219,8 +256,9 @@ class Engine:
             # Headers are out: the stream ends with the error as its last event, once the
             # slot is free (a request sent right after the end must find it free).
             await _settled(gen)
-            await asgi.stream_chunk(send, b"data: " + orjson.dumps(e.envelope()) + b"\n\n",
-                                    more=False)
+            await asgi.stream_chunk(
+                send, b"data: " + orjson.dumps(e.envelope()) + b"\n\n", more=False
+            )
         finally:
             await _settled(gen)  # decoding has stopped: its numbers are final
             self._observe(gen, finish)
@@ -234,7 +272,6 @@ class Engine:
         m.ttft.observe(gen.first_token_at - gen.started_at)
         if finish.completion_tokens > 1:
             m.tpot.observe((time.monotonic() - gen.first_token_at) / (finish.completion_tokens - 1))
-
 
 
 async def _settled(gen: Request) -> None:
@@ -260,6 +297,11 @@ def create_app() -> Engine:
     except ModelLoadError as e:
         print(f"lexi-engine: error: {e}", file=sys.stderr, flush=True)
         sys.exit(3)
-    log.info("serving %s as %s (%d slots, ctx %d)", config.model, ", ".join(model.names),
-             config.parallel, model.n_ctx)
+    log.info(
+        "serving %s as %s (%d slots, ctx %d)",
+        config.model,
+        ", ".join(model.names),
+        config.parallel,
+        model.n_ctx,
+    )
     return Engine(config, model)

@@ -61,23 +61,34 @@ def _sampler_chain(model: Model, req: Request) -> Any:
     vocab = model.vocab
     if s.grammar is not None:
         lc.llama_sampler_chain_add(
-            chain, lc.llama_sampler_init_grammar(vocab, s.grammar.encode(), b"root"))
+            chain, lc.llama_sampler_init_grammar(vocab, s.grammar.encode(), b"root")
+        )
     elif s.lazy_grammar is not None:
         gbnf, triggers = s.lazy_grammar
         words = (ctypes.c_char_p * len(triggers))(*(t.encode() for t in triggers))
-        lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_grammar_lazy_patterns(
-            vocab, gbnf.encode(), b"root", words, len(triggers), None, 0))
+        lc.llama_sampler_chain_add(
+            chain,
+            lc.llama_sampler_init_grammar_lazy_patterns(
+                vocab, gbnf.encode(), b"root", words, len(triggers), None, 0
+            ),
+        )
     n_vocab = model.n_vocab
     if s.logit_bias:
         biases = (lc.llama_logit_bias * len(s.logit_bias))(
-            *(lc.llama_logit_bias(token, bias) for token, bias in s.logit_bias))
+            *(lc.llama_logit_bias(token, bias) for token, bias in s.logit_bias)
+        )
         lc.llama_sampler_chain_add(
-            chain, lc.llama_sampler_init_logit_bias(n_vocab, len(s.logit_bias), biases))
+            chain, lc.llama_sampler_init_logit_bias(n_vocab, len(s.logit_bias), biases)
+        )
     if s.penalized:
         # Over the whole output, as OpenAI's penalties are (the window is the token budget).
         window = max(1, min(s.max_tokens, model.n_ctx))
-        lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_penalties(
-            n_vocab, window, s.repeat_penalty, s.frequency_penalty, s.presence_penalty))
+        lc.llama_sampler_chain_add(
+            chain,
+            lc.llama_sampler_init_penalties(
+                n_vocab, window, s.repeat_penalty, s.frequency_penalty, s.presence_penalty
+            ),
+        )
     if s.temp <= 0:
         lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_greedy())
         return chain
@@ -96,8 +107,9 @@ class _Active:
 
     __slots__ = ("chain", "last", "n_past", "order", "req", "slot", "stream", "todo")
 
-    def __init__(self, req: Request, slot: int, order: int, chain: Any, stream: TextStream,
-                 n_past: int) -> None:
+    def __init__(
+        self, req: Request, slot: int, order: int, chain: Any, stream: TextStream, n_past: int
+    ) -> None:
         self.req = req
         self.slot = slot
         self.order = order
@@ -109,8 +121,7 @@ class _Active:
 
 
 class DecodeLoop:
-    def __init__(self, model: Model, n_slots: int, prefill_chunk: int,
-                 threads: int | None) -> None:
+    def __init__(self, model: Model, n_slots: int, prefill_chunk: int, threads: int | None) -> None:
         self.model = model
         self.n_slots = n_slots
         self.prefill_chunk = prefill_chunk
@@ -189,8 +200,9 @@ class DecodeLoop:
             self._end(a, Finish("cancelled", a.stream.produced), out, keep_kv=False)
             self._deliver(out)
 
-    def _fail(self, slot: int, req: Request, error: str,
-              out: list[tuple[Request, Piece | Finish]]) -> None:
+    def _fail(
+        self, slot: int, req: Request, error: str, out: list[tuple[Request, Piece | Finish]]
+    ) -> None:
         a = self._active.get(slot)
         if a is not None and a.req is req:
             self._end(a, Finish("stop", a.stream.produced, error=error), out, keep_kv=False)
@@ -295,11 +307,16 @@ class DecodeLoop:
             a.last = token
 
     def _finish(self, a: _Active, reason: str) -> Finish:
-        return Finish(reason, a.stream.produced, stop_string=a.stream.stop_hit,
-                      cached_tokens=a.req.cached_tokens)
+        return Finish(
+            reason,
+            a.stream.produced,
+            stop_string=a.stream.stop_hit,
+            cached_tokens=a.req.cached_tokens,
+        )
 
-    def _end(self, a: _Active, finish: Finish, out: list[tuple[Request, Piece | Finish]],
-             keep_kv: bool) -> None:
+    def _end(
+        self, a: _Active, finish: Finish, out: list[tuple[Request, Piece | Finish]], keep_kv: bool
+    ) -> None:
         if self._active.get(a.slot) is a:
             del self._active[a.slot]
         llama_cpp.llama_sampler_free(a.chain)
@@ -319,8 +336,11 @@ class DecodeLoop:
             top = np.argpartition(-lp, n)[:n]
             top = top[np.argsort(-lp[top])]
             entry["top_logprobs"] = [
-                {"token": (t := m.token_bytes(int(j)).decode("utf-8", "replace")),
-                 "logprob": float(lp[j]), "bytes": list(t.encode())}
+                {
+                    "token": (t := m.token_bytes(int(j)).decode("utf-8", "replace")),
+                    "logprob": float(lp[j]),
+                    "bytes": list(t.encode()),
+                }
                 for j in top
             ]
         return entry

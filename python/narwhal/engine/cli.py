@@ -12,8 +12,10 @@ CONFIG_ENV = "LEXI_ENGINE_CONFIG_FILE"
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="lexi-engine", description="LexiEngine: one GGUF model "
-                                "over an OpenAI-compatible HTTP API.")
+    p = argparse.ArgumentParser(
+        prog="lexi-engine",
+        description="LexiEngine: one GGUF model over an OpenAI-compatible HTTP API.",
+    )
     p.add_argument("--version", action="version", version=f"lexi-engine {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="serve a GGUF model")
@@ -36,10 +38,12 @@ def main(argv: list[str] | None = None) -> int:
     from granian.constants import Interfaces
 
     service.hand_off(CONFIG_ENV, config.to_json())
-    limits = service.Limits(config.shutdown_grace_s, config.header_timeout_s,
-                            config.max_connections)
-    return service.serve("lexi-engine", "narwhal.engine.app:create_app", addr, limits,
-                         interface=Interfaces.ASGI)
+    limits = service.Limits(
+        config.shutdown_grace_s, config.header_timeout_s, config.max_connections
+    )
+    return service.serve(
+        "lexi-engine", "narwhal.engine.app:create_app", addr, limits, interface=Interfaces.ASGI
+    )
 
 
 if __name__ == "__main__":

@@ -74,51 +74,102 @@ def _default(name: str) -> Any:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-m", "--model", required=True, help="path of the GGUF model file")
-    p.add_argument("--alias", action="append", default=[], metavar="NAME",
-                   help="public model name (repeatable; the first is the model's ID)")
-    p.add_argument("--chat-template-file", metavar="PATH",
-                   help="Jinja chat template overriding the GGUF's")
-    p.add_argument("--chat-template-kwargs", metavar="JSON",
-                   help="JSON object of default template variables")
+    p.add_argument(
+        "--alias",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="public model name (repeatable; the first is the model's ID)",
+    )
+    p.add_argument(
+        "--chat-template-file", metavar="PATH", help="Jinja chat template overriding the GGUF's"
+    )
+    p.add_argument(
+        "--chat-template-kwargs", metavar="JSON", help="JSON object of default template variables"
+    )
     p.add_argument("--reasoning-format", default="auto", help="auto | none")
     p.add_argument("--temp", type=float, help="default temperature (0-2)")
     p.add_argument("--top-p", type=float, help="default top-p (0-1)")
     p.add_argument("--top-k", type=int, help="default top-k (0-100000)")
     p.add_argument("--min-p", type=float, help="default min-p (0-1)")
     p.add_argument("--n-predict", type=int, help="default max new tokens (1-131072)")
-    p.add_argument("--queue-wait", type=float, default=0.0, metavar="SECONDS",
-                   help="how long a request waits for a free slot (default 0: 429 at once)")
+    p.add_argument(
+        "--queue-wait",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="how long a request waits for a free slot (default 0: 429 at once)",
+    )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8080)
     p.add_argument("--ctx-size", type=int, default=4096, help="context size in tokens")
-    p.add_argument("--n-gpu-layers", type=int, default=0,
-                   help="layers to offload (GPU builds; CPU builds ignore it)")
+    p.add_argument(
+        "--n-gpu-layers",
+        type=int,
+        default=0,
+        help="layers to offload (GPU builds; CPU builds ignore it)",
+    )
     p.add_argument("--threads", type=int, help="CPU threads for decoding")
-    p.add_argument("--api-key", action="append", default=[], metavar="KEY",
-                   help="accepted Bearer key (repeatable; @PATH reads one key per line, "
-                        "which keeps keys out of `ps`: prefer it)")
-    p.add_argument("--parallel", type=int, default=1, metavar="N",
-                   help="slots decoded together in one batch; each gets ctx-size / N tokens")
-    p.add_argument("--prefill-chunk", type=int, default=256, metavar="TOKENS",
-                   help="prompt tokens prefilled per decode step (a long prompt is split so "
-                        "streaming slots keep decoding)")
-    p.add_argument("--repack", action=argparse.BooleanOptionalAction, default=None,
-                   help="put weights in llama.cpp's repacked buffer types (default: on, "
-                        "except where the build has AMX kernels, which crash on some CPUs)")
-    p.add_argument("--shutdown-grace", type=float, default=_default("shutdown_grace_s"),
-                   metavar="SECONDS",
-                   help="on SIGTERM/Ctrl-C, how long in-flight requests may finish "
-                        "(default %(default)g; a second signal stops at once)")
-    p.add_argument("--header-timeout", type=float, default=_default("header_timeout_s"),
-                   metavar="SECONDS",
-                   help="a request head, or a kept-alive connection's next one, must arrive "
-                        "within this (default %(default)g)")
-    p.add_argument("--body-timeout", type=float, default=_default("body_timeout_s"),
-                   metavar="SECONDS",
-                   help="a request body must arrive whole within this: 408 (default %(default)g)")
-    p.add_argument("--max-connections", type=int, default=_default("max_connections"),
-                   metavar="N",
-                   help="client connections served at once (default %(default)d)")
+    p.add_argument(
+        "--api-key",
+        action="append",
+        default=[],
+        metavar="KEY",
+        help="accepted Bearer key (repeatable; @PATH reads one key per line, "
+        "which keeps keys out of `ps`: prefer it)",
+    )
+    p.add_argument(
+        "--parallel",
+        type=int,
+        default=1,
+        metavar="N",
+        help="slots decoded together in one batch; each gets ctx-size / N tokens",
+    )
+    p.add_argument(
+        "--prefill-chunk",
+        type=int,
+        default=256,
+        metavar="TOKENS",
+        help="prompt tokens prefilled per decode step (a long prompt is split so "
+        "streaming slots keep decoding)",
+    )
+    p.add_argument(
+        "--repack",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="put weights in llama.cpp's repacked buffer types (default: on, "
+        "except where the build has AMX kernels, which crash on some CPUs)",
+    )
+    p.add_argument(
+        "--shutdown-grace",
+        type=float,
+        default=_default("shutdown_grace_s"),
+        metavar="SECONDS",
+        help="on SIGTERM/Ctrl-C, how long in-flight requests may finish "
+        "(default %(default)g; a second signal stops at once)",
+    )
+    p.add_argument(
+        "--header-timeout",
+        type=float,
+        default=_default("header_timeout_s"),
+        metavar="SECONDS",
+        help="a request head, or a kept-alive connection's next one, must arrive "
+        "within this (default %(default)g)",
+    )
+    p.add_argument(
+        "--body-timeout",
+        type=float,
+        default=_default("body_timeout_s"),
+        metavar="SECONDS",
+        help="a request body must arrive whole within this: 408 (default %(default)g)",
+    )
+    p.add_argument(
+        "--max-connections",
+        type=int,
+        default=_default("max_connections"),
+        metavar="N",
+        help="client connections served at once (default %(default)d)",
+    )
 
 
 def _read_keys(values: list[str]) -> tuple[str, ...]:
@@ -192,8 +243,11 @@ def from_args(ns: argparse.Namespace) -> EngineConfig:
     if not (1 <= ns.parallel <= 256):
         raise ConfigError("--parallel", "must be between 1 and 256")
     if ns.ctx_size // ns.parallel < 16:
-        raise ConfigError("--ctx-size", f"gives each of the {ns.parallel} slots fewer than 16 "
-                          "tokens (the context is split evenly over --parallel)")
+        raise ConfigError(
+            "--ctx-size",
+            f"gives each of the {ns.parallel} slots fewer than 16 "
+            "tokens (the context is split evenly over --parallel)",
+        )
     if not (1 <= ns.prefill_chunk <= 8192):
         raise ConfigError("--prefill-chunk", "must be between 1 and 8192")
     for flag, v in (("--header-timeout", ns.header_timeout), ("--body-timeout", ns.body_timeout)):

@@ -35,8 +35,8 @@ class Sampling:
 
     @property
     def penalized(self) -> bool:
-        return bool(self.frequency_penalty or self.presence_penalty
-                    or self.repeat_penalty != 1.0)
+        return bool(self.frequency_penalty or self.presence_penalty or self.repeat_penalty != 1.0)
+
     stream_interval: int = 1
 
 
@@ -104,8 +104,9 @@ class TextStream:
         self.produced = 0
         self.stop_hit: str | None = None
 
-    def push(self, token: int, raw: bytes,
-             lp: dict[str, Any] | None) -> tuple[Piece | None, str | None]:
+    def push(
+        self, token: int, raw: bytes, lp: dict[str, Any] | None
+    ) -> tuple[Piece | None, str | None]:
         """Add one sampled (non-end) token: a piece to emit, if any, and the finish reason
         when this token ends the generation."""
         s = self.sampling

@@ -40,15 +40,22 @@ def choose_repack(requested: bool | None, system_info: str) -> RepackChoice:
     if requested is not None:
         flag = "--repack" if requested else "--no-repack"
         if requested and amx:
-            return RepackChoice(True, f"{flag} given; this build has AMX kernels, which crash "
-                                      "on some CPUs (llama.cpp issue 20824)")
+            return RepackChoice(
+                True,
+                f"{flag} given; this build has AMX kernels, which crash "
+                "on some CPUs (llama.cpp issue 20824)",
+            )
         return RepackChoice(requested, f"{flag} given")
     if amx:
-        return RepackChoice(False, "off by default: this llama.cpp build has AMX kernels, "
-                                   "which crash on the first decode (llama.cpp issue 20824); "
-                                   "--repack turns it on")
-    return RepackChoice(True, "on by default (no AMX kernels in this build); --no-repack "
-                              "turns it off")
+        return RepackChoice(
+            False,
+            "off by default: this llama.cpp build has AMX kernels, "
+            "which crash on the first decode (llama.cpp issue 20824); "
+            "--repack turns it on",
+        )
+    return RepackChoice(
+        True, "on by default (no AMX kernels in this build); --no-repack turns it off"
+    )
 
 
 def for_this_build(requested: bool | None = None) -> RepackChoice:

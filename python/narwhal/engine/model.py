@@ -54,11 +54,17 @@ class Model:
     def __init__(self, config: EngineConfig) -> None:
         gpu = llama_cpp.llama_supports_gpu_offload()
         if config.n_gpu_layers and not gpu:
-            log.warning("--n-gpu-layers %d ignored: this llama-cpp-python build is CPU-only",
-                        config.n_gpu_layers)
+            log.warning(
+                "--n-gpu-layers %d ignored: this llama-cpp-python build is CPU-only",
+                config.n_gpu_layers,
+            )
         choice = kernels.for_this_build(config.repack)
-        log.info("loading %s (weight repacking %s: %s)", config.model,
-                 "on" if choice.repack else "off", choice.reason)
+        log.info(
+            "loading %s (weight repacking %s: %s)",
+            config.model,
+            "on" if choice.repack else "off",
+            choice.reason,
+        )
         # This context only serves tokenizing and metadata; decoding runs in the decode
         # loop's own batched context (engine.batch), so it is kept tiny.
         with kernels.captured_log() as load_log, kernels.extra_buffer_types(choice.repack):
@@ -73,17 +79,25 @@ class Model:
                     verbose=False,
                 )
             except ValueError as e:
-                said = [ln.strip() for ln in "".join(load_log).splitlines()
-                        if "error" in ln.lower() or "failed" in ln.lower()]
-                raise ModelLoadError(f"cannot load {config.model}: "
-                                     + ("; ".join(said[-3:]) or str(e))) from None
+                said = [
+                    ln.strip()
+                    for ln in "".join(load_log).splitlines()
+                    if "error" in ln.lower() or "failed" in ln.lower()
+                ]
+                raise ModelLoadError(
+                    f"cannot load {config.model}: " + ("; ".join(said[-3:]) or str(e))
+                ) from None
         if bool(self.llama.model_params.use_extra_bufts) != choice.repack:
-            raise ModelLoadError("llama-cpp-python ignored the weight-repacking choice; this "
-                                 "version is not one LexiEngine supports")
+            raise ModelLoadError(
+                "llama-cpp-python ignored the weight-repacking choice; this "
+                "version is not one LexiEngine supports"
+            )
         self.repack = choice.repack
         self.buffers = kernels.buffers("".join(load_log))
-        log.info("weights loaded: %s", ", ".join(f"{k} {v:.1f} MiB"
-                                                 for k, v in self.buffers.items()) or "?")
+        log.info(
+            "weights loaded: %s",
+            ", ".join(f"{k} {v:.1f} MiB" for k, v in self.buffers.items()) or "?",
+        )
         meta = self.llama.metadata
         identity = meta.get("general.name") or Path(config.model).name
         self.names: tuple[str, ...] = config.aliases or (identity,)

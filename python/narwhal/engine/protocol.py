@@ -69,8 +69,9 @@ def check_model(body: dict[str, Any], model: Model) -> None:
     if not isinstance(name, str):
         raise invalid("'model' must be a string", "model")
     if name not in model.names:
-        raise ApiError(400, f"requested model is not loaded: {name}", param="model",
-                       code="model_not_found")
+        raise ApiError(
+            400, f"requested model is not loaded: {name}", param="model", code="model_not_found"
+        )
 
 
 def _sampling(body: dict[str, Any], config: EngineConfig, model: Model, n_ctx: int) -> Sampling:
@@ -142,11 +143,13 @@ def _logit_bias(body: dict[str, Any], model: Model) -> list[tuple[int, float]]:
         except ValueError:
             token = -1
         if not 0 <= token < model.n_vocab:
-            raise invalid(f"'logit_bias' key {key[:40]!r} is not a token ID of this model",
-                          "logit_bias")
+            raise invalid(
+                f"'logit_bias' key {key[:40]!r} is not a token ID of this model", "logit_bias"
+            )
         if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100 <= bias <= 100:
-            raise invalid(f"'logit_bias' value for {key} must be a number between -100 and "
-                          "100", "logit_bias")
+            raise invalid(
+                f"'logit_bias' value for {key} must be a number between -100 and 100", "logit_bias"
+            )
         out.append((token, float(bias)))
     return out
 
@@ -174,8 +177,10 @@ def _grammar(body: dict[str, Any], model: Model) -> Any:
         spec = rf.get("json_schema")
         schema = spec.get("schema") if isinstance(spec, dict) else None
         if not isinstance(schema, dict):
-            raise invalid("'response_format.json_schema.schema' must be an object",
-                          "response_format.json_schema.schema")
+            raise invalid(
+                "'response_format.json_schema.schema' must be an object",
+                "response_format.json_schema.schema",
+            )
         where = "response_format.json_schema.schema"
         _check_schema(schema, where)
         try:
@@ -196,8 +201,9 @@ def _check_schema(schema: dict[str, Any], where: str) -> None:
         jsonschema_rs.meta.validate(schema)
     except jsonschema_rs.ValidationError as e:
         inner = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in e.instance_path)
-        raise invalid(f"not a valid JSON Schema at {where}{inner}: {e.message}",
-                      where + inner) from None
+        raise invalid(
+            f"not a valid JSON Schema at {where}{inner}: {e.message}", where + inner
+        ) from None
     except Exception as e:  # a $ref it cannot resolve, say
         raise invalid(f"not a valid JSON Schema: {e}", where) from None
 
@@ -227,8 +233,11 @@ def _text(content: Any, path: str) -> str:
     if isinstance(content, list):
         out = []
         for i, part in enumerate(content):
-            if not isinstance(part, dict) or part.get("type") not in ("text", "input_text",
-                                                                       "output_text"):
+            if not isinstance(part, dict) or part.get("type") not in (
+                "text",
+                "input_text",
+                "output_text",
+            ):
                 raise invalid("only text content parts are supported", f"{path}[{i}]")
             if not isinstance(part.get("text"), str):
                 raise invalid("a text part needs 'text'", f"{path}[{i}].text")
@@ -249,8 +258,9 @@ def _messages(raw: Any) -> list[dict[str, Any]]:
         if role not in ROLES:
             raise invalid(f"role must be one of {', '.join(ROLES)}", f"{p}.role")
         if "reasoning_content" in m and role != "assistant":
-            raise invalid("reasoning_content is only accepted on assistant messages",
-                          f"{p}.reasoning_content")
+            raise invalid(
+                "reasoning_content is only accepted on assistant messages", f"{p}.reasoning_content"
+            )
         rc = m.get("reasoning_content")
         if rc is not None and not isinstance(rc, str):
             raise invalid("reasoning_content must be a string", f"{p}.reasoning_content")
@@ -258,8 +268,9 @@ def _messages(raw: Any) -> list[dict[str, Any]]:
         if role == "tool":
             tcid = m.get("tool_call_id")
             if not isinstance(tcid, str) or not tcid:  # as the OpenAI API requires
-                raise invalid("a tool message needs its tool_call_id (a string)",
-                              f"{p}.tool_call_id")
+                raise invalid(
+                    "a tool message needs its tool_call_id (a string)", f"{p}.tool_call_id"
+                )
             msg["tool_call_id"] = tcid
             if m.get("name") is not None:
                 if not isinstance(m["name"], str):
@@ -287,10 +298,17 @@ def _history_calls(calls: Any, p: str) -> list[dict[str, Any]]:
             try:
                 args = orjson.loads(args) if args.strip() else {}
             except orjson.JSONDecodeError as e:
-                raise invalid("tool call arguments are not valid JSON",
-                              f"{p}.tool_calls[{j}].function.arguments") from e
-        out.append({"id": c.get("id"), "type": "function",
-                    "function": {"name": fn["name"], "arguments": args}})
+                raise invalid(
+                    "tool call arguments are not valid JSON",
+                    f"{p}.tool_calls[{j}].function.arguments",
+                ) from e
+        out.append(
+            {
+                "id": c.get("id"),
+                "type": "function",
+                "function": {"name": fn["name"], "arguments": args},
+            }
+        )
     return out
 
 
@@ -321,9 +339,13 @@ def _effort(body: dict[str, Any], model: Model, kwargs: dict[str, Any]) -> None:
     switch = model.template.thinking_switch
     if switch is None:
         if effort != "none":
-            raise ApiError(501, "this model's chat template cannot think; only "
-                           "reasoning_effort 'none' is served", type="not_implemented_error",
-                           param="reasoning_effort", code="reasoning_unsupported")
+            raise ApiError(
+                501,
+                "this model's chat template cannot think; only reasoning_effort 'none' is served",
+                type="not_implemented_error",
+                param="reasoning_effort",
+                code="reasoning_unsupported",
+            )
         return
     kwargs[switch] = effort != "none"
     kwargs["reasoning_effort"] = effort
@@ -331,8 +353,12 @@ def _effort(body: dict[str, Any], model: Model, kwargs: dict[str, Any]) -> None:
 
 def _fit(prompt_ids: list[int], sampling: Sampling, model: Model, param: str) -> None:
     if len(prompt_ids) >= model.n_ctx:
-        raise ApiError(400, f"the prompt is {len(prompt_ids)} tokens; the context holds "
-                       f"{model.n_ctx}", param=param, code="context_length_exceeded")
+        raise ApiError(
+            400,
+            f"the prompt is {len(prompt_ids)} tokens; the context holds {model.n_ctx}",
+            param=param,
+            code="context_length_exceeded",
+        )
 
 
 def chat_job(body: dict[str, Any], config: EngineConfig, model: Model) -> Job:
@@ -380,11 +406,17 @@ def _with_tool_prompt(messages: list[dict[str, Any]], plan: ToolPlan) -> list[di
     for m in messages:
         if m["role"] == "assistant" and m.get("tool_calls"):
             calls = "\n".join(
-                "<tool_call>" + orjson.dumps({"name": c["function"]["name"],
-                                              "arguments": c["function"]["arguments"]}).decode()
-                + "</tool_call>" for c in m["tool_calls"])
-            m = {"role": "assistant", "content": (m["content"] + "\n" if m["content"] else "")
-                 + calls}
+                "<tool_call>"
+                + orjson.dumps(
+                    {"name": c["function"]["name"], "arguments": c["function"]["arguments"]}
+                ).decode()
+                + "</tool_call>"
+                for c in m["tool_calls"]
+            )
+            m = {
+                "role": "assistant",
+                "content": (m["content"] + "\n" if m["content"] else "") + calls,
+            }
         elif m["role"] == "tool":
             m = {"role": "user", "content": f"<tool_response>\n{m['content']}\n</tool_response>"}
         out.append(m)
@@ -402,8 +434,11 @@ def completion_job(body: dict[str, Any], config: EngineConfig, model: Model) -> 
         prompt = prompt[0]
     if isinstance(prompt, str):
         ids = model.tokenize(prompt)
-    elif (isinstance(prompt, list) and prompt
-          and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)):
+    elif (
+        isinstance(prompt, list)
+        and prompt
+        and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+    ):
         if any(t < 0 or t >= model.n_vocab for t in prompt):
             raise invalid("prompt token IDs must be in the vocabulary", "prompt")
         ids = list(prompt)
@@ -430,9 +465,11 @@ def responses_job(body: dict[str, Any], config: EngineConfig, model: Model) -> J
     prev = body.get("previous_response_id")
     if prev is not None:
         # LexiEngine keeps no responses: continuing one would silently drop its context.
-        raise invalid(f"Previous response with id {str(prev)[:100]!r} not found (LexiEngine "
-                      "does not store responses: send the conversation as input)",
-                      "previous_response_id")
+        raise invalid(
+            f"Previous response with id {str(prev)[:100]!r} not found (LexiEngine "
+            "does not store responses: send the conversation as input)",
+            "previous_response_id",
+        )
     raw = body.get("input")
     messages: list[dict[str, Any]] = []
     instructions = body.get("instructions")
@@ -449,8 +486,9 @@ def responses_job(body: dict[str, Any], config: EngineConfig, model: Model) -> J
             role = item.get("role")
             if role not in ("system", "developer", "user", "assistant"):
                 raise invalid("unsupported role", f"input[{i}].role")
-            messages.append({"role": role, "content": _text(item.get("content"),
-                                                             f"input[{i}].content")})
+            messages.append(
+                {"role": role, "content": _text(item.get("content"), f"input[{i}].content")}
+            )
     else:
         raise invalid("'input' must be a string or a nonempty list of messages", "input")
     if body.get("tools"):

@@ -36,8 +36,14 @@ class ToolCallFailed(Exception):
 class Delta:
     __slots__ = ("calls", "content", "logprobs", "reasoning", "token_ids")
 
-    def __init__(self, reasoning: str, content: str, token_ids: list[int],
-                 logprobs: list[dict[str, Any]] | None, calls: list[Call] | None = None) -> None:
+    def __init__(
+        self,
+        reasoning: str,
+        content: str,
+        token_ids: list[int],
+        logprobs: list[dict[str, Any]] | None,
+        calls: list[Call] | None = None,
+    ) -> None:
         self.reasoning = reasoning
         self.content = content
         self.token_ids = token_ids
@@ -76,8 +82,9 @@ class Output:
         r, c = self.splitter.finish() if self.splitter is not None else ("", "")
         c, calls = self._calls(c, final=True)
         if self.job.tools is not None and self.job.tools.required and not self.calls:
-            raise ToolCallFailed("tool_choice requires a tool call and the model's output "
-                                 "held no valid one")
+            raise ToolCallFailed(
+                "tool_choice requires a tool call and the model's output held no valid one"
+            )
         d = self._delta(r, c, [], None, calls)
         if d is None and self.pending_ids:
             # Held-back IDs of text that never showed (a partial delimiter) go out on their
@@ -97,17 +104,22 @@ class Output:
             if kind == "call":
                 calls.append(value)
             elif kind == "bad" and cs.plan.required:
-                why = ("is not a valid call of the offered tools" if value.endswith(CLOSE)
-                       else "ended inside an unfinished call (max_tokens?)")
-                raise ToolCallFailed(f"tool_choice requires a call; the model's output {why}: "
-                                     f"{value[:200]}")
+                why = (
+                    "is not a valid call of the offered tools"
+                    if value.endswith(CLOSE)
+                    else "ended inside an unfinished call (max_tokens?)"
+                )
+                raise ToolCallFailed(
+                    f"tool_choice requires a call; the model's output {why}: {value[:200]}"
+                )
             else:
                 text.append(value)
         self.calls.extend(calls)
         return "".join(text), calls
 
-    def _delta(self, r: str, c: str, ids: list[int],
-               lps: list[dict[str, Any]] | None, calls: list[Call]) -> Delta | None:
+    def _delta(
+        self, r: str, c: str, ids: list[int], lps: list[dict[str, Any]] | None, calls: list[Call]
+    ) -> Delta | None:
         self.token_ids.extend(ids)
         if lps:
             self.logprobs.extend(lps)
@@ -133,8 +145,12 @@ class Output:
 
 def usage(job: Job, finish: Finish) -> dict[str, Any]:
     p, c = len(job.prompt_ids), finish.completion_tokens
-    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
-            "prompt_tokens_details": {"cached_tokens": finish.cached_tokens}}
+    return {
+        "prompt_tokens": p,
+        "completion_tokens": c,
+        "total_tokens": p + c,
+        "prompt_tokens_details": {"cached_tokens": finish.cached_tokens},
+    }
 
 
 class ChatWriter:
@@ -145,14 +161,28 @@ class ChatWriter:
         self.model = model_id
         self.n_calls = 0
 
-    def _chunk(self, delta: dict[str, Any], finish: str | None = None,
-               ids: list[int] | None = None, lps: Any = None) -> dict[str, Any]:
-        choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": lps,
-                                  "finish_reason": finish}
+    def _chunk(
+        self,
+        delta: dict[str, Any],
+        finish: str | None = None,
+        ids: list[int] | None = None,
+        lps: Any = None,
+    ) -> dict[str, Any]:
+        choice: dict[str, Any] = {
+            "index": 0,
+            "delta": delta,
+            "logprobs": lps,
+            "finish_reason": finish,
+        }
         if self.job.return_token_ids:
             choice["token_ids"] = ids or []
-        return {"id": self.id, "object": "chat.completion.chunk", "created": self.created,
-                "model": self.model, "choices": [choice]}
+        return {
+            "id": self.id,
+            "object": "chat.completion.chunk",
+            "created": self.created,
+            "model": self.model,
+            "choices": [choice],
+        }
 
     def first(self) -> bytes:
         c = self._chunk({"role": "assistant", "content": ""})
@@ -181,16 +211,27 @@ class ChatWriter:
             head["function"] = {"name": call.name, "arguments": ""}
             out += sse(self._chunk({"tool_calls": [head]}, ids=ids, lps=lps))
             ids, lps = [], None
-            out += sse(self._chunk({"tool_calls": [{"index": index, "function": {
-                "arguments": call.arguments}}]}, ids=[]))
+            out += sse(
+                self._chunk(
+                    {"tool_calls": [{"index": index, "function": {"arguments": call.arguments}}]},
+                    ids=[],
+                )
+            )
         return out
 
     def last(self, finish: Finish, reason: str | None = None) -> bytes:
         out = sse(self._chunk({}, reason or finish.reason))
         if self.job.include_usage:
-            out += sse({"id": self.id, "object": "chat.completion.chunk",
-                        "created": self.created, "model": self.model, "choices": [],
-                        "usage": usage(self.job, finish)})
+            out += sse(
+                {
+                    "id": self.id,
+                    "object": "chat.completion.chunk",
+                    "created": self.created,
+                    "model": self.model,
+                    "choices": [],
+                    "usage": usage(self.job, finish),
+                }
+            )
         return out + DONE
 
     def whole(self, o: Output, finish: Finish) -> dict[str, Any]:
@@ -202,13 +243,19 @@ class ChatWriter:
             msg["content"] = text or None  # as OpenAI answers a pure tool call
             msg["tool_calls"] = [c.openai() for c in o.calls]
         choice: dict[str, Any] = {
-            "index": 0, "message": msg,
+            "index": 0,
+            "message": msg,
             "logprobs": {"content": o.logprobs} if self.job.logprobs else None,
             "finish_reason": o.finish_reason(finish),
         }
-        body: dict[str, Any] = {"id": self.id, "object": "chat.completion",
-                                "created": self.created, "model": self.model,
-                                "choices": [choice], "usage": usage(self.job, finish)}
+        body: dict[str, Any] = {
+            "id": self.id,
+            "object": "chat.completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": [choice],
+            "usage": usage(self.job, finish),
+        }
         if self.job.return_token_ids:
             choice["token_ids"] = o.token_ids
             body["prompt_token_ids"] = self.job.prompt_ids
@@ -236,17 +283,27 @@ class CompletionWriter:
         self.offset = 0
         self.sent_prompt = False
 
-    def _chunk(self, text: str, finish: str | None, ids: list[int] | None,
-               lps: Any) -> dict[str, Any]:
-        choice: dict[str, Any] = {"index": 0, "text": text, "logprobs": lps,
-                                  "finish_reason": finish}
+    def _chunk(
+        self, text: str, finish: str | None, ids: list[int] | None, lps: Any
+    ) -> dict[str, Any]:
+        choice: dict[str, Any] = {
+            "index": 0,
+            "text": text,
+            "logprobs": lps,
+            "finish_reason": finish,
+        }
         if self.job.return_token_ids:
             choice["token_ids"] = ids or []
             if not self.sent_prompt:
                 choice["prompt_token_ids"] = self.job.prompt_ids
                 self.sent_prompt = True
-        return {"id": self.id, "object": "text_completion", "created": self.created,
-                "model": self.model, "choices": [choice]}
+        return {
+            "id": self.id,
+            "object": "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": [choice],
+        }
 
     def first(self) -> bytes:
         if not self.job.echo:
@@ -261,21 +318,36 @@ class CompletionWriter:
     def last(self, finish: Finish, reason: str | None = None) -> bytes:
         out = sse(self._chunk("", finish.reason, [], None))
         if self.job.include_usage:
-            out += sse({"id": self.id, "object": "text_completion", "created": self.created,
-                        "model": self.model, "choices": [], "usage": usage(self.job, finish)})
+            out += sse(
+                {
+                    "id": self.id,
+                    "object": "text_completion",
+                    "created": self.created,
+                    "model": self.model,
+                    "choices": [],
+                    "usage": usage(self.job, finish),
+                }
+            )
         return out + DONE
 
     def whole(self, o: Output, finish: Finish) -> dict[str, Any]:
         choice: dict[str, Any] = {
-            "index": 0, "text": (self.job.echo or "") + "".join(o.content),
+            "index": 0,
+            "text": (self.job.echo or "") + "".join(o.content),
             "logprobs": _text_logprobs(o.logprobs, 0) if self.job.logprobs else None,
             "finish_reason": finish.reason,
         }
         if self.job.return_token_ids:
             choice["token_ids"] = o.token_ids
             choice["prompt_token_ids"] = self.job.prompt_ids
-        return {"id": self.id, "object": "text_completion", "created": self.created,
-                "model": self.model, "choices": [choice], "usage": usage(self.job, finish)}
+        return {
+            "id": self.id,
+            "object": "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": [choice],
+            "usage": usage(self.job, finish),
+        }
 
 
 class ResponsesWriter:
@@ -297,29 +369,54 @@ class ResponsesWriter:
         self.seq += 1
         return sse_event(name, {"type": name, "sequence_number": self.seq, **fields})
 
-    def _response(self, status: str, output: list[dict[str, Any]],
-                  use: dict[str, Any] | None = None) -> dict[str, Any]:
-        return {"id": self.id, "object": "response", "created_at": self.created,
-                "status": status, "model": self.model, "output": output, "usage": use}
+    def _response(
+        self, status: str, output: list[dict[str, Any]], use: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "object": "response",
+            "created_at": self.created,
+            "status": status,
+            "model": self.model,
+            "output": output,
+            "usage": use,
+        }
 
     def _item(self, kind: str, text: str, status: str) -> dict[str, Any]:
         if kind == "reasoning":
-            return {"type": "reasoning", "id": self.rs_id, "summary": [],
-                    "content": [{"type": "reasoning_text", "text": text}]}
-        return {"type": "message", "id": self.msg_id, "role": "assistant", "status": status,
-                "content": [{"type": "output_text", "text": text, "annotations": []}]}
+            return {
+                "type": "reasoning",
+                "id": self.rs_id,
+                "summary": [],
+                "content": [{"type": "reasoning_text", "text": text}],
+            }
+        return {
+            "type": "message",
+            "id": self.msg_id,
+            "role": "assistant",
+            "status": status,
+            "content": [{"type": "output_text", "text": text, "annotations": []}],
+        }
 
     def _open(self, kind: str) -> bytes:
         out = self._close()
         self.open = kind
         idx = len(self.items)
-        out += self._ev("response.output_item.added", output_index=idx,
-                        item=self._item(kind, "", "in_progress"))
-        part = ({"type": "reasoning_text", "text": ""} if kind == "reasoning"
-                else {"type": "output_text", "text": "", "annotations": []})
-        out += self._ev("response.content_part.added", output_index=idx,
-                        item_id=self.rs_id if kind == "reasoning" else self.msg_id,
-                        content_index=0, part=part)
+        out += self._ev(
+            "response.output_item.added", output_index=idx, item=self._item(kind, "", "in_progress")
+        )
+        part = (
+            {"type": "reasoning_text", "text": ""}
+            if kind == "reasoning"
+            else {"type": "output_text", "text": "", "annotations": []}
+        )
+        out += self._ev(
+            "response.content_part.added",
+            output_index=idx,
+            item_id=self.rs_id if kind == "reasoning" else self.msg_id,
+            content_index=0,
+            part=part,
+        )
         return out
 
     def _close(self, status: str = "completed") -> bytes:
@@ -329,19 +426,28 @@ class ResponsesWriter:
         idx = len(self.items)
         text = self.text[kind]
         item_id = self.rs_id if kind == "reasoning" else self.msg_id
-        done = ("response.reasoning_text.done" if kind == "reasoning"
-                else "response.output_text.done")
+        done = (
+            "response.reasoning_text.done" if kind == "reasoning" else "response.output_text.done"
+        )
         item = self._item(kind, text, status)
         self.items.append(item)
-        return (self._ev(done, output_index=idx, item_id=item_id, content_index=0, text=text)
-                + self._ev("response.content_part.done", output_index=idx, item_id=item_id,
-                           content_index=0, part=item["content"][0])
-                + self._ev("response.output_item.done", output_index=idx, item=item))
+        return (
+            self._ev(done, output_index=idx, item_id=item_id, content_index=0, text=text)
+            + self._ev(
+                "response.content_part.done",
+                output_index=idx,
+                item_id=item_id,
+                content_index=0,
+                part=item["content"][0],
+            )
+            + self._ev("response.output_item.done", output_index=idx, item=item)
+        )
 
     def first(self) -> bytes:
         r = self._response("in_progress", [])
-        return self._ev("response.created", response=r) + self._ev("response.in_progress",
-                                                                     response=r)
+        return self._ev("response.created", response=r) + self._ev(
+            "response.in_progress", response=r
+        )
 
     def delta(self, d: Delta) -> bytes:
         out = b""
@@ -351,17 +457,28 @@ class ResponsesWriter:
             if self.open != kind:
                 out += self._open(kind)
             self.text[kind] += text
-            name = ("response.reasoning_text.delta" if kind == "reasoning"
-                    else "response.output_text.delta")
-            out += self._ev(name, output_index=len(self.items),
-                            item_id=self.rs_id if kind == "reasoning" else self.msg_id,
-                            content_index=0, delta=text)
+            name = (
+                "response.reasoning_text.delta"
+                if kind == "reasoning"
+                else "response.output_text.delta"
+            )
+            out += self._ev(
+                name,
+                output_index=len(self.items),
+                item_id=self.rs_id if kind == "reasoning" else self.msg_id,
+                content_index=0,
+                delta=text,
+            )
         return out
 
     def _usage(self, finish: Finish) -> dict[str, Any]:
         p, c = len(self.job.prompt_ids), finish.completion_tokens
-        return {"input_tokens": p, "output_tokens": c, "total_tokens": p + c,
-                "input_tokens_details": {"cached_tokens": finish.cached_tokens}}
+        return {
+            "input_tokens": p,
+            "output_tokens": c,
+            "total_tokens": p + c,
+            "input_tokens_details": {"cached_tokens": finish.cached_tokens},
+        }
 
     def last(self, finish: Finish, reason: str | None = None) -> bytes:
         status = "completed" if finish.reason == "stop" else "incomplete"

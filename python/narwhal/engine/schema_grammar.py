@@ -15,8 +15,9 @@ import orjson
 from llama_cpp.llama_grammar import SchemaConverter
 
 # Formats the converter turns into exact rules; any other format is a plain string.
-ENFORCED_FORMATS = frozenset({"date", "time", "date-time", "uuid", "uuid1", "uuid2", "uuid3",
-                              "uuid4", "uuid5"})
+ENFORCED_FORMATS = frozenset(
+    {"date", "time", "date-time", "uuid", "uuid1", "uuid2", "uuid3", "uuid4", "uuid5"}
+)
 ANY = {"type": ["object", "array", "string", "number", "boolean", "null"]}
 _SCHEMA_MAPS = ("properties", "$defs", "definitions")
 
@@ -70,17 +71,37 @@ def widen(schema: Any, patterns: bool = True) -> dict[str, Any]:
             for key in ("minLength", "maxLength"):
                 if key in schema:
                     out[key] = schema[key]
-    if not any(k in out for k in ("type", "enum", "const", "$ref", "anyOf", "oneOf",
-                                  "properties", "items", "pattern", "format")):
-        return dict(ANY) | ({"additionalProperties": out["additionalProperties"]}
-                            if "additionalProperties" in out else {})
+    if not any(
+        k in out
+        for k in (
+            "type",
+            "enum",
+            "const",
+            "$ref",
+            "anyOf",
+            "oneOf",
+            "properties",
+            "items",
+            "pattern",
+            "format",
+        )
+    ):
+        return dict(ANY) | (
+            {"additionalProperties": out["additionalProperties"]}
+            if "additionalProperties" in out
+            else {}
+        )
     return out
 
 
 def _converter() -> Any:
     # dotall: a `.` in a pattern (and the `.*` that unanchoring adds) may span newlines.
-    return SchemaConverter(prop_order={}, allow_fetch=False,  # type: ignore[no-untyped-call]
-                           dotall=True, raw_pattern=False)
+    return SchemaConverter(
+        prop_order={},
+        allow_fetch=False,  # type: ignore[no-untyped-call]
+        dotall=True,
+        raw_pattern=False,
+    )
 
 
 def _as_object(schema: dict[str, Any]) -> dict[str, Any]:
@@ -114,4 +135,3 @@ def calls_grammar(tools: list[tuple[str, dict[str, Any]]], many: bool) -> str:
     conv._add_rule("call", '"<tool_call>" ( ' + " | ".join(calls) + ' ) "</tool_call>"')
     conv._add_rule("root", 'call ( "\\n" call )*' if many else "call")
     return str(conv.format_grammar())
-

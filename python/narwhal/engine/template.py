@@ -20,9 +20,23 @@ MAX_TEMPLATE_BYTES = 256 * 1024
 # Variables the engine itself passes, and the sandbox's globals (a template calling
 # namespace() would call the client's string instead): kwargs may not override them.
 RESERVED = frozenset(
-    {"messages", "tools", "documents", "bos_token", "eos_token", "add_generation_prompt",
-     "raise_exception", "strftime_now", "tool_choice", "namespace", "range", "dict",
-     "cycler", "joiner", "lipsum"}
+    {
+        "messages",
+        "tools",
+        "documents",
+        "bos_token",
+        "eos_token",
+        "add_generation_prompt",
+        "raise_exception",
+        "strftime_now",
+        "tool_choice",
+        "namespace",
+        "range",
+        "dict",
+        "cycler",
+        "joiner",
+        "lipsum",
+    }
 )
 
 # Fallback when a GGUF carries no template (ChatML, which most small models were tuned on).
@@ -84,8 +98,10 @@ def _compile(env: ImmutableSandboxedEnvironment, text: str, origin: str) -> jinj
         tree = env.parse(text)
         for kind in (nodes.Include, nodes.Import, nodes.FromImport, nodes.Extends):
             if next(tree.find_all(kind), None) is not None:
-                raise TemplateError(f"{origin} uses {kind.__name__.lower()}, which a chat "
-                                    "template cannot (no other templates are loaded)")
+                raise TemplateError(
+                    f"{origin} uses {kind.__name__.lower()}, which a chat "
+                    "template cannot (no other templates are loaded)"
+                )
         return env.from_string(tree)
     except TemplateError:
         raise
@@ -161,8 +177,9 @@ class ChatTemplate:
                 out.append(piece)
                 size += len(piece)
                 if size > MAX_RENDER_CHARS:
-                    raise TemplateError(f"the chat template renders more than "
-                                        f"{MAX_RENDER_CHARS} characters")
+                    raise TemplateError(
+                        f"the chat template renders more than {MAX_RENDER_CHARS} characters"
+                    )
                 if time.monotonic() - started > RENDER_BUDGET_S:
                     raise TemplateFault(f"the chat template ran over {RENDER_BUDGET_S:g} s")
             return "".join(out)

@@ -123,8 +123,11 @@ class Call:
     id: str = field(default_factory=lambda: "call_" + secrets.token_hex(12))
 
     def openai(self, index: int | None = None) -> dict[str, Any]:
-        out: dict[str, Any] = {"id": self.id, "type": "function",
-                               "function": {"name": self.name, "arguments": self.arguments}}
+        out: dict[str, Any] = {
+            "id": self.id,
+            "type": "function",
+            "function": {"name": self.name, "arguments": self.arguments},
+        }
         if index is not None:
             out["index"] = index
         return out
@@ -178,8 +181,10 @@ def _strict_problem(schema: Any, path: str) -> str | None:
             return f"{path or 'parameters'} must set additionalProperties: false"
         missing = sorted(set(props) - set(schema.get("required") or []))
         if missing:
-            return f"{path or 'parameters'} must list every property in required " \
-                   f"(missing: {', '.join(missing)})"
+            return (
+                f"{path or 'parameters'} must list every property in required "
+                f"(missing: {', '.join(missing)})"
+            )
     subs: list[tuple[str, Any]] = []
     for k, v in (schema.get("properties") or {}).items():
         subs.append((f"{path}.{k}" if path else k, v))
@@ -209,12 +214,14 @@ def _tool(i: int, raw: Any) -> Tool:
         raise invalid("a tool needs function.name", f"{p}.function.name")
     name = fn["name"]
     if not re.fullmatch(r"[A-Za-z0-9_.\-]{1,64}", name):
-        raise invalid(f"tool name '{name}' must be 1-64 letters, digits, _ . or -",
-                      f"{p}.function.name")
+        raise invalid(
+            f"tool name '{name}' must be 1-64 letters, digits, _ . or -", f"{p}.function.name"
+        )
     schema = fn.get("parameters", {"type": "object", "properties": {}})
     if not isinstance(schema, dict):
-        raise invalid(f"tool '{name}': parameters must be a JSON Schema object",
-                      f"{p}.function.parameters")
+        raise invalid(
+            f"tool '{name}': parameters must be a JSON Schema object", f"{p}.function.parameters"
+        )
     strict = fn.get("strict", False)
     if not isinstance(strict, bool):
         raise invalid(f"tool '{name}': strict must be a boolean", f"{p}.function.strict")
@@ -227,13 +234,15 @@ def _tool(i: int, raw: Any) -> Tool:
     try:
         validator = jsonschema_rs.validator_for(schema, validate_formats=True)
     except (ValueError, jsonschema_rs.ValidationError, jsonschema_rs.ReferencingError) as e:
-        raise invalid(f"tool '{name}': parameters is not a valid JSON Schema: {e}",
-                      f"{p}.function.parameters") from e
+        raise invalid(
+            f"tool '{name}': parameters is not a valid JSON Schema: {e}", f"{p}.function.parameters"
+        ) from e
     return Tool(name, fn, schema, validator)
 
 
-def plan_tools(body: dict[str, Any], template_renders_tools: bool,
-               function_form: bool) -> ToolPlan | None:
+def plan_tools(
+    body: dict[str, Any], template_renders_tools: bool, function_form: bool
+) -> ToolPlan | None:
     """The request's tool plan, or None when no call is to be parsed (no tools, or `none`)."""
     raw = body.get("tools")
     if raw is None:
@@ -252,18 +261,24 @@ def plan_tools(body: dict[str, Any], template_renders_tools: bool,
     forced: str | None = None
     if isinstance(choice, dict):
         fn = choice.get("function")
-        if choice.get("type") != "function" or not isinstance(fn, dict) \
-                or not isinstance(fn.get("name"), str):
-            raise invalid("tool_choice must be auto, none, required or "
-                          '{"type": "function", "function": {"name": ...}}', "tool_choice")
+        if (
+            choice.get("type") != "function"
+            or not isinstance(fn, dict)
+            or not isinstance(fn.get("name"), str)
+        ):
+            raise invalid(
+                "tool_choice must be auto, none, required or "
+                '{"type": "function", "function": {"name": ...}}',
+                "tool_choice",
+            )
         forced = fn["name"]
         if forced not in tools:
-            raise invalid(f"tool_choice names '{forced}', which is not in tools",
-                          "tool_choice.function.name")
+            raise invalid(
+                f"tool_choice names '{forced}', which is not in tools", "tool_choice.function.name"
+            )
         choice = "function"
     elif choice not in ("auto", "none", "required"):
-        raise invalid("tool_choice must be auto, none, required or a named function",
-                      "tool_choice")
+        raise invalid("tool_choice must be auto, none, required or a named function", "tool_choice")
     if choice == "none" or not tools:
         if choice == "required":
             raise invalid("tool_choice 'required' needs at least one tool", "tool_choice")
@@ -273,8 +288,11 @@ def plan_tools(body: dict[str, Any], template_renders_tools: bool,
         raise invalid("'parallel_tool_calls' must be a boolean", "parallel_tool_calls")
     own = forced is not None or not template_renders_tools
     chosen = [tools[forced]] if forced else list(tools.values())
-    grammar = "" if function_form and not own else calls_grammar(
-        [(t.name, t.schema) for t in chosen], many=parallel and forced is None)
+    grammar = (
+        ""
+        if function_form and not own
+        else calls_grammar([(t.name, t.schema) for t in chosen], many=parallel and forced is None)
+    )
     return ToolPlan(tools, choice, forced, parallel and forced is None, own, grammar)
 
 
@@ -354,9 +372,9 @@ class CallSplitter:
             end = self.buf.find(CLOSE)
             if end < 0:
                 return out
-            markup, self.buf = self.buf[: end + len(CLOSE)], self.buf[end + len(CLOSE):]
+            markup, self.buf = self.buf[: end + len(CLOSE)], self.buf[end + len(CLOSE) :]
             self.inside = False
-            call = parse_call(markup[len(OPEN): -len(CLOSE)], self.plan)
+            call = parse_call(markup[len(OPEN) : -len(CLOSE)], self.plan)
             if call is None or (self.calls and not self.plan.parallel):
                 out.append(("bad", markup))
             else:

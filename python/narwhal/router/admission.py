@@ -20,8 +20,9 @@ from narwhal.router.intake import Intake
 from narwhal.router.lease import Events, Lease, Phase
 
 
-def retry_after(message: str, status: int = 429, code: str = "rate_limited",
-                type: str = "rate_limit_error") -> ApiError:
+def retry_after(
+    message: str, status: int = 429, code: str = "rate_limited", type: str = "rate_limit_error"
+) -> ApiError:
     return ApiError(status, message, type=type, code=code, headers={"retry-after": "1"})
 
 
@@ -30,8 +31,14 @@ class Expired(Exception):
 
 
 class Admission:
-    def __init__(self, pool: Pool, retention_limit: int, queue_size: int, wait_s: float,
-                 events: Events | None = None) -> None:
+    def __init__(
+        self,
+        pool: Pool,
+        retention_limit: int,
+        queue_size: int,
+        wait_s: float,
+        events: Events | None = None,
+    ) -> None:
         self.pool = pool
         self.events = events or Events()
         self.retention_limit = retention_limit
@@ -46,23 +53,40 @@ class Admission:
 
     def retain(self) -> None:
         if self.retained >= self.retention_limit:
-            raise retry_after("the router holds as many requests as it may; retry shortly",
-                              code="retention_full")
+            raise retry_after(
+                "the router holds as many requests as it may; retry shortly", code="retention_full"
+            )
         self.retained += 1
 
     def release_retention(self) -> None:
         self.retained -= 1
 
     @contextlib.asynccontextmanager
-    async def place(self, intake: Intake, arrived: float, deadline: float, *,
-                    prefer: Engine | None = None, tokens: int = 0,
-                    predicted_s: float | None = None,
-                    exclude: frozenset[str] = frozenset()) -> AsyncIterator[Lease]:
+    async def place(
+        self,
+        intake: Intake,
+        arrived: float,
+        deadline: float,
+        *,
+        prefer: Engine | None = None,
+        tokens: int = 0,
+        predicted_s: float | None = None,
+        exclude: frozenset[str] = frozenset(),
+    ) -> AsyncIterator[Lease]:
         """A lease on an engine with room (waiting in the queue for one if need be), given
         back when the block exits; or `Expired`, or a refusal. `predicted_s` is kept only
         if the lease lands on `prefer` (the engine it was projected for)."""
-        lease = Lease(self, self.events, intake, arrived, deadline, tokens=tokens,
-                      predicted_s=predicted_s, prefer=prefer, exclude=exclude)
+        lease = Lease(
+            self,
+            self.events,
+            intake,
+            arrived,
+            deadline,
+            tokens=tokens,
+            predicted_s=predicted_s,
+            prefer=prefer,
+            exclude=exclude,
+        )
         await self._seat(lease)
         try:
             yield lease
@@ -70,12 +94,26 @@ class Admission:
             lease.release()
 
     @contextlib.asynccontextmanager
-    async def place_on(self, e: Engine, intake: Intake, arrived: float, deadline: float,
-                       tokens: int = 0, predicted_s: float | None = None,
-                       ) -> AsyncIterator[Lease | None]:
+    async def place_on(
+        self,
+        e: Engine,
+        intake: Intake,
+        arrived: float,
+        deadline: float,
+        tokens: int = 0,
+        predicted_s: float | None = None,
+    ) -> AsyncIterator[Lease | None]:
         """A lease on `e` now, or None when it has no room or others are waiting."""
-        lease = Lease(self, self.events, intake, arrived, deadline, tokens=tokens,
-                      predicted_s=predicted_s, prefer=e)
+        lease = Lease(
+            self,
+            self.events,
+            intake,
+            arrived,
+            deadline,
+            tokens=tokens,
+            predicted_s=predicted_s,
+            prefer=e,
+        )
         if self.queued or self.pool.pick(e) is not e:
             yield None
             return
@@ -87,8 +125,12 @@ class Admission:
 
     async def _seat(self, lease: Lease) -> None:
         if not any(e.name not in lease.exclude for e in self.pool.eligible()):
-            raise retry_after("no engine can take work now", status=503,
-                              code="backend_unavailable", type="server_error")
+            raise retry_after(
+                "no engine can take work now",
+                status=503,
+                code="backend_unavailable",
+                type="server_error",
+            )
         if not self.queued:
             e = self.pool.pick(lease.prefer, lease.exclude)
             if e is not None:

@@ -30,8 +30,10 @@ def choose(setting: str | tuple[int, ...], allowed: set[int]) -> set[int] | None
     wanted = set(setting)
     missing = sorted(wanted - allowed)
     if missing:
-        raise ConfigError(f"serving.cpu_affinity: CPU {missing[0]} is not available to the "
-                          f"router (it may use {_ranges(allowed)})")
+        raise ConfigError(
+            f"serving.cpu_affinity: CPU {missing[0]} is not available to the "
+            f"router (it may use {_ranges(allowed)})"
+        )
     return wanted
 
 
@@ -47,8 +49,9 @@ def pin(setting: str | tuple[int, ...]) -> set[int] | None:
     try:
         os.sched_setaffinity(0, cpus)
     except OSError as e:
-        raise ConfigError(f"serving.cpu_affinity: cannot keep the router to CPU "
-                          f"{_ranges(cpus)}: {e.strerror}") from e
+        raise ConfigError(
+            f"serving.cpu_affinity: cannot keep the router to CPU {_ranges(cpus)}: {e.strerror}"
+        ) from e
     os.environ[ENGINE_CPUS_ENV] = ",".join(map(str, sorted(allowed)))
     return cpus
 

@@ -43,29 +43,33 @@ class Router:
         for spec in config.engines:
             if spec.launch is not None:
                 restarts = self.metrics.engine_restarts.labels(spec.name)
-                me = ManagedEngine(spec, config.model, on_exit=_counting(restarts),
-                                   on_fatal=_fatal)
+                me = ManagedEngine(spec, config.model, on_exit=_counting(restarts), on_fatal=_fatal)
                 self.managed.append(me)
                 engines.append(Engine(spec, me.url, managed=me))
             else:
                 assert spec.url is not None
                 engines.append(Engine(spec, spec.url.rstrip("/")))
-        self.pool = Pool(engines, config.prefill_concurrency, config.decode_concurrency,
-                         config.eject_after)
+        self.pool = Pool(
+            engines, config.prefill_concurrency, config.decode_concurrency, config.eject_after
+        )
         # What happens to each lease reaches these three, subscribed here once.
         events = Events()
-        self.admission = Admission(self.pool, config.http_retention_limit, config.queue_size,
-                                   config.queue_wait_s, events)
-        self.predictor = (Predictor(engines, config.drift_bound, config.drift_min_samples,
-                                    config.stale_after_s)
-                          if config.admission == "predictive" else None)
+        self.admission = Admission(
+            self.pool, config.http_retention_limit, config.queue_size, config.queue_wait_s, events
+        )
+        self.predictor = (
+            Predictor(engines, config.drift_bound, config.drift_min_samples, config.stale_after_s)
+            if config.admission == "predictive"
+            else None
+        )
         self.pool.watch(events)
         self.metrics.watch(events)
         if self.predictor is not None:
             self.predictor.watch(events)
         paths = {p: self.metrics.relayed_streams.labels(p) for p in ("native", "awaited")}
-        self.relayer = Relayer(config.stream_idle_timeout_s, config.native_relay,
-                               lambda path: paths[path].inc())
+        self.relayer = Relayer(
+            config.stream_idle_timeout_s, config.native_relay, lambda path: paths[path].inc()
+        )
         self._tasks: list[asyncio.Task[None]] = []
         self.session: aiohttp.ClientSession | None = None
 
@@ -76,12 +80,22 @@ class Router:
         for me in self.managed:
             await me.start()
         c = self.config
-        self._tasks.append(asyncio.create_task(
-            self.pool.probe_forever(self.session, c.health_interval_s, c.health_timeout_s)))
+        self._tasks.append(
+            asyncio.create_task(
+                self.pool.probe_forever(self.session, c.health_interval_s, c.health_timeout_s)
+            )
+        )
         self._tasks.append(asyncio.create_task(self.admission.drain_forever()))
         if self.predictor is not None:
-            profiler = Profiler(c.model, self.pool, self.admission, self.predictor,
-                                self.relayer, c.probe_interval_s, self._degraded)
+            profiler = Profiler(
+                c.model,
+                self.pool,
+                self.admission,
+                self.predictor,
+                self.relayer,
+                c.probe_interval_s,
+                self._degraded,
+            )
             self._tasks.append(asyncio.create_task(profiler.run_forever()))
 
     async def shutdown(self) -> None:
@@ -117,16 +131,30 @@ class Router:
             elif path == "/ready":
                 await self._ready(send)
             elif path == "/v1/models":
-                await asgi.send_json(send, 200, {"object": "list", "data": [
-                    {"id": self.config.model, "object": "model", "created": 0,
-                     "owned_by": "narwhal"}]})
+                await asgi.send_json(
+                    send,
+                    200,
+                    {
+                        "object": "list",
+                        "data": [
+                            {
+                                "id": self.config.model,
+                                "object": "model",
+                                "created": 0,
+                                "owned_by": "narwhal",
+                            }
+                        ],
+                    },
+                )
             elif path == "/engines":
-                await asgi.send_json(send, 200, {"engines": [e.describe()
-                                                             for e in self.pool.engines]})
+                await asgi.send_json(
+                    send, 200, {"engines": [e.describe() for e in self.pool.engines]}
+                )
             elif path == "/metrics":
                 self._refresh_gauges()
-                await asgi.send_bytes(send, 200, generate_latest(self.metrics.registry),
-                                      b"text/plain; version=0.0.4")
+                await asgi.send_bytes(
+                    send, 200, generate_latest(self.metrics.registry), b"text/plain; version=0.0.4"
+                )
             else:
                 raise ApiError(404, f"no route {method} {path}", code="not_found")
         except ApiError as e:
@@ -138,8 +166,11 @@ class Router:
         engines = [e.describe() for e in self.pool.engines]
         ok = bool(self.pool.eligible())
         degraded = self._degraded()
-        body: dict[str, Any] = {"ready": ok and degraded is None,
-                                "admission": self.config.admission, "engines": engines}
+        body: dict[str, Any] = {
+            "ready": ok and degraded is None,
+            "admission": self.config.admission,
+            "engines": engines,
+        }
         if ok and degraded is not None:
             ok = False
             body["reason"] = "monitoring-degraded: " + degraded
@@ -196,17 +227,22 @@ class Router:
         finally:
             m.finished.labels(end.outcome).inc()
 
-    async def _intake_and_serve(self, path: str, scope: Scope, receive: Receive, send: Send,
-                                arrived: float, end: Ending) -> None:
+    async def _intake_and_serve(
+        self, path: str, scope: Scope, receive: Receive, send: Send, arrived: float, end: Ending
+    ) -> None:
         m = self.metrics
         end.outcome = "invalid"  # until the body is read and checked
         try:
-            raw = await asgi.read_body(receive, self.config.max_request_bytes,
-                                       self.config.body_timeout_s)
+            raw = await asgi.read_body(
+                receive, self.config.max_request_bytes, self.config.body_timeout_s
+            )
         except asgi.BodyTooLarge:
             m.invalid_requests.inc()
-            raise ApiError(413, f"request body exceeds {self.config.max_request_bytes} "
-                           "bytes", code="request_too_large") from None
+            raise ApiError(
+                413,
+                f"request body exceeds {self.config.max_request_bytes} bytes",
+                code="request_too_large",
+            ) from None
         except asgi.ClientGone:
             m.unsized_offered.inc()
             end.outcome = "client_gone"
@@ -222,8 +258,16 @@ class Router:
         end.outcome = "client_gone"  # until the request is refused or answered
         await self._serve(req, receive, send, arrived, deadline, budget, end)
 
-    async def _serve(self, req: intake.Intake, receive: Receive, send: Send, arrived: float,
-                     deadline: float, budget: float, end: Ending) -> None:
+    async def _serve(
+        self,
+        req: intake.Intake,
+        receive: Receive,
+        send: Send,
+        arrived: float,
+        deadline: float,
+        budget: float,
+        end: Ending,
+    ) -> None:
         task = asyncio.current_task()
         assert task is not None
         watcher = asyncio.create_task(asgi.watch_disconnect(receive, task))
@@ -233,9 +277,15 @@ class Router:
             if degraded is not None:
                 self.metrics.rejected.labels("monitoring_degraded").inc()
                 end.outcome = "rejected"
-                raise ApiError(503, "the router's predictions are not trustworthy now ("
-                               + degraded + "); retry shortly", type="server_error",
-                               code="monitoring_degraded", headers={"retry-after": "1"})
+                raise ApiError(
+                    503,
+                    "the router's predictions are not trustworthy now ("
+                    + degraded
+                    + "); retry shortly",
+                    type="server_error",
+                    code="monitoring_degraded",
+                    headers={"retry-after": "1"},
+                )
             if self.predictor is not None and self.pool.eligible():
                 try:
                     proj = self.predictor.judge(req.prompt_bytes, self.pool.eligible(), budget)
@@ -248,7 +298,8 @@ class Router:
             while True:
                 try:
                     end.outcome = await self._place_and_relay(
-                        req, send, arrived, deadline, prefer, tokens, predicted, busy, end)
+                        req, send, arrived, deadline, prefer, tokens, predicted, busy, end
+                    )
                     return
                 except EngineBusy as e:
                     busy = busy | {e.engine}
@@ -267,29 +318,50 @@ class Router:
     def _may_retry(self, busy: frozenset[str], deadline: float) -> bool:
         """Another engine may take a request that engines in `busy` refused with 429, while
         its deadline has time left."""
-        return (time.monotonic() < deadline
-                and any(e.name not in busy for e in self.pool.eligible()))
+        return time.monotonic() < deadline and any(e.name not in busy for e in self.pool.eligible())
 
-    async def _place_and_relay(self, req: intake.Intake, send: Send, arrived: float,
-                               deadline: float, prefer: Engine | None, tokens: int,
-                               predicted: float | None, busy: frozenset[str],
-                               end: Ending) -> str:
+    async def _place_and_relay(
+        self,
+        req: intake.Intake,
+        send: Send,
+        arrived: float,
+        deadline: float,
+        prefer: Engine | None,
+        tokens: int,
+        predicted: float | None,
+        busy: frozenset[str],
+        end: Ending,
+    ) -> str:
         placed = False
         try:
-            async with self.admission.place(req, arrived, deadline, prefer=prefer,
-                                            tokens=tokens, predicted_s=predicted,
-                                            exclude=busy) as lease:
+            async with self.admission.place(
+                req,
+                arrived,
+                deadline,
+                prefer=prefer,
+                tokens=tokens,
+                predicted_s=predicted,
+                exclude=busy,
+            ) as lease:
                 placed = True
                 try:
                     return await self.relayer.run(lease, send)
                 except EngineFailed as e:
-                    raise ApiError(502, f"engine {lease.on.name} failed: {e}",
-                                   type="server_error", code="engine_failed") from None
+                    raise ApiError(
+                        502,
+                        f"engine {lease.on.name} failed: {e}",
+                        type="server_error",
+                        code="engine_failed",
+                    ) from None
         except Expired:
             self.metrics.rejected.labels("wait_expired").inc()
             end.outcome = "rejected"
-            raise ApiError(504, "no engine had room before the wait or deadline ran out",
-                           type="timeout_error", code="admission_timeout") from None
+            raise ApiError(
+                504,
+                "no engine had room before the wait or deadline ran out",
+                type="timeout_error",
+                code="admission_timeout",
+            ) from None
         except ApiError as e:
             if placed:
                 end.outcome = "deadline" if e.status == 504 else "engine_failed"
@@ -337,8 +409,9 @@ def _ms_header(scope: Scope, name: bytes) -> int | None:
     except ValueError:
         ms = 0
     if ms <= 0:
-        raise ApiError(400, f"{name.decode()} must be a positive integer of milliseconds",
-                       param=name.decode())
+        raise ApiError(
+            400, f"{name.decode()} must be a positive integer of milliseconds", param=name.decode()
+        )
     return min(ms, _MAX_MS)
 
 

@@ -21,11 +21,19 @@ def _parser() -> argparse.ArgumentParser:
     u.add_argument("--host", default="127.0.0.1")
     u.add_argument("--port", type=int, default=8000)
     u.add_argument("--parallel", type=int, default=4, help="engine slots")
-    u.add_argument("--ctx-size", type=int, default=8192,
-                   help="engine context in tokens, split evenly over the slots")
-    u.add_argument("--threads", type=int, metavar="N",
-                   help="engine decode threads (default: one fewer than the CPUs, so the "
-                        "router keeps one; see docs/DECISIONS.md)")
+    u.add_argument(
+        "--ctx-size",
+        type=int,
+        default=8192,
+        help="engine context in tokens, split evenly over the slots",
+    )
+    u.add_argument(
+        "--threads",
+        type=int,
+        metavar="N",
+        help="engine decode threads (default: one fewer than the CPUs, so the "
+        "router keeps one; see docs/DECISIONS.md)",
+    )
     return p
 
 
@@ -44,20 +52,29 @@ def _up_config(args: argparse.Namespace) -> RouterConfig:
         try:
             model = str(smollm2_path())
         except ModelNotInstalled as e:
-            raise service.StartError(f"{e} (make serve does this), or pass --model PATH") \
-                from None
+            raise service.StartError(f"{e} (make serve does this), or pass --model PATH") from None
     threads = args.threads
     if threads is None:
-        threads = up_threads(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-                             else os.cpu_count() or 1)
+        threads = up_threads(
+            len(os.sched_getaffinity(0))
+            if hasattr(os, "sched_getaffinity")
+            else os.cpu_count() or 1
+        )
     elif threads < 1:
         raise ConfigError("--threads: must be at least 1")
     # The context is split over the slots: 8192 (SmolLM2's trained length) gives each of
     # the default 4 slots 2048 tokens instead of lexi-engine's default 4096 / 4.
-    launch = Launch(model=model, parallel=args.parallel,
-                    args=("--ctx-size", str(args.ctx_size), "--threads", str(threads)))
-    return RouterConfig(engines=(EngineSpec("local", "lexi", None, launch),), host=args.host,
-                        port=args.port, admission="open")
+    launch = Launch(
+        model=model,
+        parallel=args.parallel,
+        args=("--ctx-size", str(args.ctx_size), "--threads", str(threads)),
+    )
+    return RouterConfig(
+        engines=(EngineSpec("local", "lexi", None, launch),),
+        host=args.host,
+        port=args.port,
+        admission="open",
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -87,16 +104,25 @@ def main(argv: list[str] | None = None) -> int:
         print(f"narwhal: config error: {e}", file=sys.stderr)
         return 2
     service.hand_off(CONFIG_ENV, config.to_json())
-    engines = ", ".join(e.name + (f" ({e.url})" if e.url else " (managed)")
-                        for e in config.engines)
-    print(f"narwhal {__version__}: model '{config.model}' on http://{config.host}:{config.port} "
-          f"-> engines: {engines}; router on {affinity.describe(cpus)}", file=sys.stderr)
+    engines = ", ".join(e.name + (f" ({e.url})" if e.url else " (managed)") for e in config.engines)
+    print(
+        f"narwhal {__version__}: model '{config.model}' on http://{config.host}:{config.port} "
+        f"-> engines: {engines}; router on {affinity.describe(cpus)}",
+        file=sys.stderr,
+    )
     # uvloop: the upstream reads run through the loop's transports once per token; its C
     # transports take ~10% off the router's CPU per relayed token (bench/README.md).
-    limits = service.Limits(config.shutdown_grace_s, config.header_timeout_s,
-                            config.max_connections)
-    return service.serve("narwhal", "narwhal.router.app:create_app", addr, limits,
-                         interface=Interfaces.ASGI, loop=Loops.uvloop)
+    limits = service.Limits(
+        config.shutdown_grace_s, config.header_timeout_s, config.max_connections
+    )
+    return service.serve(
+        "narwhal",
+        "narwhal.router.app:create_app",
+        addr,
+        limits,
+        interface=Interfaces.ASGI,
+        loop=Loops.uvloop,
+    )
 
 
 if __name__ == "__main__":

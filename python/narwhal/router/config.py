@@ -23,54 +23,81 @@ SCHEMA: dict[str, Any] = {
     "properties": {
         "model": {"type": "string", "minLength": 1},
         "listen": {
-            "type": "object", "additionalProperties": False,
-            "properties": {"host": {"type": "string", "minLength": 1},
-                           "port": {"type": "integer", "minimum": 0, "maximum": 65535}},
+            "type": "object",
+            "additionalProperties": False,
+            "properties": {
+                "host": {"type": "string", "minLength": 1},
+                "port": {"type": "integer", "minimum": 0, "maximum": 65535},
+            },
         },
         "admission": {"enum": ["predictive", "open"]},
         "serving": {
-            "type": "object", "additionalProperties": False,
-            "properties": {"max_request_bytes": _pos_int, "http_retention_limit": _pos_int,
-                           "request_timeout_s": _pos_num,
-                           "shutdown_grace_s": {"type": "number", "exclusiveMinimum": 0,
-                                                "maximum": 3600},
-                           "header_timeout_s": _pos_num, "body_timeout_s": _pos_num,
-                           "max_connections": _pos_int, "stream_idle_timeout_s": _pos_num,
-                           "native_relay": {"type": "boolean"},
-                           "cpu_affinity": {"anyOf": [
-                               {"enum": ["auto", "none"]},
-                               {"type": "array", "minItems": 1, "uniqueItems": True,
-                                "items": {"type": "integer", "minimum": 0}}]}},
+            "type": "object",
+            "additionalProperties": False,
+            "properties": {
+                "max_request_bytes": _pos_int,
+                "http_retention_limit": _pos_int,
+                "request_timeout_s": _pos_num,
+                "shutdown_grace_s": {"type": "number", "exclusiveMinimum": 0, "maximum": 3600},
+                "header_timeout_s": _pos_num,
+                "body_timeout_s": _pos_num,
+                "max_connections": _pos_int,
+                "stream_idle_timeout_s": _pos_num,
+                "native_relay": {"type": "boolean"},
+                "cpu_affinity": {
+                    "anyOf": [
+                        {"enum": ["auto", "none"]},
+                        {
+                            "type": "array",
+                            "minItems": 1,
+                            "uniqueItems": True,
+                            "items": {"type": "integer", "minimum": 0},
+                        },
+                    ]
+                },
+            },
         },
         "queue": {
-            "type": "object", "additionalProperties": False,
+            "type": "object",
+            "additionalProperties": False,
             "properties": {"size": {"type": "integer", "minimum": 0}, "wait_s": _pos_num},
         },
         "phases": {
-            "type": "object", "additionalProperties": False,
+            "type": "object",
+            "additionalProperties": False,
             "properties": {"prefill_concurrency": _pos_int, "decode_concurrency": _pos_int},
         },
         "predictive": {
-            "type": "object", "additionalProperties": False,
-            "properties": {"ttft_budget_s": _pos_num, "drift_bound": _pos_num,
-                           "drift_min_samples": _pos_int, "stale_after_s": _pos_num,
-                           "probe_interval_s": _pos_num},
+            "type": "object",
+            "additionalProperties": False,
+            "properties": {
+                "ttft_budget_s": _pos_num,
+                "drift_bound": _pos_num,
+                "drift_min_samples": _pos_int,
+                "stale_after_s": _pos_num,
+                "probe_interval_s": _pos_num,
+            },
         },
         "health": {
-            "type": "object", "additionalProperties": False,
-            "properties": {"interval_s": _pos_num, "timeout_s": _pos_num,
-                           "eject_after": _pos_int},
+            "type": "object",
+            "additionalProperties": False,
+            "properties": {"interval_s": _pos_num, "timeout_s": _pos_num, "eject_after": _pos_int},
         },
         "engines": {
-            "type": "array", "minItems": 1,
+            "type": "array",
+            "minItems": 1,
             "items": {
-                "type": "object", "additionalProperties": False, "required": ["name"],
+                "type": "object",
+                "additionalProperties": False,
+                "required": ["name"],
                 "properties": {
                     "name": {"type": "string", "pattern": "^[A-Za-z0-9_.-]+$"},
                     "url": {"type": "string", "pattern": "^https?://"},
                     "dialect": {"enum": list(DIALECTS)},
                     "launch": {
-                        "type": "object", "additionalProperties": False, "required": ["model"],
+                        "type": "object",
+                        "additionalProperties": False,
+                        "required": ["model"],
                         "properties": {
                             "model": {"type": "string", "minLength": 1},
                             "parallel": _pos_int,
@@ -146,7 +173,6 @@ class RouterConfig:
     health_timeout_s: float = 2.0
     eject_after: int = 3  # request faults in a row that take an engine out until a probe
 
-
     def to_json(self) -> bytes:
         """The validated config as JSON: its fields, by name (the worker hand-off)."""
         return orjson.dumps(asdict(self))
@@ -184,8 +210,9 @@ def parse(data: Any) -> RouterConfig:
         launch = None
         if "launch" in e:
             la = e["launch"]
-            launch = Launch(la["model"], la.get("parallel", 4), la.get("port"),
-                            tuple(la.get("args", ())))
+            launch = Launch(
+                la["model"], la.get("parallel", 4), la.get("port"), tuple(la.get("args", ()))
+            )
         engines.append(EngineSpec(e["name"], e.get("dialect", "lexi"), e.get("url"), launch))
     given: dict[str, Any] = {}
     for (section, key), name in _FIELDS.items():
@@ -200,7 +227,9 @@ def parse(data: Any) -> RouterConfig:
 # Where each RouterConfig field sits in the YAML ("" for the top level). The defaults are
 # the dataclass's own, written once.
 _FIELDS = {
-    ("", "model"): "model", ("listen", "host"): "host", ("listen", "port"): "port",
+    ("", "model"): "model",
+    ("listen", "host"): "host",
+    ("listen", "port"): "port",
     ("", "admission"): "admission",
     ("serving", "max_request_bytes"): "max_request_bytes",
     ("serving", "http_retention_limit"): "http_retention_limit",
@@ -212,7 +241,8 @@ _FIELDS = {
     ("serving", "stream_idle_timeout_s"): "stream_idle_timeout_s",
     ("serving", "native_relay"): "native_relay",
     ("serving", "cpu_affinity"): "cpu_affinity",
-    ("queue", "size"): "queue_size", ("queue", "wait_s"): "queue_wait_s",
+    ("queue", "size"): "queue_size",
+    ("queue", "wait_s"): "queue_wait_s",
     ("phases", "prefill_concurrency"): "prefill_concurrency",
     ("phases", "decode_concurrency"): "decode_concurrency",
     ("predictive", "ttft_budget_s"): "ttft_budget_s",
@@ -220,7 +250,8 @@ _FIELDS = {
     ("predictive", "drift_min_samples"): "drift_min_samples",
     ("predictive", "stale_after_s"): "stale_after_s",
     ("predictive", "probe_interval_s"): "probe_interval_s",
-    ("health", "interval_s"): "health_interval_s", ("health", "timeout_s"): "health_timeout_s",
+    ("health", "interval_s"): "health_interval_s",
+    ("health", "timeout_s"): "health_timeout_s",
     ("health", "eject_after"): "eject_after",
 }
 _DEFAULTS = RouterConfig(engines=())

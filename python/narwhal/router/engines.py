@@ -46,15 +46,22 @@ class Engine:
     def describe(self) -> dict[str, object]:
         reason = None if self.healthy else self.reason
         out: dict[str, object] = {
-            "name": self.name, "url": redact(self.url), "dialect": self.spec.dialect,
-            "healthy": self.healthy, "reason": reason,
-            "token_accounting": self.token_accounting, "prefill": self.prefill,
-            "decode": self.decode}
+            "name": self.name,
+            "url": redact(self.url),
+            "dialect": self.spec.dialect,
+            "healthy": self.healthy,
+            "reason": reason,
+            "token_accounting": self.token_accounting,
+            "prefill": self.prefill,
+            "decode": self.decode,
+        }
         if self.managed is not None:
             out["process"] = self.managed.describe()
             if reason is not None and self.managed.last_exit is not None:
-                out["reason"] = (f"{reason}; the engine process {self.managed.last_exit} "
-                                 f"(restarts: {self.managed.restarts})")
+                out["reason"] = (
+                    f"{reason}; the engine process {self.managed.last_exit} "
+                    f"(restarts: {self.managed.restarts})"
+                )
         return out
 
 
@@ -68,8 +75,9 @@ def redact(url: str) -> str:
 
 
 class Pool:
-    def __init__(self, engines: list[Engine], prefill_limit: int, decode_limit: int,
-                 eject_after: int = 3) -> None:
+    def __init__(
+        self, engines: list[Engine], prefill_limit: int, decode_limit: int, eject_after: int = 3
+    ) -> None:
         self.engines = engines
         self.eject_after = eject_after
         self.prefill_limit = prefill_limit
@@ -79,13 +87,18 @@ class Pool:
     def eligible(self) -> list[Engine]:
         return [e for e in self.engines if e.healthy]
 
-    def pick(self, prefer: Engine | None = None,
-             exclude: frozenset[str] = frozenset()) -> Engine | None:
+    def pick(
+        self, prefer: Engine | None = None, exclude: frozenset[str] = frozenset()
+    ) -> Engine | None:
         """`prefer` if it has phase room, else the least-loaded healthy engine that has
         (none named in `exclude`)."""
-        room = [e for e in self.eligible()
-                if e.prefill < self.prefill_limit and e.decode < self.decode_limit
-                and e.name not in exclude]
+        room = [
+            e
+            for e in self.eligible()
+            if e.prefill < self.prefill_limit
+            and e.decode < self.decode_limit
+            and e.name not in exclude
+        ]
         if not room:
             return None
         if prefer is not None and prefer in room:
@@ -95,8 +108,9 @@ class Pool:
     def notify(self) -> None:
         self.changed.set()
 
-    async def probe_forever(self, session: aiohttp.ClientSession, interval: float,
-                            timeout: float) -> None:
+    async def probe_forever(
+        self, session: aiohttp.ClientSession, interval: float, timeout: float
+    ) -> None:
         while True:
             await asyncio.gather(*(self.probe(session, e, timeout) for e in self.engines))
             await asyncio.sleep(interval)
@@ -104,8 +118,9 @@ class Pool:
     async def probe(self, session: aiohttp.ClientSession, e: Engine, timeout: float) -> None:
         was = e.healthy
         try:
-            async with session.get(e.url + "/health",
-                                   timeout=aiohttp.ClientTimeout(total=timeout)) as r:
+            async with session.get(
+                e.url + "/health", timeout=aiohttp.ClientTimeout(total=timeout)
+            ) as r:
                 ok = r.status == 200
                 e.reason = "ok" if ok else f"/health answered {r.status}"
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
@@ -137,8 +152,7 @@ class Pool:
         e.strikes += 1
         e.reason = reason
         if e.healthy and e.strikes >= self.eject_after:
-            log.warning("engine %s ejected after %d faults in a row: %s", e.name, e.strikes,
-                        reason)
+            log.warning("engine %s ejected after %d faults in a row: %s", e.name, e.strikes, reason)
             e.healthy = False
 
     def succeeded(self, e: Engine) -> None:

@@ -46,8 +46,11 @@ def _text_bytes(content: Any) -> int:
     if isinstance(content, str):
         return len(content.encode())
     if isinstance(content, list):  # content parts are flat: a part's text is a string
-        return sum(len(t.encode()) for p in content
-                   if isinstance(p, dict) and isinstance(t := p.get("text"), str))
+        return sum(
+            len(t.encode())
+            for p in content
+            if isinstance(p, dict) and isinstance(t := p.get("text"), str)
+        )
     return 0
 
 
@@ -62,8 +65,7 @@ def _refuse_too_deep(raw: bytes, body: dict[str, Any]) -> None:
     try:
         orjson.dumps(body)
     except orjson.JSONEncodeError:
-        raise invalid(f"the request body nests JSON deeper than {_MAX_DEPTH} levels") \
-            from None
+        raise invalid(f"the request body nests JSON deeper than {_MAX_DEPTH} levels") from None
 
 
 def check(route: str, raw: bytes, model: str) -> Intake:
@@ -74,8 +76,9 @@ def check(route: str, raw: bytes, model: str) -> Intake:
     if name is not None and not isinstance(name, str):
         raise invalid("'model' must be a string", "model")
     if name is not None and name != model:
-        raise ApiError(404, f"The model '{name}' does not exist", param="model",
-                       code="model_not_found")
+        raise ApiError(
+            404, f"The model '{name}' does not exist", param="model", code="model_not_found"
+        )
 
     stream = bool(_type(body, "stream", bool, "a boolean"))
     for width in ("n", "best_of"):
@@ -128,8 +131,7 @@ def _refuse_unassemblable(body: dict[str, Any]) -> None:
     if mods is not None and (not isinstance(mods, list) or any(m != "text" for m in mods)):
         raise invalid("only the text modality is supported", "modalities")
     rf = body.get("response_format")
-    if isinstance(rf, dict) and rf.get("type") not in (None, "text", "json_object",
-                                                        "json_schema"):
+    if isinstance(rf, dict) and rf.get("type") not in (None, "text", "json_object", "json_schema"):
         raise invalid("unsupported response_format", "response_format.type")
 
 

@@ -49,11 +49,19 @@ class Events:
         self.finished: list[Listener] = []
         self.fault: list[FaultListener] = []
 
-    def subscribe(self, *, first_byte: Listener | None = None,
-                  first_output: Listener | None = None, finished: Listener | None = None,
-                  fault: FaultListener | None = None) -> None:
-        for hooks, hook in ((self.first_byte, first_byte), (self.first_output, first_output),
-                            (self.finished, finished)):
+    def subscribe(
+        self,
+        *,
+        first_byte: Listener | None = None,
+        first_output: Listener | None = None,
+        finished: Listener | None = None,
+        fault: FaultListener | None = None,
+    ) -> None:
+        for hooks, hook in (
+            (self.first_byte, first_byte),
+            (self.first_output, first_output),
+            (self.finished, finished),
+        ):
             if hook is not None:
                 hooks.append(hook)
         if fault is not None:
@@ -63,13 +71,40 @@ class Events:
 class Lease:
     """One request's seat, from the queue to its release, with what was measured of it."""
 
-    __slots__ = ("_events", "_seats", "alone", "arrived", "cached_tokens", "deadline",
-                 "decode_s", "engine", "exclude", "first_at", "intake", "output_tokens",
-                 "phase", "predicted_s", "prefer", "prompt_tokens", "sent_at", "tokens")
+    __slots__ = (
+        "_events",
+        "_seats",
+        "alone",
+        "arrived",
+        "cached_tokens",
+        "deadline",
+        "decode_s",
+        "engine",
+        "exclude",
+        "first_at",
+        "intake",
+        "output_tokens",
+        "phase",
+        "predicted_s",
+        "prefer",
+        "prompt_tokens",
+        "sent_at",
+        "tokens",
+    )
 
-    def __init__(self, seats: Seats, events: Events, intake: Intake, arrived: float,
-                 deadline: float, *, tokens: int = 0, predicted_s: float | None = None,
-                 prefer: Engine | None = None, exclude: frozenset[str] = frozenset()) -> None:
+    def __init__(
+        self,
+        seats: Seats,
+        events: Events,
+        intake: Intake,
+        arrived: float,
+        deadline: float,
+        *,
+        tokens: int = 0,
+        predicted_s: float | None = None,
+        prefer: Engine | None = None,
+        exclude: frozenset[str] = frozenset(),
+    ) -> None:
         self._seats = seats
         self._events = events
         self.intake = intake

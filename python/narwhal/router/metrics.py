@@ -9,12 +9,21 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from narwhal.router.lease import Events, Lease
 
-_LATENCY = (.005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30)
-_TPOT = (.001, .002, .005, .01, .02, .05, .1, .25, .5, 1)
+_LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+_TPOT = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1)
 
 
-OUTCOMES = ("completed", "stream_fault", "engine_error", "engine_failed", "deadline",
-            "rejected", "refused", "invalid", "client_gone")
+OUTCOMES = (
+    "completed",
+    "stream_fault",
+    "engine_error",
+    "engine_failed",
+    "deadline",
+    "rejected",
+    "refused",
+    "invalid",
+    "client_gone",
+)
 
 
 class RouterMetrics:
@@ -22,69 +31,114 @@ class RouterMetrics:
         r = self.registry = CollectorRegistry()
         self.offered = Counter("narwhal_offered", "Arrivals at a completion route", registry=r)
         self.unsized_offered = Counter(
-            "narwhal_unsized_offered", "Arrivals whose body ended before sizing", registry=r)
+            "narwhal_unsized_offered", "Arrivals whose body ended before sizing", registry=r
+        )
         self.rejected = Counter("narwhal_rejected", "Capacity rejections", ["reason"], registry=r)
         self.refused = Counter("narwhal_refused", "Predictive refusals", ["reason"], registry=r)
         self.invalid_requests = Counter(
-            "narwhal_invalid_requests", "Malformed request bodies", registry=r)
+            "narwhal_invalid_requests", "Malformed request bodies", registry=r
+        )
         # Every reason exported at 0 from the start: a dashboard's rate() needs the series
         # before the first event.
-        for reason in ("retention", "monitoring_degraded", "wait_expired", "backend_unavailable",
-                       "queue_full", "engine_busy"):
+        for reason in (
+            "retention",
+            "monitoring_degraded",
+            "wait_expired",
+            "backend_unavailable",
+            "queue_full",
+            "engine_busy",
+        ):
             self.rejected.labels(reason)
         for reason in ("prompt_exceeds_ttft_budget", "ttft_budget_exceeded"):
             self.refused.labels(reason)
         self.finished = Counter(
-            "narwhal_finished", "Requests by how they ended (completed, stream_fault, "
+            "narwhal_finished",
+            "Requests by how they ended (completed, stream_fault, "
             "engine_error, engine_failed, deadline, rejected, refused, invalid, client_gone); "
-            "adds up to narwhal_offered_total", ["outcome"], registry=r)
+            "adds up to narwhal_offered_total",
+            ["outcome"],
+            registry=r,
+        )
         for outcome in OUTCOMES:
             self.finished.labels(outcome)
-        self.completed = Counter("narwhal_completed", "Requests answered in full",
-                                 ["engine"], registry=r)
+        self.completed = Counter(
+            "narwhal_completed", "Requests answered in full", ["engine"], registry=r
+        )
         self.stream_faults = Counter(
-            "narwhal_stream_faults", "Engine answers that ended in a fault, by reason "
+            "narwhal_stream_faults",
+            "Engine answers that ended in a fault, by reason "
             "(engine_disconnected, engine_stalled, connect, assembly, engine_error, "
             "deadline_exceeded, or the frame check that refused the stream)",
-            ["engine", "reason"], registry=r)
-        self.output_tokens = Counter("narwhal_output_tokens", "Relayed output tokens",
-                                     ["engine"], registry=r)
-        self.inflight = Gauge("narwhal_inflight", "Requests placed on an engine",
-                              ["engine", "phase"], registry=r)
+            ["engine", "reason"],
+            registry=r,
+        )
+        self.output_tokens = Counter(
+            "narwhal_output_tokens", "Relayed output tokens", ["engine"], registry=r
+        )
+        self.inflight = Gauge(
+            "narwhal_inflight", "Requests placed on an engine", ["engine", "phase"], registry=r
+        )
         self.retained = Gauge("narwhal_retained", "Requests the router holds", registry=r)
         self.queued = Gauge("narwhal_queued", "Requests waiting for placement", registry=r)
-        self.ttfb = Histogram("narwhal_time_to_first_byte_seconds",
-                              "Arrival to first relayed byte", ["engine"], buckets=_LATENCY,
-                              registry=r)
+        self.ttfb = Histogram(
+            "narwhal_time_to_first_byte_seconds",
+            "Arrival to first relayed byte",
+            ["engine"],
+            buckets=_LATENCY,
+            registry=r,
+        )
         self.predicted_ttft = Histogram(
-            "narwhal_predicted_ttft_seconds", "Projected TTFT of admitted requests", ["engine"],
-            buckets=_LATENCY, registry=r)
+            "narwhal_predicted_ttft_seconds",
+            "Projected TTFT of admitted requests",
+            ["engine"],
+            buckets=_LATENCY,
+            registry=r,
+        )
         self.observed_ttft = Histogram(
-            "narwhal_observed_ttft_seconds", "Engine TTFT of requests that had a projection",
-            ["engine"], buckets=_LATENCY, registry=r)
+            "narwhal_observed_ttft_seconds",
+            "Engine TTFT of requests that had a projection",
+            ["engine"],
+            buckets=_LATENCY,
+            registry=r,
+        )
         self.prediction_drift = Gauge(
-            "narwhal_prediction_drift", "EWMA of |ln(observed/predicted TTFT)|", ["engine"],
-            registry=r)
+            "narwhal_prediction_drift",
+            "EWMA of |ln(observed/predicted TTFT)|",
+            ["engine"],
+            registry=r,
+        )
         self.sizing_error = Gauge(
-            "narwhal_sizing_error", "EWMA relative error of prompt-token sizing", ["engine"],
-            registry=r)
-        self.tpot = Histogram("narwhal_time_per_output_token_seconds",
-                              "Mean time per output token after the first", ["engine"],
-                              buckets=_TPOT, registry=r)
+            "narwhal_sizing_error",
+            "EWMA relative error of prompt-token sizing",
+            ["engine"],
+            registry=r,
+        )
+        self.tpot = Histogram(
+            "narwhal_time_per_output_token_seconds",
+            "Mean time per output token after the first",
+            ["engine"],
+            buckets=_TPOT,
+            registry=r,
+        )
         self.engine_restarts = Counter(
-            "narwhal_engine_restarts", "Managed engine processes that exited and were "
-            "restarted", ["engine"], registry=r)
+            "narwhal_engine_restarts",
+            "Managed engine processes that exited and were restarted",
+            ["engine"],
+            registry=r,
+        )
         self.relayed_streams = Counter(
-            "narwhal_relayed_streams", "Streamed answers by how they were relayed: native "
-            "(from the read callback, in Rust) or awaited (each send from Python)", ["path"],
-            registry=r)
+            "narwhal_relayed_streams",
+            "Streamed answers by how they were relayed: native "
+            "(from the read callback, in Rust) or awaited (each send from Python)",
+            ["path"],
+            registry=r,
+        )
         for path in ("native", "awaited"):
             self.relayed_streams.labels(path)
         self._per_engine: dict[str, EngineMetrics] = {}
 
     def watch(self, events: Events) -> None:
-        events.subscribe(first_byte=self._first_byte, finished=self._finished,
-                         fault=self._fault)
+        events.subscribe(first_byte=self._first_byte, finished=self._finished, fault=self._fault)
 
     def _first_byte(self, lease: Lease) -> None:
         self.engine(lease.on.name).ttfb.observe(time.monotonic() - lease.arrived)

@@ -52,9 +52,17 @@ class Profile:
     correction: float = 1.0
     measured_at: float = 0.0  # monotonic time of the last good measurement
 
-    def observe(self, prompt_bytes: int, prompt_tokens: int | None, ttft_s: float | None,
-                alone: bool, decode_tokens: int, decode_s: float,
-                predicted_s: float | None = None, cached_tokens: int = 0) -> None:
+    def observe(
+        self,
+        prompt_bytes: int,
+        prompt_tokens: int | None,
+        ttft_s: float | None,
+        alone: bool,
+        decode_tokens: int,
+        decode_s: float,
+        predicted_s: float | None = None,
+        cached_tokens: int = 0,
+    ) -> None:
         # A prompt the engine partly served from its prefix cache prefilled only the rest:
         # its rate counts those tokens, and its outcome is not scored against a projection
         # that assumed a full prefill (a cache hit is not a misprediction).
@@ -63,8 +71,12 @@ class Profile:
         if ttft_s and ttft_s > 0:
             self.measured_at = time.monotonic()
             # Sub-50 ms requests are all fixed overhead: they say nothing about the model.
-            if (predicted_s and predicted_s > 0 and max(ttft_s, predicted_s) >= 0.05
-                    and not cache_hit):
+            if (
+                predicted_s
+                and predicted_s > 0
+                and max(ttft_s, predicted_s) >= 0.05
+                and not cache_hit
+            ):
                 miss = math.log(ttft_s / predicted_s)
                 self.drift = _ewma(self.drift, abs(miss))
                 self.drift_samples += 1
@@ -73,8 +85,9 @@ class Profile:
         if prompt_tokens:
             if self.bytes_per_token is not None:
                 estimate = prompt_bytes / self.bytes_per_token
-                self.sizing_error = _ewma(self.sizing_error,
-                                          abs(estimate - prompt_tokens) / prompt_tokens)
+                self.sizing_error = _ewma(
+                    self.sizing_error, abs(estimate - prompt_tokens) / prompt_tokens
+                )
             self.bytes_per_token = _ewma(self.bytes_per_token, prompt_bytes / prompt_tokens)
             if alone and ttft_s and ttft_s > 0 and fresh:
                 self.prefill_tps = _ewma(self.prefill_tps, fresh / ttft_s)
@@ -91,11 +104,17 @@ class Profile:
         self.correction = 1.0
 
     def describe(self) -> dict[str, float | int | None]:
-        return {"bytes_per_token": self.bytes_per_token, "prefill_tokens_per_s": self.prefill_tps,
-                "time_per_output_token_s": self.tpot_s, "output_tokens": self.output_tokens,
-                "prefill_samples": self.prefill_samples, "drift": self.drift,
-                "sizing_error": self.sizing_error, "correction": self.correction,
-                "discarded_measurements": self.discarded}
+        return {
+            "bytes_per_token": self.bytes_per_token,
+            "prefill_tokens_per_s": self.prefill_tps,
+            "time_per_output_token_s": self.tpot_s,
+            "output_tokens": self.output_tokens,
+            "prefill_samples": self.prefill_samples,
+            "drift": self.drift,
+            "sizing_error": self.sizing_error,
+            "correction": self.correction,
+            "discarded_measurements": self.discarded,
+        }
 
 
 @dataclass
@@ -110,8 +129,13 @@ class Projection:
 
 
 class Predictor:
-    def __init__(self, engines: list[Engine], drift_bound: float = 1.1,
-                 drift_min_samples: int = 5, stale_after_s: float = 120.0) -> None:
+    def __init__(
+        self,
+        engines: list[Engine],
+        drift_bound: float = 1.1,
+        drift_min_samples: int = 5,
+        stale_after_s: float = 120.0,
+    ) -> None:
         self.profiles = {e.name: Profile() for e in engines}
         self.drift_bound = drift_bound
         self.drift_min_samples = drift_min_samples
@@ -124,9 +148,15 @@ class Predictor:
     def _learn(self, lease: Lease) -> None:
         ttft = lease.first_at - lease.sent_at if lease.first_at else None
         self.profiles[lease.on.name].observe(
-            lease.intake.prompt_bytes, lease.prompt_tokens, ttft, lease.alone,
-            lease.output_tokens, lease.decode_s, lease.predicted_s,
-            cached_tokens=lease.cached_tokens or 0)
+            lease.intake.prompt_bytes,
+            lease.prompt_tokens,
+            ttft,
+            lease.alone,
+            lease.output_tokens,
+            lease.decode_s,
+            lease.predicted_s,
+            cached_tokens=lease.cached_tokens or 0,
+        )
 
     def _discard(self, lease: Lease, kind: str, against_engine: str | None) -> None:
         if kind != "engine_error":  # the engine's own answer is not a bad measurement
@@ -143,10 +173,14 @@ class Predictor:
                 return None
             if now - p.measured_at > self.stale_after_s:
                 reasons.append(f"{e.name}: telemetry is {now - p.measured_at:.0f}s old")
-            elif (p.drift is not None and p.drift_samples >= self.drift_min_samples
-                  and p.drift > self.drift_bound):
-                reasons.append(f"{e.name}: prediction drift {p.drift:.2f} is beyond "
-                               f"{self.drift_bound:.2f}")
+            elif (
+                p.drift is not None
+                and p.drift_samples >= self.drift_min_samples
+                and p.drift > self.drift_bound
+            ):
+                reasons.append(
+                    f"{e.name}: prediction drift {p.drift:.2f} is beyond {self.drift_bound:.2f}"
+                )
             else:
                 return None
         return "; ".join(reasons) or None
@@ -180,13 +214,22 @@ class Predictor:
         best = min(ps, key=lambda p: p.guarded_s or 0.0)
         assert best.own_s is not None and best.guarded_s is not None
         if min(p.own_s or 0.0 for p in ps) > budget_s:
-            raise ApiError(429, f"the prompt alone is projected to take {best.own_s:.2f}s to "
-                           f"prefill, over the {budget_s:.2f}s TTFT budget; shorten the prompt "
-                           "or raise the target (x-narwhal-ttft-target-ms)",
-                           type="rate_limit_error", code="prompt_exceeds_ttft_budget")
+            raise ApiError(
+                429,
+                f"the prompt alone is projected to take {best.own_s:.2f}s to "
+                f"prefill, over the {budget_s:.2f}s TTFT budget; shorten the prompt "
+                "or raise the target (x-narwhal-ttft-target-ms)",
+                type="rate_limit_error",
+                code="prompt_exceeds_ttft_budget",
+            )
         if best.guarded_s > budget_s:
             overrun = max(1, round(best.guarded_s - budget_s))
-            raise ApiError(429, f"projected time to first token {best.guarded_s:.2f}s exceeds "
-                           f"the {budget_s:.2f}s budget", type="rate_limit_error",
-                           code="ttft_budget_exceeded", headers={"retry-after": str(overrun)})
+            raise ApiError(
+                429,
+                f"projected time to first token {best.guarded_s:.2f}s exceeds "
+                f"the {budget_s:.2f}s budget",
+                type="rate_limit_error",
+                code="ttft_budget_exceeded",
+                headers={"retry-after": str(overrun)},
+            )
         return best

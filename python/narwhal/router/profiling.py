@@ -36,8 +36,11 @@ def probe_request(model: str, e: Engine) -> intake.Intake:
     # rate no new prompt gets. LexiEngine is also told not to reuse (`cache_prompt`,
     # llama-server's switch); others ignore what it says.
     body: dict[str, Any] = {
-        "model": model, "max_tokens": 1, "stream": True,
-        "messages": [{"role": "user", "content": f"[{secrets.token_hex(6)}] {_TEXT}"}]}
+        "model": model,
+        "max_tokens": 1,
+        "stream": True,
+        "messages": [{"role": "user", "content": f"[{secrets.token_hex(6)}] {_TEXT}"}],
+    }
     if e.spec.dialect in ("lexi", "llamacpp"):
         body["cache_prompt"] = False
     return intake.check(intake.CHAT, orjson.dumps(body), model)
@@ -48,8 +51,16 @@ async def _discard(_: Any) -> None:
 
 
 class Profiler:
-    def __init__(self, model: str, pool: Pool, admission: Admission, predictor: Predictor,
-                 relayer: Relayer, interval_s: float, degraded: Callable[[], str | None]):
+    def __init__(
+        self,
+        model: str,
+        pool: Pool,
+        admission: Admission,
+        predictor: Predictor,
+        relayer: Relayer,
+        interval_s: float,
+        degraded: Callable[[], str | None],
+    ):
         self.model = model
         self.pool = pool
         self.admission = admission
@@ -74,8 +85,9 @@ class Profiler:
         req = probe_request(self.model, e)
         now = time.monotonic()
         proj = self.predictor.project(req.prompt_bytes, e)
-        async with self.admission.place_on(e, req, now, now + 30, proj.tokens,
-                                           proj.total_s) as lease:
+        async with self.admission.place_on(
+            e, req, now, now + 30, proj.tokens, proj.total_s
+        ) as lease:
             if lease is None:
                 return  # live traffic came first: it measures the engine too
             try:

@@ -59,16 +59,26 @@ class EngineBusy(Exception):
 
 
 def _error_event(message: str, code: str) -> bytes:
-    return b"data: " + orjson.dumps({"error": {"message": message, "type": "server_error",
-                                                "param": None, "code": code}}) + b"\n\n"
+    return (
+        b"data: "
+        + orjson.dumps(
+            {"error": {"message": message, "type": "server_error", "param": None, "code": code}}
+        )
+        + b"\n\n"
+    )
 
 
 # The status an engine would have answered with, by the OpenAI error type of the error
 # event it streamed instead (the router always streams upstream, so a non-streaming
 # client's refusal arrives in the stream, after a 200 the client never saw).
-_STATUS_OF_TYPE = {"invalid_request_error": 400, "authentication_error": 401,
-                   "permission_error": 403, "not_found_error": 404,
-                   "invalid_response_error": 422, "rate_limit_error": 429}
+_STATUS_OF_TYPE = {
+    "invalid_request_error": 400,
+    "authentication_error": 401,
+    "permission_error": 403,
+    "not_found_error": 404,
+    "invalid_response_error": 422,
+    "rate_limit_error": 429,
+}
 
 
 def _engine_refusal(chunk: bytes) -> tuple[int, bytes] | None:
@@ -191,8 +201,11 @@ class _Stream:
         if rep.fault_reason is not None:
             self.ended = True
             lease.fault(rep.fault_reason)
-            return rep.forward, _error_event(f"engine stream rejected: {rep.fault_message}",
-                                             rep.fault_reason), False
+            return (
+                rep.forward,
+                _error_event(f"engine stream rejected: {rep.fault_message}", rep.fault_reason),
+                False,
+            )
         if rep.done:
             self.ended = True
             lease.finished(self.relay.counted)
@@ -213,8 +226,13 @@ class _Outbox:
 
     __slots__ = ("failed", "held", "queue", "send", "sent_type", "task")
 
-    def __init__(self, send: Send, sent_type: type, held: Callable[[bool], None],
-                 failed: Callable[[BaseException], None]) -> None:
+    def __init__(
+        self,
+        send: Send,
+        sent_type: type,
+        held: Callable[[bool], None],
+        failed: Callable[[BaseException], None],
+    ) -> None:
         self.send = send
         self.sent_type = sent_type
         self.held = held
@@ -246,8 +264,7 @@ class _Outbox:
             await sent
             while self.queue:
                 body, more = self.queue.popleft()
-                await self.send({"type": "http.response.body", "body": body,
-                                 "more_body": more})
+                await self.send({"type": "http.response.body", "body": body, "more_body": more})
         except Exception as exc:  # the client went away
             self.failed(exc)
             return
@@ -263,8 +280,12 @@ class _Outbox:
 class Relayer:
     """Runs a lease's upstream call and relays the answer; what it sees goes to the lease."""
 
-    def __init__(self, idle_s: float = 120.0, native: bool = True,
-                 count_path: Callable[[str], None] | None = None) -> None:
+    def __init__(
+        self,
+        idle_s: float = 120.0,
+        native: bool = True,
+        count_path: Callable[[str], None] | None = None,
+    ) -> None:
         self.idle_s = idle_s  # an engine silent this long in the middle of an answer stalled
         self.native = native  # streams relayed from the read callback where `send` allows
         self.count_path = count_path or (lambda _: None)
@@ -292,8 +313,12 @@ class Relayer:
         try:
             resp = await self.upstream(e).request(lease.intake.route, body, lease.deadline)
         except asyncio.TimeoutError:
-            raise ApiError(504, "the request deadline passed before the engine answered",
-                           type="timeout_error", code="deadline_exceeded") from None
+            raise ApiError(
+                504,
+                "the request deadline passed before the engine answered",
+                type="timeout_error",
+                code="deadline_exceeded",
+            ) from None
         except OSError as exc:
             lease.fault("connect", f"request failed: {exc}")
             raise EngineFailed(str(exc)) from exc
@@ -306,9 +331,12 @@ class Relayer:
                 except UpstreamError:
                     data = b""  # the status is the engine's word; a cut body adds nothing
                 done = True
-                refusal = Refusal(resp.status, data,
-                                  (resp.content_type or "application/json").encode(),
-                                  resp.retry_after)
+                refusal = Refusal(
+                    resp.status,
+                    data,
+                    (resp.content_type or "application/json").encode(),
+                    resp.retry_after,
+                )
                 if resp.status == 429:
                     raise EngineBusy(e.name, refusal)
                 await refusal.send(send)
@@ -333,8 +361,12 @@ class Relayer:
         except asyncio.TimeoutError:
             if not _past(lease.deadline):
                 raise self._stalled(lease) from None
-            raise ApiError(504, "the request deadline passed before the engine answered",
-                           type="timeout_error", code="deadline_exceeded") from None
+            raise ApiError(
+                504,
+                "the request deadline passed before the engine answered",
+                type="timeout_error",
+                code="deadline_exceeded",
+            ) from None
         except UpstreamError:
             return b""
 
@@ -353,9 +385,11 @@ class Relayer:
 
     async def _stream(self, lease: Lease, resp: Exchange, send: Send) -> bool:
         e = lease.on
-        relay = StreamRelay(strip_token_ids=not lease.intake.wants_token_ids,
-                            require_token_ids=e.spec.token_ids,
-                            drop_usage=not lease.intake.include_usage)
+        relay = StreamRelay(
+            strip_token_ids=not lease.intake.wants_token_ids,
+            require_token_ids=e.spec.token_ids,
+            drop_usage=not lease.intake.include_usage,
+        )
         st = _Stream(lease, relay, resp.complete)
         # Until the first bytes are out, a fault can still be an HTTP error and the deadline
         # applies: the stream is pulled read by read.
@@ -372,8 +406,7 @@ class Relayer:
                     await rest
                 if forward:
                     lease.first_byte()
-                    await send({"type": "http.response.body", "body": forward,
-                                "more_body": True})
+                    await send({"type": "http.response.body", "body": forward, "more_body": True})
             if final is not None:
                 await asgi.stream_chunk(send, final, more=False)
             if outcome is not None:
@@ -407,9 +440,11 @@ class Relayer:
     def _warn_not_native(self) -> None:
         if not self.warned:
             self.warned = True
-            log.warning("serving.native_relay is on, but this server's ASGI send must be "
-                        "awaited: streams are relayed from Python (slower; see "
-                        "narwhal_relayed_streams_total{path})")
+            log.warning(
+                "serving.native_relay is on, but this server's ASGI send must be "
+                "awaited: streams are relayed from Python (slower; see "
+                "narwhal_relayed_streams_total{path})"
+            )
 
     async def _push(self, st: _Stream, resp: Exchange, send: Send, sent_type: type) -> bool:
         """Relay the rest of the stream from the connection's read callback.
@@ -484,8 +519,9 @@ class Relayer:
                 return
             timer[0] = loop.call_at(min(now + self.idle_s, st.lease.deadline), watch, reads)
 
-        timer.append(loop.call_at(min(loop.time() + self.idle_s, st.lease.deadline), watch,
-                                  resp.reads))
+        timer.append(
+            loop.call_at(min(loop.time() + self.idle_s, st.lease.deadline), watch, resp.reads)
+        )
         resp.push(on_body, relay)
         try:
             outcome = await ended
@@ -498,8 +534,11 @@ class Relayer:
 
     async def _assemble(self, lease: Lease, resp: Exchange, send: Send) -> str:
         e = lease.on
-        asm = Assembler(lease.intake.kind, keep_token_ids=lease.intake.wants_token_ids,
-                        require_token_ids=e.spec.token_ids)
+        asm = Assembler(
+            lease.intake.kind,
+            keep_token_ids=lease.intake.wants_token_ids,
+            require_token_ids=e.spec.token_ids,
+        )
         chunk = b""
         try:
             while not asm.done:
@@ -520,9 +559,13 @@ class Relayer:
                 await asgi.send_bytes(send, *refusal)
                 return "engine_error"
             lease.fault("assembly")
-            raise ApiError(502, f"the engine's output cannot be assembled: {exc}",
-                           type="server_error", param=getattr(exc, "field", None),
-                           code="bad_engine_output") from None
+            raise ApiError(
+                502,
+                f"the engine's output cannot be assembled: {exc}",
+                type="server_error",
+                param=getattr(exc, "field", None),
+                code="bad_engine_output",
+            ) from None
         lease.first_byte()
         await asgi.send_bytes(send, 200, body)
         lease.finished(asm.measured_output_tokens)

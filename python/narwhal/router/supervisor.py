@@ -62,9 +62,13 @@ def lexi_command() -> list[str]:
 
 
 class ManagedEngine:
-    def __init__(self, spec: EngineSpec, model_name: str,
-                 on_exit: Callable[[str], None] | None = None,
-                 on_fatal: Callable[[str], None] | None = None) -> None:
+    def __init__(
+        self,
+        spec: EngineSpec,
+        model_name: str,
+        on_exit: Callable[[str], None] | None = None,
+        on_fatal: Callable[[str], None] | None = None,
+    ) -> None:
         assert spec.launch is not None
         self.spec = spec
         self.port = spec.launch.port or free_port()
@@ -83,13 +87,30 @@ class ManagedEngine:
     def command(self) -> list[str]:
         la = self.spec.launch
         assert la is not None
-        return [*lexi_command(), "serve", "-m", la.model, "--host", "127.0.0.1",
-                "--port", str(self.port), "--alias", self.model_name,
-                "--parallel", str(la.parallel), "--queue-wait", "600", *la.args]
+        return [
+            *lexi_command(),
+            "serve",
+            "-m",
+            la.model,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--alias",
+            self.model_name,
+            "--parallel",
+            str(la.parallel),
+            "--queue-wait",
+            "600",
+            *la.args,
+        ]
 
     def describe(self) -> dict[str, object]:
-        return {"pid": self.proc.pid if self.proc and self.proc.returncode is None else None,
-                "restarts": self.restarts, "last_exit": self.last_exit}
+        return {
+            "pid": self.proc.pid if self.proc and self.proc.returncode is None else None,
+            "restarts": self.restarts,
+            "last_exit": self.last_exit,
+        }
 
     async def start(self) -> None:
         self._task = asyncio.create_task(self._run())
@@ -100,8 +121,11 @@ class ManagedEngine:
             log.info("starting engine %s on port %d", self.spec.name, self.port)
             self._tail.clear()
             self.proc = await asyncio.create_subprocess_exec(
-                *self.command(), preexec_fn=_prepare_child,
-                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+                *self.command(),
+                preexec_fn=_prepare_child,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.STDOUT,
+            )
             started = time.monotonic()
             relay = asyncio.create_task(self._relay_stderr(self.proc))
             healthy_at = await self._wait_healthy(self.proc)
@@ -118,8 +142,9 @@ class ManagedEngine:
             self.last_exit = what + (f" after {time.monotonic() - started:.0f}s")
             if healthy_at is None and not self.ever_healthy:
                 said = " | ".join(ln for ln in self._tail if ln.strip()) or "(no output)"
-                report = (f"managed engine {self.spec.name} could not start: lexi-engine "
-                          f"{what}: {said}")
+                report = (
+                    f"managed engine {self.spec.name} could not start: lexi-engine {what}: {said}"
+                )
                 log.error("%s", report)
                 if self._on_fatal is not None:
                     self._on_fatal(report)
@@ -129,8 +154,14 @@ class ManagedEngine:
             self.restarts += 1
             if self._on_exit is not None:
                 self._on_exit(what)
-            log.error("engine %s %s%s; restarting in %.1fs (restart %d)", self.spec.name,
-                      what, service.crash_hint(sig) if sig else "", backoff, self.restarts)
+            log.error(
+                "engine %s %s%s; restarting in %.1fs (restart %d)",
+                self.spec.name,
+                what,
+                service.crash_hint(sig) if sig else "",
+                backoff,
+                self.restarts,
+            )
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, BACKOFF_MAX_S)
 

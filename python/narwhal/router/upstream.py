@@ -261,10 +261,14 @@ class Exchange:
             parts.append(chunk)
         return b"".join(parts)
 
-    def push(self, on_body: Callable[[bytes], None] | None,
-             relay: tuple[StreamRelay, Send,
-                          Callable[[RelayChunk | BaseException | Awaitable[None]], None],
-                          type] | None = None) -> None:
+    def push(
+        self,
+        on_body: Callable[[bytes], None] | None,
+        relay: tuple[
+            StreamRelay, Send, Callable[[RelayChunk | BaseException | Awaitable[None]], None], type
+        ]
+        | None = None,
+    ) -> None:
         """Deliver the body to `on_body` as it arrives (None: back to `read`). Called with
         b"" once when the body ends or the connection breaks; what is already buffered is
         delivered at once.
@@ -282,14 +286,20 @@ class Exchange:
         if c.body:
             on_body(c.take())
         d = c.decoder
-        if c.on_body is not None and (c.error is not None or c.closed or
-                                      (d is not None and d.complete)):
+        if c.on_body is not None and (
+            c.error is not None or c.closed or (d is not None and d.complete)
+        ):
             on_body(b"")
         elif relay is not None and c.on_body is not None:
             c.reader.start_relay(*relay)
 
-    def relay_natively(self, relay: tuple[StreamRelay, Send, Callable[
-            [RelayChunk | BaseException | Awaitable[None]], None], type] | None) -> None:
+    def relay_natively(
+        self,
+        relay: tuple[
+            StreamRelay, Send, Callable[[RelayChunk | BaseException | Awaitable[None]], None], type
+        ]
+        | None,
+    ) -> None:
         """While pushing: start (or stop) relaying reads in Rust; reads go to `on_body`
         otherwise."""
         if relay is None:
@@ -333,8 +343,9 @@ class Upstream:
             raise ValueError(f"unsupported engine URL {url!r}")
         self.host = u.hostname
         self.port = u.port or (443 if u.scheme == "https" else 80)
-        self.ssl: ssl.SSLContext | None = (ssl.create_default_context()
-                                           if u.scheme == "https" else None)
+        self.ssl: ssl.SSLContext | None = (
+            ssl.create_default_context() if u.scheme == "https" else None
+        )
         self.prefix = u.path.rstrip("/")
         netloc = u.netloc.rpartition("@")[2]
         self._head = f"Host: {netloc}\r\nUser-Agent: narwhal\r\nContent-Type: application/json\r\n"
@@ -348,8 +359,9 @@ class Upstream:
         A reused connection that breaks before any response byte is retried once on a
         fresh one: the engine closed it while idle, so it never saw the request.
         """
-        head = (f"POST {self.prefix}{path} HTTP/1.1\r\n{self._head}"
-                f"Content-Length: {len(body)}\r\n\r\n").encode("latin-1")
+        head = (
+            f"POST {self.prefix}{path} HTTP/1.1\r\n{self._head}Content-Length: {len(body)}\r\n\r\n"
+        ).encode("latin-1")
         for attempt in range(2):
             conn = self._reuse() if attempt == 0 else None
             reused = conn is not None
@@ -392,9 +404,16 @@ class Upstream:
         if deadline is not None:
             timeout = min(timeout, max(deadline - loop.time(), 0.0))
         try:
-            _, proto = await asyncio.wait_for(loop.create_connection(
-                lambda: _Connection(self), self.host, self.port, ssl=self.ssl,
-                server_hostname=self.host if self.ssl else None), timeout)
+            _, proto = await asyncio.wait_for(
+                loop.create_connection(
+                    lambda: _Connection(self),
+                    self.host,
+                    self.port,
+                    ssl=self.ssl,
+                    server_hostname=self.host if self.ssl else None,
+                ),
+                timeout,
+            )
         except asyncio.TimeoutError:
             if deadline is not None and loop.time() >= deadline:
                 raise

@@ -478,10 +478,7 @@ impl Assembler {
     /// Output length measured from the stream: validated token IDs when the engine sent
     /// them, else one token per generation event (what `stream_interval: 1` engines send).
     pub fn measured_output_tokens(&self) -> u64 {
-        self.choices
-            .values()
-            .map(|c| if self.saw_ids { c.token_ids.len() as u64 } else { c.generation_events })
-            .sum()
+        self.choices.values().map(|c| if self.saw_ids { c.token_ids.len() as u64 } else { c.generation_events }).sum()
     }
 
     /// Feed one event's data (a JSON frame or `[DONE]`).
@@ -644,7 +641,9 @@ impl Assembler {
                 let all = [f.content, f.refusal, f.tokens, f.token_logprobs, f.text_offset, f.top_logprobs];
                 all.iter().all(|v| non_null(*v).map_or(true, |r| r.0.starts_with('[')))
                     && match kind {
-                        Kind::Chat => [f.tokens, f.token_logprobs, f.text_offset, f.top_logprobs].iter().all(|v| non_null(*v).is_none()),
+                        Kind::Chat => [f.tokens, f.token_logprobs, f.text_offset, f.top_logprobs]
+                            .iter()
+                            .all(|v| non_null(*v).is_none()),
                         Kind::Completion => non_null(f.content).is_none() && non_null(f.refusal).is_none(),
                     }
             });
@@ -674,7 +673,8 @@ impl Assembler {
         }
         match token_ids {
             Some(raw) => {
-                scan_id_list(raw.0.as_bytes(), Some(&mut acc.token_ids)).map_err(|e| err(p("token_ids"), e.to_string()))?;
+                scan_id_list(raw.0.as_bytes(), Some(&mut acc.token_ids))
+                    .map_err(|e| err(p("token_ids"), e.to_string()))?;
                 self.saw_ids = true;
             }
             None if generated && require => return Err(err(p("token_ids"), "output frame carries no token_ids")),
@@ -719,7 +719,9 @@ impl Assembler {
         };
         let index = match c.get("index") {
             None | Some(Value::Null) => pos as u64,
-            Some(v) => v.as_u64().ok_or_else(|| err(format!("choices[{pos}].index"), "must be a nonnegative integer"))?,
+            Some(v) => {
+                v.as_u64().ok_or_else(|| err(format!("choices[{pos}].index"), "must be a nonnegative integer"))?
+            }
         };
         let kind = self.kind;
         let require = self.require_token_ids;
@@ -965,11 +967,9 @@ impl Assembler {
                     _ => Value::Null,
                 };
                 msg.insert("content".to_owned(), content);
-                for (name, v) in [
-                    ("reasoning", &c.reasoning),
-                    ("reasoning_content", &c.reasoning_content),
-                    ("refusal", &c.refusal),
-                ] {
+                for (name, v) in
+                    [("reasoning", &c.reasoning), ("reasoning_content", &c.reasoning_content), ("refusal", &c.refusal)]
+                {
                     if let Some(v) = v {
                         msg.insert(name.to_owned(), Value::from(v.clone()));
                     }
@@ -978,7 +978,11 @@ impl Assembler {
                     let mut calls = Vec::with_capacity(c.tool_calls.len());
                     for (pos, call) in c.tool_calls.values().enumerate() {
                         let path = |f: &str| format!("choices[{index}].message.tool_calls[{pos}].{f}");
-                        let id = call.id.as_deref().filter(|s| !s.is_empty()).ok_or_else(|| err(path("id"), "tool call has no id"))?;
+                        let id = call
+                            .id
+                            .as_deref()
+                            .filter(|s| !s.is_empty())
+                            .ok_or_else(|| err(path("id"), "tool call has no id"))?;
                         let name = call
                             .name
                             .as_deref()
@@ -1014,7 +1018,8 @@ impl Assembler {
                 }
             }
         }
-        let logprobs = c.logprobs.iter().any(Option::is_some).then_some(LogprobsOut { kind: self.kind, items: &c.logprobs });
+        let logprobs =
+            c.logprobs.iter().any(Option::is_some).then_some(LogprobsOut { kind: self.kind, items: &c.logprobs });
         Ok(ChoiceOut { base: ch, logprobs })
     }
 }
@@ -1160,7 +1165,9 @@ mod tests {
 
     #[test]
     fn tool_call_without_id_is_an_error() {
-        let e = assemble(Kind::Chat, &[r#"{"choices":[{"delta":{"tool_calls":[{"index":0,"function":{"name":"f"}}]}}]}"#]).unwrap_err();
+        let e =
+            assemble(Kind::Chat, &[r#"{"choices":[{"delta":{"tool_calls":[{"index":0,"function":{"name":"f"}}]}}]}"#])
+                .unwrap_err();
         assert_eq!(e.field, "choices[0].message.tool_calls[0].id");
     }
 
@@ -1172,7 +1179,11 @@ mod tests {
         assert!(ok.is_ok());
         let e = assemble(Kind::Chat, &[r#"{"choices":[{"delta":{"content":5}}]}"#]).unwrap_err();
         assert_eq!(e.field, "choices[0].delta.content");
-        let e = assemble(Kind::Chat, &[r#"{"choices":[{"delta":{"tool_calls":[{"id":"a","type":"custom","custom":{"input":"x"}}]}}]}"#]).unwrap_err();
+        let e = assemble(
+            Kind::Chat,
+            &[r#"{"choices":[{"delta":{"tool_calls":[{"id":"a","type":"custom","custom":{"input":"x"}}]}}]}"#],
+        )
+        .unwrap_err();
         assert_eq!(e.field, "choices[0].delta.tool_calls[0].type");
     }
 

@@ -116,8 +116,13 @@ pub enum FrameError {
     /// Not a JSON object of the expected shape.
     Json(String),
     /// A generation frame without `token_ids` on a choice.
-    MissingTokenIds { choice: u32 },
-    BadTokenIds { choice: u32, err: IdListError },
+    MissingTokenIds {
+        choice: u32,
+    },
+    BadTokenIds {
+        choice: u32,
+        err: IdListError,
+    },
     BadPromptTokenIds(IdListError),
 }
 
@@ -204,7 +209,12 @@ pub fn inspect_fast(
 
 type Spans<'s> = Option<&'s mut Vec<(usize, usize)>>;
 
-fn read_frame(data: &str, require_ids: bool, mut ids_sink: Option<&mut Vec<u64>>, mut spans: Spans<'_>) -> R<FrameInfo> {
+fn read_frame(
+    data: &str,
+    require_ids: bool,
+    mut ids_sink: Option<&mut Vec<u64>>,
+    mut spans: Spans<'_>,
+) -> R<FrameInfo> {
     let mut r = Reader::new(data);
     let mut info = FrameInfo::default();
     let mut seen = 0u32;
@@ -466,7 +476,12 @@ mod tests {
 
     #[test]
     fn role_only_frame_needs_no_ids() {
-        let i = inspect(r#"{"choices":[{"index":0,"delta":{"role":"assistant","content":""}}],"prompt_token_ids":[1,2,3]}"#, true, None).unwrap();
+        let i = inspect(
+            r#"{"choices":[{"index":0,"delta":{"role":"assistant","content":""}}],"prompt_token_ids":[1,2,3]}"#,
+            true,
+            None,
+        )
+        .unwrap();
         assert_eq!(i.kinds, kind::ROLE);
         assert_eq!(i.prompt_ids, Some(3));
     }

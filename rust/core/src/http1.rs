@@ -35,14 +35,25 @@ fn err<T>(msg: impl Into<String>) -> Result<T, HttpError> {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Chunk {
     /// Reading hex digits of a chunk size (`value` so far, `digits` seen).
-    Size { value: u64, digits: u8 },
+    Size {
+        value: u64,
+        digits: u8,
+    },
     /// After the size: extensions or whitespace up to the line end.
-    SizeRest { value: u64, cr: bool },
+    SizeRest {
+        value: u64,
+        cr: bool,
+    },
     Data(u64),
     /// The CRLF that ends a chunk's data (`cr`: the CR was seen).
-    DataEnd { cr: bool },
+    DataEnd {
+        cr: bool,
+    },
     /// Trailer lines after the last chunk; an empty line ends the message.
-    Trailer { line: usize, cr: bool },
+    Trailer {
+        line: usize,
+        cr: bool,
+    },
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -78,8 +89,15 @@ impl Default for ResponseDecoder {
 
 impl ResponseDecoder {
     pub fn new() -> Self {
-        Self { state: State::Head, head: Vec::new(), status: 0, content_type: None,
-               retry_after: None, keep_alive: false, line: 0 }
+        Self {
+            state: State::Head,
+            head: Vec::new(),
+            status: 0,
+            content_type: None,
+            retry_after: None,
+            keep_alive: false,
+            line: 0,
+        }
     }
 
     /// The final response's head was read and is well formed (a malformed head leaves the
@@ -236,7 +254,11 @@ impl ResponseDecoder {
             close |= length.is_some();
             State::Chunked(Chunk::Size { value: 0, digits: 0 })
         } else if let Some(n) = length {
-            if n == 0 { State::Done } else { State::Length(n) }
+            if n == 0 {
+                State::Done
+            } else {
+                State::Length(n)
+            }
         } else {
             close = true;
             State::UntilClose
@@ -311,7 +333,11 @@ impl ResponseDecoder {
 
     fn size_line_end(&mut self, value: u64) -> Chunk {
         self.line = 0;
-        if value == 0 { Chunk::Trailer { line: 0, cr: false } } else { Chunk::Data(value) }
+        if value == 0 {
+            Chunk::Trailer { line: 0, cr: false }
+        } else {
+            Chunk::Data(value)
+        }
     }
 }
 
@@ -373,7 +399,8 @@ mod tests {
 
     #[test]
     fn content_length_and_close_delimited() {
-        let (d, body, r) = decode(&[b"HTTP/1.1 400 Bad\r\ncontent-length: 4\r\ncontent-type: application/json\r\n\r\n{}", b"{}"]);
+        let (d, body, r) =
+            decode(&[b"HTTP/1.1 400 Bad\r\ncontent-length: 4\r\ncontent-type: application/json\r\n\r\n{}", b"{}"]);
         r.unwrap();
         assert_eq!((d.status, body.as_slice(), d.complete(), d.keep_alive), (400, &b"{}{}"[..], true, true));
         assert_eq!(d.retry_after, None);

@@ -422,8 +422,27 @@ mod tests {
             "-0.0",
             "{\"k\" : \"v\" , \"l\":[ {} , [] ]}",
             r#"{"a":"é"}"#,
-            "1", "[1,2", "{\"a\"}", "{\"a\":1,}", "[1,]", "01", "1.", ".5", "1e", "-", "tru", "nul",
-            "\"a\u{1}\"", "\"\\x\"", "\"\\u12G4\"", "{1:2}", "[1] x", "\"abc", "+1", "{,}", "",
+            "1",
+            "[1,2",
+            "{\"a\"}",
+            "{\"a\":1,}",
+            "[1,]",
+            "01",
+            "1.",
+            ".5",
+            "1e",
+            "-",
+            "tru",
+            "nul",
+            "\"a\u{1}\"",
+            "\"\\x\"",
+            "\"\\u12G4\"",
+            "{1:2}",
+            "[1] x",
+            "\"abc",
+            "+1",
+            "{,}",
+            "",
         ] {
             let serde_ok = serde_json::from_str::<serde::de::IgnoredAny>(s).is_ok();
             assert_eq!(skips(s), serde_ok, "{s:?}");
@@ -443,7 +462,9 @@ mod tests {
 
     #[test]
     fn stop_search_finds_the_first_stop_at_any_offset() {
-        for text in ["abcdefghij\"", "ab\\cdefghijklm", "é€😀é€😀é€😀\"", "aaaaaaaaaaaaaaaa\u{1f}", "zzzzzzzzzzzzzzzzzzzzz"] {
+        for text in
+            ["abcdefghij\"", "ab\\cdefghijklm", "é€😀é€😀é€😀\"", "aaaaaaaaaaaaaaaa\u{1f}", "zzzzzzzzzzzzzzzzzzzzz"]
+        {
             let b = text.as_bytes();
             for start in 0..b.len() {
                 let want = (start..b.len()).find(|&i| STOPS[b[i] as usize]).unwrap_or(b.len());

@@ -305,10 +305,7 @@ mod tests {
     #[test]
     fn strips_choice_and_prompt_ids_keeping_the_rest_verbatim() {
         let s = r#"{"id":"x","prompt_token_ids":[1,2],"choices":[{"index":0,"delta":{"content":"a\"token_ids\""},"token_ids":[5]}],"usage":null}"#;
-        assert_eq!(
-            strip(s),
-            r#"{"id":"x","choices":[{"index":0,"delta":{"content":"a\"token_ids\""}}],"usage":null}"#
-        );
+        assert_eq!(strip(s), r#"{"id":"x","choices":[{"index":0,"delta":{"content":"a\"token_ids\""}}],"usage":null}"#);
     }
 
     #[test]

@@ -166,7 +166,8 @@ impl Relay {
                     }
                 }
             };
-            let strip = self.strip && if exact { !self.spans.is_empty() } else { mentions_token_ids(ev.data.as_bytes()) };
+            let strip =
+                self.strip && if exact { !self.spans.is_empty() } else { mentions_token_ids(ev.data.as_bytes()) };
             if info.kinds & kind::GENERATED != 0 {
                 rep.generation_events += 1;
                 if !self.seen_output {
@@ -188,11 +189,13 @@ impl Relay {
                 let body = &mut self.scratch;
                 body.clear();
                 let data = ev.data.as_bytes();
-                let clean = strip_value_spans(data, &mut self.spans, body).is_ok() && (exact || !mentions_token_ids(body));
+                let clean =
+                    strip_value_spans(data, &mut self.spans, body).is_ok() && (exact || !mentions_token_ids(body));
                 if !clean {
                     body.clear();
                     if strip_token_ids(data, body).is_err() {
-                        self.fault = Some(StreamFault { reason: "malformed_frame", message: "malformed stream frame".into() });
+                        self.fault =
+                            Some(StreamFault { reason: "malformed_frame", message: "malformed stream frame".into() });
                         break;
                     }
                 }
@@ -295,7 +298,10 @@ mod tests {
         assert_eq!((dropped.cached_tokens, dropped.prompt_tokens), (Some(7), Some(9)));
         assert_eq!(kept.cached_tokens, Some(7));
         assert!(kept.forward.windows(7).any(|w| w == b"\"usage\""));
-        assert_eq!(dropped.forward, b"data: {\"choices\":[{\"delta\":{},\"finish_reason\":\"stop\"}]}\n\ndata: [DONE]\n\n");
+        assert_eq!(
+            dropped.forward,
+            b"data: {\"choices\":[{\"delta\":{},\"finish_reason\":\"stop\"}]}\n\ndata: [DONE]\n\n"
+        );
         assert!(dropped.done && dropped.events == 3);
     }
 

@@ -187,9 +187,8 @@ impl SseDecoder {
                 offset += 3;
             }
         }
-        let line = std::str::from_utf8(raw).map_err(|e| SseError::InvalidUtf8 {
-            offset: offset + e.valid_up_to() as u64,
-        })?;
+        let line =
+            std::str::from_utf8(raw).map_err(|e| SseError::InvalidUtf8 { offset: offset + e.valid_up_to() as u64 })?;
         if line.is_empty() {
             self.dispatch(out);
             return Ok(());
@@ -232,11 +231,7 @@ impl SseDecoder {
             return;
         }
         self.data.pop();
-        let event = if self.event.is_empty() {
-            None
-        } else {
-            Some(std::mem::take(&mut self.event))
-        };
+        let event = if self.event.is_empty() { None } else { Some(std::mem::take(&mut self.event)) };
         out.push(Event {
             event,
             data: std::mem::replace(&mut self.data, self.spare.pop().unwrap_or_default()),

@@ -92,7 +92,8 @@ impl ThinkSplitter {
             State::Content => Some(false),
             State::Reasoning(i) => {
                 let close = self.pairs[i].1.as_str();
-                let clear = memchr::memmem::find(text.as_bytes(), close.as_bytes()).is_none() && held_suffix(text, close) == 0;
+                let clear =
+                    memchr::memmem::find(text.as_bytes(), close.as_bytes()).is_none() && held_suffix(text, close) == 0;
                 clear.then_some(true)
             }
             State::Start | State::AfterClose => None,
@@ -265,8 +266,12 @@ mod tests {
     #[test]
     fn channel_answer_header_is_dropped_wherever_it_is_cut() {
         let text = "<|channel|>analysis<|message|>thought<|end|><|start|>assistant<|channel|>final<|message|>answer";
-        let pairs = vec![("<think>".to_owned(), "</think>".to_owned()), ("<|channel|>analysis<|message|>".into(), "<|end|>".into())];
-        let headers = vec!["<|start|>assistant<|channel|>final<|message|>".to_owned(), "<|channel|>final<|message|>".into()];
+        let pairs = vec![
+            ("<think>".to_owned(), "</think>".to_owned()),
+            ("<|channel|>analysis<|message|>".into(), "<|end|>".into()),
+        ];
+        let headers =
+            vec!["<|start|>assistant<|channel|>final<|message|>".to_owned(), "<|channel|>final<|message|>".into()];
         for cut in 0..=text.len() {
             let mut t = ThinkSplitter::new(pairs.clone(), false).with_answer_headers(headers.clone());
             let (r1, c1) = t.feed(&text[..cut]);

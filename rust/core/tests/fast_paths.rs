@@ -27,8 +27,8 @@ fn value() -> impl Strategy<Value = String> {
 }
 
 fn members(keys: &'static [&'static str], inner: BoxedStrategy<String>) -> impl Strategy<Value = String> {
-    let member = (prop::sample::select(keys), prop_oneof![3 => value(), 2 => inner])
-        .prop_map(|(k, v)| format!("\"{k}\":{v}"));
+    let member =
+        (prop::sample::select(keys), prop_oneof![3 => value(), 2 => inner]).prop_map(|(k, v)| format!("\"{k}\":{v}"));
     (prop::collection::vec(member, 0..6), prop::sample::select(&[",", " , ", ",\n"][..]))
         .prop_map(|(m, sep)| format!("{{{}}}", m.join(sep)))
 }
@@ -42,24 +42,50 @@ fn frame() -> impl Strategy<Value = String> {
         calls,
     )
     .boxed();
-    let logprobs = members(&["content", "refusal", "tokens", "token_logprobs", "text_offset", "top_logprobs"], value().boxed()).boxed();
+    let logprobs =
+        members(&["content", "refusal", "tokens", "token_logprobs", "text_offset", "top_logprobs"], value().boxed())
+            .boxed();
     let choice_inner = prop_oneof![delta, logprobs].boxed();
     let choice = members(
-        &["index", "delta", "text", "finish_reason", "stop_reason", "token_ids", "prompt_token_ids", "logprobs", "matched_stop"],
+        &[
+            "index",
+            "delta",
+            "text",
+            "finish_reason",
+            "stop_reason",
+            "token_ids",
+            "prompt_token_ids",
+            "logprobs",
+            "matched_stop",
+        ],
         choice_inner,
     )
     .boxed();
     let choices = prop::collection::vec(choice, 0..3).prop_map(|c| format!("[{}]", c.join(","))).boxed();
-    let usage = members(&["prompt_tokens", "completion_tokens", "prompt_tokens_details", "cached_tokens"], value().boxed()).boxed();
+    let usage =
+        members(&["prompt_tokens", "completion_tokens", "prompt_tokens_details", "cached_tokens"], value().boxed())
+            .boxed();
     let inner = prop_oneof![choices, usage].boxed();
     members(
-        &["id", "object", "created", "model", "system_fingerprint", "choices", "usage", "prompt_token_ids", "error", "extra"],
+        &[
+            "id",
+            "object",
+            "created",
+            "model",
+            "system_fingerprint",
+            "choices",
+            "usage",
+            "prompt_token_ids",
+            "error",
+            "extra",
+        ],
         inner,
     )
 }
 
 fn text() -> impl Strategy<Value = String> {
-    prop::sample::select(&["\"\"", "\"hi\"", "\" w\\u00f6rld\\n\"", "\"\\\"q\\\"\"", "null"][..]).prop_map(str::to_string)
+    prop::sample::select(&["\"\"", "\"hi\"", "\" w\\u00f6rld\\n\"", "\"\\\"q\\\"\"", "null"][..])
+        .prop_map(str::to_string)
 }
 
 /// Optional members with values of the right type: frames the assembler accepts.
@@ -72,9 +98,19 @@ fn good_frame() -> impl Strategy<Value = String> {
     let call = (prop::option::of(0u8..2), prop::option::of(text()), prop::option::of(text()), prop::option::of(text()))
         .prop_map(|(i, id, name, args)| {
             let function = obj(vec![name.map(|n| ("name", n)), args.map(|a| ("arguments", a))]);
-            obj(vec![i.map(|i| ("index", i.to_string())), id.map(|v| ("id", v)), Some(("type", "\"function\"".into())), Some(("function", function))])
+            obj(vec![
+                i.map(|i| ("index", i.to_string())),
+                id.map(|v| ("id", v)),
+                Some(("type", "\"function\"".into())),
+                Some(("function", function)),
+            ])
         });
-    let delta = (prop::option::of(text()), prop::option::of(text()), prop::option::of(text()), prop::option::of(prop::collection::vec(call, 0..2)))
+    let delta = (
+        prop::option::of(text()),
+        prop::option::of(text()),
+        prop::option::of(text()),
+        prop::option::of(prop::collection::vec(call, 0..2)),
+    )
         .prop_map(|(role, content, reasoning, calls)| {
             obj(vec![
                 role.map(|r| ("role", r)),
@@ -83,10 +119,14 @@ fn good_frame() -> impl Strategy<Value = String> {
                 calls.map(|c| ("tool_calls", format!("[{}]", c.join(",")))),
             ])
         });
-    let logprobs = prop::sample::select(&[
-        "null", "{\"content\":[{\"token\":\"a\",\"logprob\":-0.5}]}", "{\"content\":null,\"refusal\":[]}",
-        "{\"tokens\":[\"a\"],\"token_logprobs\":[-1.0],\"text_offset\":[0],\"top_logprobs\":[{\"a\":-1.0}]}",
-    ][..]);
+    let logprobs = prop::sample::select(
+        &[
+            "null",
+            "{\"content\":[{\"token\":\"a\",\"logprob\":-0.5}]}",
+            "{\"content\":null,\"refusal\":[]}",
+            "{\"tokens\":[\"a\"],\"token_logprobs\":[-1.0],\"text_offset\":[0],\"top_logprobs\":[{\"a\":-1.0}]}",
+        ][..],
+    );
     let choice = (
         prop::option::of(0u8..2),
         prop::option::of(delta),

@@ -60,10 +60,7 @@ impl SseDecoder {
     fn feed(&mut self, chunk: &[u8]) -> PyResult<Vec<SseEvent>> {
         let mut out = Vec::new();
         self.inner.feed(chunk, &mut out).map_err(|e| SseError::new_err(e.to_string()))?;
-        Ok(out
-            .into_iter()
-            .map(|e| SseEvent { event: e.event, data: e.data, id: e.id, retry: e.retry })
-            .collect())
+        Ok(out.into_iter().map(|e| SseEvent { event: e.event, data: e.data, id: e.id, retry: e.retry }).collect())
     }
 
     /// Whether an unfinished line or event is buffered.
@@ -198,7 +195,9 @@ impl Assembler {
     #[new]
     #[pyo3(signature = (kind, keep_token_ids = false, require_token_ids = false, max_event_bytes = DEFAULT_MAX_EVENT_BYTES))]
     fn new(kind: &str, keep_token_ids: bool, require_token_ids: bool, max_event_bytes: usize) -> PyResult<Self> {
-        Ok(Assembler { inner: StreamAssembler::new(parse_kind(kind)?, keep_token_ids, require_token_ids, max_event_bytes) })
+        Ok(Assembler {
+            inner: StreamAssembler::new(parse_kind(kind)?, keep_token_ids, require_token_ids, max_event_bytes),
+        })
     }
 
     /// Feed one network chunk; returns whether it carried the first generated output.
@@ -244,7 +243,11 @@ struct ThinkSplitter {
 impl ThinkSplitter {
     #[new]
     #[pyo3(signature = (pairs = None, start_in_reasoning = false, answer_headers = None))]
-    fn new(pairs: Option<Vec<(String, String)>>, start_in_reasoning: bool, answer_headers: Option<Vec<String>>) -> Self {
+    fn new(
+        pairs: Option<Vec<(String, String)>>,
+        start_in_reasoning: bool,
+        answer_headers: Option<Vec<String>>,
+    ) -> Self {
         let inner = CoreSplitter::new(pairs.unwrap_or_default(), start_in_reasoning);
         ThinkSplitter { inner: inner.with_answer_headers(answer_headers.unwrap_or_default()) }
     }

@@ -6,8 +6,8 @@ use pyo3::create_exception;
 use pyo3::exceptions::PyValueError;
 use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::{PyTraverseError, PyVisit};
 use pyo3::types::{PyByteArray, PyBytes, PyDict, PyType};
+use pyo3::{PyTraverseError, PyVisit};
 
 use super::{RelayChunk, StreamRelay};
 
@@ -39,7 +39,12 @@ impl ResponseDecoder {
     /// Decode one socket read, the first `n` bytes of a receive buffer the socket filled in
     /// place (`asyncio.BufferedProtocol`); returns the body bytes it carried (often empty
     /// before the head is complete). Raises `HttpError` on a malformed response.
-    fn feed_buffer<'py>(&mut self, py: Python<'py>, buf: &Bound<'py, PyByteArray>, n: usize) -> PyResult<Bound<'py, PyBytes>> {
+    fn feed_buffer<'py>(
+        &mut self,
+        py: Python<'py>,
+        buf: &Bound<'py, PyByteArray>,
+        n: usize,
+    ) -> PyResult<Bound<'py, PyBytes>> {
         // SAFETY: no Python code runs while the slice is borrowed, so the bytearray
         // cannot be resized or freed under it.
         let data = unsafe { buf.as_bytes() };
@@ -148,7 +153,12 @@ enum Read {
     Body(Py<PyAny>, Py<PyBytes>),
     /// `send` the bytes, or `on_report` the chunk; then `on_body(b"")` (`end`) if the
     /// response is complete.
-    Relayed { send: Option<(Py<PyAny>, Py<PyBytes>, Py<PyType>)>, report: Option<RelayChunk>, on_report: Py<PyAny>, end: Option<Py<PyAny>> },
+    Relayed {
+        send: Option<(Py<PyAny>, Py<PyBytes>, Py<PyType>)>,
+        report: Option<RelayChunk>,
+        on_report: Py<PyAny>,
+        end: Option<Py<PyAny>>,
+    },
 }
 
 #[pymethods]
@@ -283,7 +293,10 @@ impl UpstreamReader {
             } else if report.forward.is_empty() {
                 (None, None)
             } else {
-                (Some((r.send.clone_ref(py), PyBytes::new(py, &report.forward).unbind(), r.sent_type.clone_ref(py))), None)
+                (
+                    Some((r.send.clone_ref(py), PyBytes::new(py, &report.forward).unbind(), r.sent_type.clone_ref(py))),
+                    None,
+                )
             }
         };
         let end = d.inner.complete().then(|| cb.on_body.clone_ref(py));
