@@ -40,9 +40,12 @@ test-python:
 	$(PY) -m pytest
 
 lint: setup
+	cargo fmt --all --check
 	cargo clippy --workspace --all-targets -- -D warnings
+	$(VENV)/bin/ruff format --check python tests bench
 	$(VENV)/bin/ruff check python tests bench
 	$(VENV)/bin/mypy
+	$(PY) -m mypy.stubtest narwhal._native
 
 bench: setup
 	$(PY) -m pytest bench --benchmark-only

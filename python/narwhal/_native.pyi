@@ -5,7 +5,24 @@ chunk, never once per event or token.
 """
 
 from collections.abc import Awaitable, Callable
-from typing import Literal
+from typing import Literal, final
+
+from typing_extensions import Self
+
+__all__ = [
+    "Assembler",
+    "AssemblyError",
+    "HttpError",
+    "RelayChunk",
+    "ResponseDecoder",
+    "SseDecoder",
+    "SseError",
+    "SseEvent",
+    "StreamRelay",
+    "ThinkSplitter",
+    "UpstreamReader",
+    "__version__",
+]
 
 __version__: str
 
@@ -18,6 +35,7 @@ class AssemblyError(ValueError):
     field: str
     """JSON path of the offending field, e.g. ``choices[0].delta.audio``."""
 
+@final
 class SseEvent:
     """One dispatched server-sent event."""
 
@@ -33,16 +51,18 @@ class SseEvent:
     def is_done(self) -> bool:
         """Whether this is the ``[DONE]`` sentinel."""
 
+@final
 class SseDecoder:
     """Incremental WHATWG event-stream decoder (LF/CR/CRLF, BOM, splits anywhere)."""
 
-    def __init__(self, max_event_bytes: int = ...) -> None: ...
+    def __new__(cls, max_event_bytes: int = ...) -> Self: ...
     def feed(self, chunk: bytes) -> list[SseEvent]:
         """Decode one chunk; raises :class:`SseError`. A failed decoder stays failed."""
     @property
     def has_pending(self) -> bool:
         """Whether an unfinished line or event is buffered."""
 
+@final
 class RelayChunk:
     """What one relayed chunk held."""
 
@@ -80,16 +100,17 @@ class RelayChunk:
     @property
     def fault_message(self) -> str | None: ...
 
+@final
 class StreamRelay:
     """Decode an engine stream, validate token IDs, strip them if asked, re-frame events."""
 
-    def __init__(
-        self,
+    def __new__(
+        cls,
         strip_token_ids: bool,
         require_token_ids: bool,
         drop_usage: bool = False,
         max_event_bytes: int = ...,
-    ) -> None:
+    ) -> Self:
         """`drop_usage`: read usage-only frames but do not forward them (the router asked
         the engine for usage its client did not ask for)."""
     def feed(self, chunk: bytes) -> RelayChunk: ...
@@ -102,16 +123,17 @@ class StreamRelay:
     @property
     def has_pending(self) -> bool: ...
 
+@final
 class Assembler:
     """Assemble one non-streaming response from an engine's SSE stream."""
 
-    def __init__(
-        self,
+    def __new__(
+        cls,
         kind: Literal["chat", "completion"],
         keep_token_ids: bool = False,
         require_token_ids: bool = False,
         max_event_bytes: int = ...,
-    ) -> None: ...
+    ) -> Self: ...
     def feed(self, chunk: bytes) -> bool:
         """Feed one chunk; True when it carried the first output. Raises :class:`AssemblyError`."""
     @property
@@ -127,15 +149,16 @@ class Assembler:
     def finish(self, prompt_tokens: int | None = None) -> bytes:
         """The response JSON; ``prompt_tokens`` sizes usage when the engine sent none."""
 
+@final
 class ThinkSplitter:
     """Split streamed text into ``(reasoning, content)``, holding back partial delimiters."""
 
-    def __init__(
-        self,
+    def __new__(
+        cls,
         pairs: list[tuple[str, str]] | None = None,
         start_in_reasoning: bool = False,
         answer_headers: list[str] | None = None,
-    ) -> None: ...
+    ) -> Self: ...
     def feed(self, text: str) -> tuple[str, str]: ...
     def finish(self) -> tuple[str, str]: ...
     @property
@@ -148,6 +171,7 @@ class ThinkSplitter:
 class HttpError(ValueError):
     """The engine's HTTP/1.1 response is malformed."""
 
+@final
 class ResponseDecoder:
     """Incremental HTTP/1.1 response decoder for one upstream exchange.
 
@@ -155,7 +179,7 @@ class ResponseDecoder:
     (chunked, length- or close-delimited) come out. ``1xx`` interim responses are skipped.
     """
 
-    def __init__(self) -> None: ...
+    def __new__(cls) -> Self: ...
     def feed_buffer(self, buf: bytearray, n: int) -> bytes:
         """Decode one socket read, ``buf[:n]`` of a buffer the socket filled in place;
         returns the body bytes in it. Raises `HttpError`."""
@@ -177,6 +201,7 @@ class ResponseDecoder:
     def keep_alive(self) -> bool:
         """The connection may carry another request once the response is complete."""
 
+@final
 class UpstreamReader:
     """One upstream connection's receive side, bound as its asyncio protocol's
     ``get_buffer`` and ``buffer_updated``.
@@ -194,12 +219,12 @@ class UpstreamReader:
     decoder: ResponseDecoder | None
     @property
     def reads(self) -> int: ...  # reads so far: a watchdog's measure of a quiet engine
-    def __init__(
-        self,
+    def __new__(
+        cls,
         size: int,
         on_body: Callable[[bytes], object],
         on_fault: Callable[[str | None], object],
-    ) -> None: ...
+    ) -> Self: ...
     def get_buffer(self, sizehint: int) -> bytearray: ...
     def buffer_updated(self, nbytes: int) -> None: ...
     def start_relay(

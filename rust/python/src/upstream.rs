@@ -174,8 +174,11 @@ impl UpstreamReader {
         }
     }
 
-    /// The buffer the next read fills (`asyncio.BufferedProtocol.get_buffer`).
-    fn get_buffer(&self, py: Python<'_>, _sizehint: isize) -> Py<PyByteArray> {
+    /// The buffer the next read fills (`asyncio.BufferedProtocol.get_buffer`); the buffer
+    /// is one fixed size, whatever the loop hints.
+    #[pyo3(signature = (sizehint))]
+    #[allow(unused_variables)]
+    fn get_buffer(&self, py: Python<'_>, sizehint: isize) -> Py<PyByteArray> {
         self.buffer.clone_ref(py)
     }
 
