@@ -22,7 +22,7 @@ from pathlib import Path
 import aiohttp
 
 from bench.router_e2e import start, stop
-from tests.conftest import BIN, free_port
+from tests.support import BIN, free_port
 
 BUDGET_S = 1.0
 TOKENS = 100  # prompt tokens a request: 0.2 s of serial prefill, so capacity is 5 req/s

@@ -28,7 +28,7 @@ import aiohttp
 import orjson
 
 from narwhal.bundled_model import smollm2_path
-from tests.conftest import Server, free_port, start_engine
+from tests.support import Server, free_port, start_engine
 
 LEVELS = (1, 2, 4, 8)
 TOPICS = (

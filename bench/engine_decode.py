@@ -15,7 +15,7 @@ import time
 import httpx
 
 from narwhal.bundled_model import smollm2_path
-from tests.conftest import start_engine
+from tests.support import start_engine
 
 PROMPT = "Write a long story about a lighthouse keeper."
 # A fixed-length grammar keeps both sides generating exactly the same number of tokens.

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from bench.engine_batching import wave
 from narwhal.bundled_model import smollm2_path
-from tests.conftest import Server, start_engine
+from tests.support import Server, start_engine
 
 LEVELS = (1, 8)
 

@@ -1,10 +1,16 @@
 """Side-by-side ratios for the Rust hot paths, measured in one run: prints bench/README's table.
 
-.venv/bin/python -m bench.native_ratios
+    .venv/bin/python -m bench.native_ratios [--gate X]
+
+`--gate X` (CI) fails when a Rust path is not at least X times its Python reference on every
+workload. Both sides run in the same process on the same machine, one after the other, so
+the ratio holds across machines where an absolute time recorded elsewhere does not.
 """
 
 from __future__ import annotations
 
+import argparse
+import sys
 import time
 from collections.abc import Callable
 
@@ -29,7 +35,16 @@ def best(fn: Callable[[], object], repeat: int = 7) -> float:
     return min(times)
 
 
-def main() -> None:
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument(
+        "--gate",
+        type=float,
+        metavar="X",
+        help="exit 1 unless every python/rust ratio is at least X",
+    )
+    args = ap.parse_args()
+    worst = float("inf")
     print(
         "| workload | events | decode: python/rust | decode: rust/newline-scan "
         "| relay: python/rust | assemble: python/rust |"
@@ -47,7 +62,16 @@ def main() -> None:
             f"| {name} | {len(frames)} | {d_ref / d_rust:.1f}x | {d_rust / d_scan:.1f}x "
             f"| {r_ref / r_rust:.1f}x | {a_ref / a_rust:.1f}x |"
         )
+        worst = min(worst, d_ref / d_rust, r_ref / r_rust, a_ref / a_rust)
+    if args.gate is not None and worst < args.gate:
+        print(
+            f"gate: the slowest Rust path is {worst:.1f}x its Python reference, under "
+            f"{args.gate:g}x",
+            file=sys.stderr,
+        )
+        return 1
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -30,7 +30,7 @@ from pathlib import Path
 import aiohttp
 
 from narwhal.router import affinity
-from tests.conftest import BIN, ROOT, free_port, wait_http
+from tests.support import BIN, ROOT, free_port, wait_http
 
 
 def tree_cpu(pid: int) -> float:

@@ -26,7 +26,7 @@ from pathlib import Path
 import aiohttp
 import orjson
 
-from tests.conftest import Server, free_port, start_router
+from tests.support import Server, free_port, start_router
 
 FAULTS = {
     # name: (request body, header, what the client should get)

@@ -1,6 +1,6 @@
 """pytest-benchmark: each Rust hot path and its pure-Python reference on the same input.
 
-`make bench` (or `pytest bench --benchmark-only`); CI compares against bench/baseline.json.
+`make bench` (or `pytest bench --benchmark-only`). CI gates on `bench.native_ratios --gate`.
 """
 
 from __future__ import annotations

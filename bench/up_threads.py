@@ -18,7 +18,7 @@ import subprocess
 import sys
 
 from bench.engine_batching import wave
-from tests.conftest import BIN, ROOT, Server, free_port, wait_http
+from tests.support import BIN, ROOT, Server, free_port, wait_http
 
 LEVELS = (1, 4)
 

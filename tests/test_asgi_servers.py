@@ -14,15 +14,16 @@ import pytest
 from narwhal import service
 from narwhal.router.app import CONFIG_ENV
 from narwhal.router.config import load
-from tests.conftest import Server, free_port
-from tests.test_router import (
-    CONFIG,
-    _wait_idle,
-    _wait_ready,
+from tests.support import (
+    ROUTER_CONFIG,
+    Server,
     chat,
+    free_port,
     leave_before_first_byte,
     relayed_streams,
     sse_frames,
+    wait_idle,
+    wait_ready,
 )
 
 pytestmark = pytest.mark.slow
@@ -32,7 +33,7 @@ pytestmark = pytest.mark.slow
 def uvicorn_router(scripted: Server, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     port = free_port()
     cfg = tmp_path_factory.mktemp("u") / "narwhal.yaml"
-    cfg.write_text(CONFIG.replace("URL", scripted.url).replace("$PORT", str(port)))
+    cfg.write_text(ROUTER_CONFIG.replace("URL", scripted.url).replace("$PORT", str(port)))
     service.hand_off(CONFIG_ENV, load(str(cfg)).to_json())
     try:
         s = Server(
@@ -79,7 +80,7 @@ def test_death_mid_stream_and_assembly(uvicorn_router: Server) -> None:
         timeout=30,
     )
     assert sse_frames(r.text)[-1]["error"]["code"] == "engine_disconnected"
-    _wait_ready(uvicorn_router)  # the failed engine is back once its health probe passes
+    wait_ready(uvicorn_router)  # the failed engine is back once its health probe passes
     r = httpx.post(
         uvicorn_router.url + "/v1/chat/completions", json=chat("script:paced:3:5"), timeout=30
     )
@@ -89,4 +90,4 @@ def test_death_mid_stream_and_assembly(uvicorn_router: Server) -> None:
 def test_client_gone_before_first_byte_cancels_at_once(uvicorn_router: Server) -> None:
     """uvicorn's `receive` is a coroutine: the disconnect watch wraps it in a task."""
     leave_before_first_byte(uvicorn_router.url, "script:slow_first:8000")
-    _wait_idle(uvicorn_router, within=3)
+    wait_idle(uvicorn_router, within=3)

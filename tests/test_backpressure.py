@@ -15,7 +15,7 @@ from pathlib import Path
 import orjson
 import pytest
 
-from tests.conftest import Server, start_router
+from tests.support import Server, start_router
 
 
 def _open(port: int, tokens: int) -> socket.socket:

@@ -11,7 +11,7 @@ import httpx
 import orjson
 import pytest
 
-from tests.conftest import Server, start_engine
+from tests.support import Server, start_engine
 
 pytestmark = pytest.mark.slow
 

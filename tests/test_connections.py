@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from tests.conftest import Server, start_router
+from tests.support import Server, start_router
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ import httpx
 import orjson
 import pytest
 
-from tests.conftest import BIN, Server, start_engine
+from tests.support import BIN, Server, frames, post, start_engine
 
 pytestmark = pytest.mark.slow
 
@@ -43,20 +43,6 @@ def engine(model_path: str) -> Iterator[Server]:
 
 def chat(content: str = "What is 2+2?", **kw: Any) -> dict[str, Any]:
     return {"messages": [{"role": "user", "content": content}], **kw}
-
-
-def post(s: Server, path: str, body: dict[str, Any], **kw: Any) -> httpx.Response:
-    return httpx.post(s.url + path, json=body, timeout=120, **kw)
-
-
-def frames(r: httpx.Response) -> list[Any]:
-    out = []
-    for block in r.text.split("\n\n"):
-        for line in block.splitlines():
-            if line.startswith("data: "):
-                d = line[6:]
-                out.append(d if d == "[DONE]" else orjson.loads(d))
-    return out
 
 
 def test_models_lists_aliases_and_unknown_names_are_refused(engine: Server) -> None:

@@ -12,8 +12,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.conftest import Server, start_router, start_test_engine
 from tests.faulty_engine import BAD_HEADS
+from tests.support import Server, start_router, start_test_engine
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from narwhal.errors import ApiError
-from tests.conftest import Server, start_router
+from tests.support import Server, start_router
 
 SCALARS = st.one_of(
     st.none(),

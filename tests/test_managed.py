@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.conftest import start_router
+from tests.support import start_router
 
 pytestmark = pytest.mark.slow
 

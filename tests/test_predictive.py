@@ -12,7 +12,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.conftest import Server, free_port, start_router
+from tests.support import Server, free_port, start_router
 
 pytestmark = pytest.mark.slow
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,46 +12,27 @@ import httpx
 import orjson
 import pytest
 
-from tests.conftest import Server, start_router
+from tests.support import (
+    ROUTER_CONFIG,
+    Server,
+    chat,
+    leave_before_first_byte,
+    relayed_streams,
+    sse_frames,
+    start_router,
+    stats,
+    wait_idle,
+    wait_ready,
+)
 
 pytestmark = pytest.mark.slow
-
-CONFIG = """
-model: main
-listen: {host: 127.0.0.1, port: $PORT}
-admission: open
-serving: {max_request_bytes: 4096, http_retention_limit: 64, request_timeout_s: 30}
-queue: {size: 8, wait_s: 5}
-health: {interval_s: 0.2, timeout_s: 1}
-engines:
-  - name: s
-    url: URL
-    dialect: lexi
-"""
 
 
 @pytest.fixture(scope="module")
 def router(scripted: Server, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    r = start_router(tmp_path_factory.mktemp("r"), CONFIG.replace("URL", scripted.url))
+    r = start_router(tmp_path_factory.mktemp("r"), ROUTER_CONFIG.replace("URL", scripted.url))
     yield r
     r.stop()
-
-
-def chat(content: str, **kw: Any) -> dict[str, Any]:
-    return {"model": "main", "messages": [{"role": "user", "content": content}], **kw}
-
-
-def stats(s: Server) -> dict[str, Any]:
-    return httpx.get(s.url + "/stats").json()
-
-
-def sse_frames(text: str) -> list[Any]:
-    out = []
-    for block in text.split("\n\n"):
-        if block.startswith("data: "):
-            data = block[6:]
-            out.append(data if data == "[DONE]" else orjson.loads(data))
-    return out
 
 
 @pytest.mark.parametrize(
@@ -202,14 +182,6 @@ def test_streaming_strips_token_ids_unless_asked(router: Server, scripted: Serve
     assert [i for f in frames[1:-1] for i in f["choices"][0]["token_ids"]] == [100, 101, 102, 103]
 
 
-def relayed_streams(router: Server) -> dict[str, float]:
-    out = {}
-    for line in httpx.get(router.url + "/metrics").text.splitlines():
-        if line.startswith("narwhal_relayed_streams_total{"):
-            out[line.split('"')[1]] = float(line.rsplit(" ", 1)[1])
-    return out
-
-
 def test_streams_are_relayed_natively_on_granian(router: Server) -> None:
     """Granian's send does its work in the call, so streams go from the engine's socket to
     the client in Rust. Were that capability missed (a Granian change, say), every stream
@@ -322,39 +294,13 @@ def test_client_disconnect_cancels_upstream(router: Server, scripted: Server) ->
     while stats(scripted)["disconnects"] == before and time.monotonic() < end:
         time.sleep(0.05)
     assert stats(scripted)["disconnects"] == before + 1
-    _wait_idle(router)
-
-
-def leave_before_first_byte(url: str, content: str) -> None:
-    """A client that sends a streaming request and hangs up before any answer."""
-    body = orjson.dumps(chat(content, stream=True))
-    u = httpx.URL(url)
-    with socket.create_connection((u.host, u.port)) as sock:
-        sock.sendall(
-            b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\n"
-            b"content-type: application/json\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body)
-        )
-        time.sleep(0.3)
+    wait_idle(router)
 
 
 def test_client_gone_before_first_byte_cancels_at_once(router: Server) -> None:
     """The engine takes 8 s to its first token; the router lets go when the client does."""
     leave_before_first_byte(router.url, "script:slow_first:8000")
-    _wait_idle(router, within=3)
-
-
-def _wait_idle(router: Server, within: float = 5) -> None:
-    end = time.monotonic() + within
-    while time.monotonic() < end:
-        m = httpx.get(router.url + "/metrics").text
-        if (
-            "narwhal_retained 0.0" in m
-            and 'phase="prefill"} 0.0' in m
-            and 'phase="decode"} 0.0' in m
-        ):
-            return
-        time.sleep(0.05)
-    raise AssertionError("router did not return to idle:\n" + m)
+    wait_idle(router, within=3)
 
 
 def test_upstream_connections_are_kept_alive_across_requests(
@@ -380,15 +326,8 @@ def test_engine_death_mid_stream_ends_with_an_error(router: Server) -> None:
     r = httpx.post(router.url + "/v1/chat/completions", json=chat("script:die", stream=True))
     frames = sse_frames(r.text)
     assert frames[-1]["error"]["code"] == "engine_disconnected"
-    _wait_ready(router)
-    _wait_idle(router)
-
-
-def _wait_ready(router: Server) -> None:
-    end = time.monotonic() + 5
-    while httpx.get(router.url + "/ready").status_code != 200:
-        assert time.monotonic() < end
-        time.sleep(0.05)
+    wait_ready(router)
+    wait_idle(router)
 
 
 def test_unhealthy_engine_means_503_backend_unavailable(router: Server, scripted: Server) -> None:
@@ -404,7 +343,7 @@ def test_unhealthy_engine_means_503_backend_unavailable(router: Server, scripted
         assert r.json()["error"]["code"] == "backend_unavailable"
     finally:
         httpx.post(scripted.url + "/health", json={"healthy": True})
-    _wait_ready(router)
+    wait_ready(router)
 
 
 def test_ready_and_models_and_counters(router: Server) -> None:
@@ -491,7 +430,7 @@ def test_router_keeps_to_one_cpu_unless_told(
     listed = f"{min(mine)}-{max(mine)}" if len(mine) == max(mine) - min(mine) + 1 else None
     free = start_router(
         tmp_path,
-        CONFIG.replace("URL", scripted.url).replace(
+        ROUTER_CONFIG.replace("URL", scripted.url).replace(
             "request_timeout_s: 30}", "request_timeout_s: 30, cpu_affinity: none}"
         ),
     )
@@ -503,7 +442,7 @@ def test_router_keeps_to_one_cpu_unless_told(
         free.stop()
     chosen = start_router(
         tmp_path,
-        CONFIG.replace("URL", scripted.url).replace(
+        ROUTER_CONFIG.replace("URL", scripted.url).replace(
             "request_timeout_s: 30}", f"request_timeout_s: 30, cpu_affinity: [{min(mine)}]}}"
         ),
     )

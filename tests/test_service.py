@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from narwhal import service
-from tests.conftest import BIN, ROOT, Server, free_port, start_router
+from tests.support import BIN, ROOT, Server, free_port, start_router
 
 # -- the pieces ---------------------------------------------------------------------------
 
@@ -169,7 +169,7 @@ engines: [{{name: a, url: "{scripted.url}"}}]
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
     )
-    from tests.conftest import wait_http
+    from tests.support import wait_http
 
     wait_http(f"http://127.0.0.1:{port}/ready", proc, 60)
     proc.url = f"http://127.0.0.1:{port}"  # type: ignore[attr-defined]
@@ -251,7 +251,7 @@ def _alive(pid: int) -> bool:
 
 @pytest.mark.slow
 def test_lexi_engine_names_a_crash_and_says_what_to_try(model_path: str) -> None:
-    from tests.conftest import start_engine
+    from tests.support import start_engine
 
     s = start_engine(model_path, "--host", "localhost", "--parallel", "1")
     try:

@@ -15,8 +15,7 @@ import jsonschema_rs
 import orjson
 import pytest
 
-from tests.conftest import Server, start_engine
-from tests.test_engine import frames, post
+from tests.support import Server, frames, post, start_engine
 
 pytestmark = pytest.mark.slow
 

@@ -1,0 +1,196 @@
+"""What the tests and the benches share: real servers on loopback ports, started and always
+stopped, and the HTTP helpers that read what they answer."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import orjson
+
+ROOT = Path(__file__).resolve().parent.parent
+BIN = Path(sys.executable).parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_http(
+    url: str, proc: subprocess.Popen[bytes], timeout: float = 60, status: int = 200
+) -> None:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}: {url}")
+        try:
+            if httpx.get(url, timeout=1).status_code == status:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise TimeoutError(url)
+
+
+class Server:
+    def __init__(self, args: list[str], health: str, port: int, timeout: float = 60) -> None:
+        self.port = port
+        self.url = f"http://127.0.0.1:{port}"
+        # A file, not a pipe: a pipe nobody reads fills up (64 KiB of log lines) and then
+        # blocks the server on its next write.
+        self.log = tempfile.TemporaryFile()  # noqa: SIM115 - lives as long as the server
+        self.proc = subprocess.Popen(
+            args, cwd=ROOT, start_new_session=True, stdout=subprocess.DEVNULL, stderr=self.log
+        )
+        try:
+            wait_http(self.url + health, self.proc, timeout)
+        except Exception:
+            self.stop()
+            raise
+
+    def stderr(self) -> str:
+        """What the server wrote to stderr so far."""
+        self.log.seek(0)
+        return self.log.read().decode("utf-8", "replace")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+
+
+def start_engine(model: str, *extra: str) -> Server:
+    port = free_port()
+    return Server(
+        [
+            str(BIN / "lexi-engine"),
+            "serve",
+            "-m",
+            model,
+            "--port",
+            str(port),
+            "--ctx-size",
+            "2048",
+            *extra,
+        ],
+        "/health",
+        port,
+        timeout=120,
+    )
+
+
+def start_router(tmp: Path, yaml_text: str) -> Server:
+    port = free_port()
+    cfg = tmp / f"narwhal-{port}.yaml"
+    cfg.write_text(yaml_text.replace("$PORT", str(port)))
+    return Server(
+        [str(BIN / "narwhal"), "serve", "--config", str(cfg)], "/ready", port, timeout=120
+    )
+
+
+def start_test_engine(module: str, *args: str) -> Server:
+    """One of the tests' own engines (`tests.scripted_engine`, `tests.faulty_engine`)."""
+    port = free_port()
+    return Server([sys.executable, "-m", module, "--port", str(port), *args], "/health", port)
+
+
+# -- the router in front of the scripted engine ---------------------------------------
+ROUTER_CONFIG = """
+model: main
+listen: {host: 127.0.0.1, port: $PORT}
+admission: open
+serving: {max_request_bytes: 4096, http_retention_limit: 64, request_timeout_s: 30}
+queue: {size: 8, wait_s: 5}
+health: {interval_s: 0.2, timeout_s: 1}
+engines:
+  - name: s
+    url: URL
+    dialect: lexi
+"""
+
+
+def chat(content: str, **kw: Any) -> dict[str, Any]:
+    return {"model": "main", "messages": [{"role": "user", "content": content}], **kw}
+
+
+def stats(s: Server) -> dict[str, Any]:
+    return httpx.get(s.url + "/stats").json()
+
+
+def sse_frames(text: str) -> list[Any]:
+    out = []
+    for block in text.split("\n\n"):
+        if block.startswith("data: "):
+            data = block[6:]
+            out.append(data if data == "[DONE]" else orjson.loads(data))
+    return out
+
+
+def relayed_streams(router: Server) -> dict[str, float]:
+    out = {}
+    for line in httpx.get(router.url + "/metrics").text.splitlines():
+        if line.startswith("narwhal_relayed_streams_total{"):
+            out[line.split('"')[1]] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def leave_before_first_byte(url: str, content: str) -> None:
+    """A client that sends a streaming request and hangs up before any answer."""
+    body = orjson.dumps(chat(content, stream=True))
+    u = httpx.URL(url)
+    with socket.create_connection((u.host, u.port)) as sock:
+        sock.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\n"
+            b"content-type: application/json\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body)
+        )
+        time.sleep(0.3)
+
+
+def wait_idle(router: Server, within: float = 5) -> None:
+    end = time.monotonic() + within
+    while time.monotonic() < end:
+        m = httpx.get(router.url + "/metrics").text
+        if (
+            "narwhal_retained 0.0" in m
+            and 'phase="prefill"} 0.0' in m
+            and 'phase="decode"} 0.0' in m
+        ):
+            return
+        time.sleep(0.05)
+    raise AssertionError("router did not return to idle:\n" + m)
+
+
+def wait_ready(router: Server) -> None:
+    end = time.monotonic() + 5
+    while httpx.get(router.url + "/ready").status_code != 200:
+        assert time.monotonic() < end
+        time.sleep(0.05)
+
+
+# -- LexiEngine's answers --------------------------------------------------------------
+def post(s: Server, path: str, body: dict[str, Any], **kw: Any) -> httpx.Response:
+    return httpx.post(s.url + path, json=body, timeout=120, **kw)
+
+
+def frames(r: httpx.Response) -> list[Any]:
+    out = []
+    for block in r.text.split("\n\n"):
+        for line in block.splitlines():
+            if line.startswith("data: "):
+                d = line[6:]
+                out.append(d if d == "[DONE]" else orjson.loads(d))
+    return out
