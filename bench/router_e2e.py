@@ -10,6 +10,8 @@ is also given as a ratio to the best Rust router of the same round.
     .venv/bin/python -m bench.router_e2e [--sglang PATH] [--vllm PATH] [--tokens 64]
         [--pace-ms 5]   # tokens 5 ms apart, one per read, as from a decoding engine
         [--rounds 7] [--scale 4]
+        [--narwhal-at DIR]   # also another checkout's router (DIR/python, its _native
+                             # built in place), e.g. the commit before a change
 
 Loopback only; every loop is bounded in count and time.
 """
@@ -153,6 +155,27 @@ def doors(engine: str, a: argparse.Namespace) -> list[tuple[str, list[str], str,
                 port,
             )
         )
+    if a.narwhal_at:
+        # Same config as the first door, another checkout's code: a change's cost, side by
+        # side with the current tree in the same rounds.
+        port = free_port()
+        cfg = tmp / f"{port}.yaml"
+        cfg.write_text(
+            f"model: main\nlisten: {{port: {port}}}\nadmission: open\n"
+            f"phases: {{prefill_concurrency: 512, decode_concurrency: 512}}\n"
+            f"queue: {{size: 1024}}\n"
+            f"engines:\n  - {{name: e, url: '{engine}', dialect: openai}}\n"
+        )
+        src = str(Path(a.narwhal_at).resolve() / "python")
+        cmd = ["env", f"PYTHONPATH={src}", sys.executable, "-m", "narwhal.router.cli"]
+        out.append(
+            (
+                f"narwhal at {a.narwhal_at} (openai dialect)",
+                [*cmd, "serve", "--config", str(cfg)],
+                "/ready",
+                port,
+            )
+        )
     # The floors keep to the CPU Narwhal keeps to by default (serving.cpu_affinity: auto).
     cpus = affinity.choose("auto", os.sched_getaffinity(0))
     pinned = ["taskset", "-c", ",".join(map(str, sorted(cpus)))] if cpus else []
@@ -215,6 +238,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sglang")
     ap.add_argument("--vllm")
+    ap.add_argument("--narwhal-at", metavar="DIR", help="also run another checkout's router")
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--levels", default="1,64,256")
     ap.add_argument(
