@@ -187,8 +187,9 @@ def test_streams_are_relayed_natively_on_granian(router: Server) -> None:
     the client in Rust. Were that capability missed (a Granian change, say), every stream
     would fall back to a Python send per read, and this fails."""
     before = relayed_streams(router)
-    for _ in range(3):
-        r = httpx.post(router.url + "/v1/chat/completions", json=chat("hi", stream=True))
+    for _ in range(3):  # paced: more than the first read (which is always awaited)
+        body = chat("script:paced:5:10", stream=True)
+        r = httpx.post(router.url + "/v1/chat/completions", json=body)
         assert sse_frames(r.text)[-1] == "[DONE]"
     after = relayed_streams(router)
     assert after["native"] - before["native"] == 3
