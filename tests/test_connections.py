@@ -55,6 +55,25 @@ def test_1100_silent_connections_do_not_lock_others_out(router: Server) -> None:
             s.close()
 
 
+def test_a_connection_that_never_sends_a_byte_is_closed(router: Server) -> None:
+    """hyper's head timer starts at the first byte: a connection that sends none held one
+    of `max_connections` until its client left (about 1,000 locked everyone out)."""
+    silent = [socket.create_connection(("127.0.0.1", router.port)) for _ in range(20)]
+    try:
+        assert all(_closed_by_server(s, within=10) for s in silent)
+    finally:
+        for s in silent:
+            s.close()
+    m = httpx.get(router.url + "/metrics").text
+    closed = next(
+        float(line.split()[1])
+        for line in m.splitlines()
+        if line.startswith("narwhal_silent_connections_closed_total")
+    )
+    assert closed >= 20
+    assert httpx.get(router.url + "/health").status_code == 200
+
+
 def test_a_trickled_head_and_an_idle_keep_alive_are_closed(router: Server) -> None:
     with contextlib.closing(socket.create_connection(("127.0.0.1", router.port))) as s:
         s.sendall(b"GET /health HTT")  # and nothing more (slowloris)

@@ -14,7 +14,7 @@ from typing import Any
 import orjson
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from narwhal import asgi
+from narwhal import asgi, silent
 from narwhal.asgi import Receive, Scope, Send
 from narwhal.engine import protocol
 from narwhal.engine.batch import DecodeLoop
@@ -67,6 +67,11 @@ class Metrics:
         )
         self.cached_tokens = Counter(
             "lexi_cached_prompt_tokens", "Prompt tokens reused from a slot's KV", registry=r
+        )
+        self.silent_closed = Counter(
+            "lexi_silent_connections_closed",
+            "Client connections closed for sending nothing within --header-timeout",
+            registry=r,
         )
 
 
@@ -121,9 +126,14 @@ class Engine:
                 )
 
     async def _startup(self) -> None:
-        pass
+        self._reaper = asyncio.create_task(
+            silent.close_silent_forever(
+                self.config.header_timeout_s, self.metrics.silent_closed.inc
+            )
+        )
 
     async def _shutdown(self) -> None:
+        self._reaper.cancel()
         await asyncio.to_thread(self.decoder.stop)
 
     def _authorize(self, scope: Scope) -> None:

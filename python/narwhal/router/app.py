@@ -14,7 +14,7 @@ from typing import Any
 import aiohttp
 from prometheus_client import generate_latest
 
-from narwhal import asgi
+from narwhal import asgi, silent
 from narwhal.asgi import Receive, Scope, Send
 from narwhal.errors import ApiError
 from narwhal.router import intake
@@ -86,6 +86,11 @@ class Router:
             )
         )
         self._tasks.append(asyncio.create_task(self.admission.drain_forever()))
+        self._tasks.append(
+            asyncio.create_task(
+                silent.close_silent_forever(c.header_timeout_s, self.metrics.silent_closed.inc)
+            )
+        )
         if self.predictor is not None:
             profiler = Profiler(
                 c.model,

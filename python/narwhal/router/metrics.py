@@ -135,6 +135,11 @@ class RouterMetrics:
         )
         for path in ("native", "awaited"):
             self.relayed_streams.labels(path)
+        self.silent_closed = Counter(
+            "narwhal_silent_connections_closed",
+            "Client connections closed for sending nothing within serving.header_timeout_s",
+            registry=r,
+        )
         self._per_engine: dict[str, EngineMetrics] = {}
 
     def watch(self, events: Events) -> None:
