@@ -488,6 +488,9 @@ TRAP_TEMPLATE = (
     "{% if messages[0].content == 'slow' %}"
     "{% for i in range(100000) %}{% for j in range(8) %}{% set ns.n = ns.n + 1 %}"
     "{% endfor %}{% endfor %}{% endif %}"
+    "{% if messages[0].content == 'forever' %}"
+    "{% for i in range(100000) %}{% for j in range(100000) %}{% set ns.n = ns.n + 1 %}"
+    "{% endfor %}{% endfor %}{% endif %}"
     "{% if messages[0].content == 'add' %}{{ 1 + messages[0].content }}{% endif %}"
     "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}assistant:"
 )
@@ -519,6 +522,15 @@ def test_a_render_the_request_breaks_is_400_naming_it(
     r = post(trap_engine, "/v1/chat/completions", body)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
+
+
+def test_a_render_that_writes_nothing_for_ever_is_stopped(trap_engine: Server) -> None:
+    """10^10 loop steps that write no output: stopped at the render budget (5 s) with a 500
+    in the envelope, instead of burning a worker thread for hours."""
+    r = post(trap_engine, "/v1/chat/completions", chat("forever", max_tokens=1))
+    assert r.status_code == 500, r.text
+    assert "ran over" in r.json()["error"]["message"]
+    assert post(trap_engine, "/v1/chat/completions", chat("hi", max_tokens=1)).status_code == 200
 
 
 CHANNELS = (

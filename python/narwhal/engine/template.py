@@ -7,6 +7,7 @@ sandbox, so a template cannot reach Python internals or mutate its inputs.
 from __future__ import annotations
 
 import datetime
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -75,8 +76,41 @@ def _strftime_now(fmt: str) -> str:
     return datetime.datetime.now().strftime(fmt)
 
 
+class _Budget(threading.local):
+    deadline = float("inf")
+    ticks = 0
+
+
+_budget = _Budget()
+
+
+class _BoundedSandbox(ImmutableSandboxedEnvironment):
+    """The sandbox, with the render's time budget looked at on every call, attribute and
+    item access: a loop that writes nothing (`{% set ns.n = ns.n + 1 %}` nested twice) is
+    stopped too, not only one that keeps writing. Renders run on worker threads, so the
+    deadline is per thread."""
+
+    def _tick(self) -> None:
+        b = _budget
+        b.ticks += 1
+        if b.ticks & 255 == 0 and time.monotonic() > b.deadline:
+            raise TemplateFault(f"the chat template ran over {RENDER_BUDGET_S:g} s")
+
+    def call(self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:
+        self._tick()
+        return super().call(__context, __obj, *args, **kwargs)
+
+    def getattr(self, obj: Any, attribute: str) -> Any:
+        self._tick()
+        return super().getattr(obj, attribute)
+
+    def getitem(self, obj: Any, argument: Any) -> Any:
+        self._tick()
+        return super().getitem(obj, argument)
+
+
 def _environment() -> ImmutableSandboxedEnvironment:
-    env = ImmutableSandboxedEnvironment(
+    env = _BoundedSandbox(
         trim_blocks=True,
         lstrip_blocks=True,
         extensions=["jinja2.ext.loopcontrols"],
@@ -170,9 +204,11 @@ class ChatTemplate:
         )
         if tools:
             variables["tools"] = tools
+        started = time.monotonic()
+        _budget.deadline = started + RENDER_BUDGET_S
         try:
             out: list[str] = []
-            size, started = 0, time.monotonic()
+            size = 0
             for piece in self._template.generate(**variables):
                 out.append(piece)
                 size += len(piece)
@@ -189,6 +225,8 @@ class ChatTemplate:
             raise TemplateError(f"chat template failed: {e}") from e
         except Exception as e:  # e.g. `1 + messages[0].content`, range() over the cap
             raise TemplateError(f"chat template failed: {type(e).__name__}: {e}") from None
+        finally:
+            _budget.deadline = float("inf")
 
     def opens_reasoning(self, prompt: str) -> bool:
         """Whether the rendered prompt ends inside an opened `<think>` block."""
