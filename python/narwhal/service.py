@@ -133,6 +133,9 @@ def guard_worker() -> None:
     """In a Granian worker, first thing: die with the main process, and print the Python
     stack of a fatal signal (a crash inside a C library otherwise leaves no trace)."""
     faulthandler.enable()
+    # SIGUSR1 (a stop notice, see serve) must never kill a worker that has not yet
+    # installed its handler.
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     if not sys.platform.startswith("linux"):
         return
     import ctypes
@@ -144,8 +147,17 @@ def guard_worker() -> None:
         os._exit(1)  # the main process died before the line above took effect
 
 
-def serve(prog: str, target: str, addr: Address, limits: Limits, **granian: Any) -> int:
-    """Run `target` (an ASGI app factory) under Granian until it stops; the exit status."""
+def serve(
+    prog: str,
+    target: str,
+    addr: Address,
+    limits: Limits,
+    notify_stop: bool = False,
+    **granian: Any,
+) -> int:
+    """Run `target` (an ASGI app factory) under Granian until it stops; the exit status.
+    `notify_stop`: the first stop signal is passed on to the worker as SIGUSR1 before
+    Granian drains it (the router resigns its leadership there; see router/app.py)."""
     from granian import Granian
     from granian.http import HTTP1Settings
 
@@ -166,6 +178,10 @@ def serve(prog: str, target: str, addr: Address, limits: Limits, **granian: Any)
         def signal_handler_interrupt(self, *args: Any, **kwargs: Any) -> None:
             self.interrupted += 1
             if self.interrupted == 1:
+                if notify_stop:
+                    for w in self.wrks:
+                        with contextlib.suppress(Exception):
+                            os.kill(w.inner.pid, signal.SIGUSR1)
                 super().signal_handler_interrupt(*args, **kwargs)
                 _say(
                     f"{prog}: stopping: draining in-flight requests for up to {grace_s:g} s "

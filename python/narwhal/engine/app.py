@@ -19,6 +19,7 @@ from narwhal.asgi import Receive, Scope, Send
 from narwhal.engine import protocol
 from narwhal.engine.batch import DecodeLoop
 from narwhal.engine.config import EngineConfig
+from narwhal.engine.fence import Fence
 from narwhal.engine.generation import Finish, Piece, Request
 from narwhal.engine.model import Model, ModelLoadError
 from narwhal.engine.render import Output, ToolCallFailed, writer_for
@@ -68,6 +69,16 @@ class Metrics:
         self.cached_tokens = Counter(
             "lexi_cached_prompt_tokens", "Prompt tokens reused from a slot's KV", registry=r
         )
+        self.fenced = Counter(
+            "lexi_fenced_requests",
+            "Requests refused for a missing or old fencing token",
+            registry=r,
+        )
+        self.fencing_token = Gauge(
+            "lexi_fencing_token",
+            "The highest router fencing token accepted (--fence)",
+            registry=r,
+        )
         self.silent_closed = Counter(
             "lexi_silent_connections_closed",
             "Client connections closed for sending nothing within --header-timeout",
@@ -84,6 +95,8 @@ class Engine:
         self.decoder = DecodeLoop(model, config.parallel, config.prefill_chunk, config.threads)
         self.decoder.on_step = self.metrics.batch.observe  # prometheus metrics are thread-safe
         self.keys = tuple(k.encode() for k in config.api_keys)
+        self.fence = Fence(self.metrics.fencing_token.set) if config.fence else None
+        self._tasks: list[asyncio.Task[None]] = []
 
     # -- ASGI ---------------------------------------------------------------------------
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -149,6 +162,15 @@ class Engine:
                 code="invalid_api_key",
             )
 
+    def _check_fence(self, scope: Scope) -> None:
+        if self.fence is None:
+            return
+        try:
+            self.fence.check(scope)
+        except ApiError:
+            self.metrics.fenced.inc()
+            raise
+
     def _models(self) -> dict[str, Any]:
         created = int(os.path.getmtime(self.config.model))
         data = [
@@ -176,6 +198,7 @@ class Engine:
         except asgi.BodyTooLarge:
             raise ApiError(413, "request body too large", code="request_too_large") from None
         try:
+            self._check_fence(scope)
             body = json_object(raw)
             # Rendering the template and tokenizing run off the event loop: a template can
             # be slow (bounded in engine.template), and /health must not wait for it.
@@ -199,6 +222,11 @@ class Engine:
                     code="inference_busy",
                     headers={"retry-after": "1"},
                 ) from None
+            try:
+                self._check_fence(scope)  # again: a newer leader may have come while it waited
+            except ApiError:
+                self.slots.release(slot)
+                raise
             gen = Request(prompt, job.sampling, job.cache_prompt)
             # The slot goes back when the decode loop has let go of the request, not when
             # this task ends: a task cancelled twice must not hand on a slot still decoding.

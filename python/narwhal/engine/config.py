@@ -55,6 +55,9 @@ class EngineConfig:
     header_timeout_s: float = 10.0
     body_timeout_s: float = 30.0
     max_connections: int = 8192
+    fence: bool = False  # refuse requests without the current router's fencing token
+    fence_etcd: str | None = None  # read the leader key's token from this etcd as well
+    fence_key: str = "/narwhal/main/leader"
 
     def to_json(self) -> bytes:
         return orjson.dumps(dataclasses.asdict(self))
@@ -164,6 +167,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="a request body must arrive whole within this: 408 (default %(default)g)",
     )
     p.add_argument(
+        "--fence",
+        action="store_true",
+        help="serve only the leading router: refuse (409 fenced) a request whose "
+        "x-narwhal-fence token is missing or lower than the highest accepted",
+    )
+    p.add_argument(
+        "--fence-etcd",
+        metavar="URL",
+        help="with --fence, also take the current leader's token from this etcd "
+        "(a deposed router is refused before the new one has sent anything)",
+    )
+    p.add_argument(
+        "--fence-key",
+        default=_default("fence_key"),
+        metavar="KEY",
+        help="the routers' leader key in etcd (default %(default)s; the routers' ha.key)",
+    )
+    p.add_argument(
         "--max-connections",
         type=int,
         default=_default("max_connections"),
@@ -255,6 +276,10 @@ def from_args(ns: argparse.Namespace) -> EngineConfig:
             raise ConfigError(flag, "must be between 0 and 3600 seconds")
     if ns.max_connections < 1:
         raise ConfigError("--max-connections", "must be at least 1")
+    if ns.fence_etcd is not None and not ns.fence:
+        raise ConfigError("--fence-etcd", "needs --fence")
+    if ns.fence_etcd is not None and not ns.fence_etcd.startswith(("http://", "https://")):
+        raise ConfigError("--fence-etcd", "must be an http(s):// URL of an etcd endpoint")
     if not (0 < ns.shutdown_grace <= 3600):
         raise ConfigError("--shutdown-grace", "must be between 0 and 3600 seconds")
     if ns.threads is not None and ns.threads < 1:
@@ -285,4 +310,7 @@ def from_args(ns: argparse.Namespace) -> EngineConfig:
         header_timeout_s=ns.header_timeout,
         body_timeout_s=ns.body_timeout,
         max_connections=ns.max_connections,
+        fence=ns.fence,
+        fence_etcd=ns.fence_etcd,
+        fence_key=ns.fence_key,
     )

@@ -17,15 +17,19 @@ from prometheus_client import generate_latest
 from narwhal import asgi, silent
 from narwhal.asgi import Receive, Scope, Send
 from narwhal.errors import ApiError
+from narwhal.etcd import EtcdError
+from narwhal.router import admin as admin_api
 from narwhal.router import intake
 from narwhal.router.admission import Admission, Expired
 from narwhal.router.config import RouterConfig
 from narwhal.router.engines import Engine, Pool
+from narwhal.router.leadership import Leadership
 from narwhal.router.lease import Events
+from narwhal.router.maintenance import Maintenance
 from narwhal.router.metrics import RouterMetrics
 from narwhal.router.predict import Predictor
 from narwhal.router.profiling import Profiler
-from narwhal.router.relay import EngineBusy, EngineFailed, Relayer
+from narwhal.router.relay import EngineBusy, EngineFailed, EngineFenced, Relayer
 from narwhal.router.supervisor import ManagedEngine
 
 log = logging.getLogger("narwhal.router")
@@ -70,6 +74,14 @@ class Router:
         self.relayer = Relayer(
             config.stream_idle_timeout_s, config.native_relay, lambda path: paths[path].inc()
         )
+        ha = config.ha
+        shared = ha is not None and self.predictor is not None
+        self.leadership = Leadership(ha, on_lead=self._take_over_profiles if shared else None)
+        self.maintenance = Maintenance(
+            self.pool, self.leadership.etcd, ha.sibling("maintenance") if ha else None
+        )
+        token = os.environ.get(config.admin_token_env, "") if config.admin_token_env else ""
+        self.admin = admin_api.Admin(token, self.maintenance) if token else None
         self._tasks: list[asyncio.Task[None]] = []
         self.session: aiohttp.ClientSession | None = None
 
@@ -86,6 +98,11 @@ class Router:
             )
         )
         self._tasks.append(asyncio.create_task(self.admission.drain_forever()))
+        self._tasks.append(asyncio.create_task(self.leadership.run_forever()))
+        self._tasks.append(asyncio.create_task(self.maintenance.follow_forever()))
+        if c.ha is not None and self.predictor is not None:
+            self._tasks.append(asyncio.create_task(self._share_profiles_forever()))
+        _on_stop_signal(lambda: asyncio.ensure_future(self.leadership.resign()))
         self._tasks.append(
             asyncio.create_task(
                 silent.close_silent_forever(c.header_timeout_s, self.metrics.silent_closed.inc)
@@ -100,10 +117,12 @@ class Router:
                 self.relayer,
                 c.probe_interval_s,
                 self._degraded,
+                self.leadership,
             )
             self._tasks.append(asyncio.create_task(profiler.run_forever()))
 
     async def shutdown(self) -> None:
+        await self.leadership.resign()
         for t in self._tasks:
             t.cancel()
         for t in self._tasks:
@@ -111,6 +130,7 @@ class Router:
                 await t
         await asyncio.gather(*(me.stop() for me in self.managed))
         self.relayer.close()
+        await self.leadership.close()
         if self.session is not None:
             await self.session.close()
 
@@ -127,6 +147,8 @@ class Router:
                 if method != "POST":
                     raise asgi.method_not_allowed(method, path, "POST")
                 await self._completion(path, scope, receive, send)
+            elif path in admin_api.ROUTES and self.admin is not None:
+                await self.admin.handle(scope, receive, send)
             elif path not in GET_ROUTES:
                 raise ApiError(404, f"no route {method} {path}", code="not_found")
             elif method != "GET":
@@ -169,22 +191,63 @@ class Router:
 
     async def _ready(self, send: Send) -> None:
         engines = [e.describe() for e in self.pool.engines]
-        ok = bool(self.pool.eligible())
-        degraded = self._degraded()
         body: dict[str, Any] = {
-            "ready": ok and degraded is None,
+            "ready": False,
             "admission": self.config.admission,
+            "leadership": self.leadership.describe(),
+            "maintenance": sorted(self.maintenance.wave),
             "engines": engines,
         }
-        if ok and degraded is not None:
-            ok = False
-            body["reason"] = "monitoring-degraded: " + degraded
+        down = self._unavailable()
+        reason = down[1] if down else None
+        if reason is None and not self.pool.eligible():
+            reason = "no placement-eligible engine"
         if self.predictor is not None:
             for e in engines:
                 e["profile"] = self.predictor.profiles[str(e["name"])].describe()
-        elif not ok:
-            body["reason"] = "no placement-eligible engine"
-        await asgi.send_json(send, 200 if ok else 503, body)
+        body["ready"] = reason is None
+        if reason is not None:
+            body["reason"] = reason
+        await asgi.send_json(send, 200 if reason is None else 503, body)
+
+    def _unavailable(self) -> tuple[str, str] | None:
+        """Why this router takes no completion request now: (code, reason), or None. The
+        spec's last refusal row: standby, fenced, whole-wave maintenance, monitoring-degraded
+        are each a retryable 503."""
+        why = self.leadership.serving()
+        if why is not None:
+            return self.leadership.role.value, why
+        if self.maintenance.whole:
+            return "maintenance", "whole-wave maintenance: every engine is in the wave"
+        degraded = self._degraded()
+        if degraded is not None:
+            return "monitoring_degraded", "monitoring-degraded: " + degraded
+        return None
+
+    async def _share_profiles_forever(self, every_s: float = 2.0) -> None:
+        """The leader publishes what its predictor learned, so the next one admits as
+        sharply on its first request as this one does now."""
+        assert self.predictor is not None and self.config.ha is not None
+        etcd, key = self.leadership.etcd, self.config.ha.sibling("profiles").encode()
+        assert etcd is not None
+        while True:
+            await asyncio.sleep(every_s)
+            if self.leadership.serving() is None:
+                with contextlib.suppress(EtcdError):
+                    await etcd.put(key, self.predictor.export())
+
+    async def _take_over_profiles(self) -> None:
+        assert self.predictor is not None and self.config.ha is not None
+        etcd = self.leadership.etcd
+        assert etcd is not None
+        try:
+            kv = await etcd.get(self.config.ha.sibling("profiles").encode())
+        except EtcdError as e:
+            log.warning("the last leader's predictor profiles could not be read: %s", e)
+            return
+        if kv is not None:
+            n = self.predictor.load(kv.value)
+            log.info("took over the last leader's predictor profiles (%d engines)", n)
 
     def _degraded(self) -> str | None:
         if self.predictor is None or not self.pool.eligible():
@@ -278,19 +341,12 @@ class Router:
         watcher = asyncio.create_task(asgi.watch_disconnect(receive, task))
         try:
             prefer, tokens, predicted = None, 0, None
-            degraded = self._degraded()
-            if degraded is not None:
-                self.metrics.rejected.labels("monitoring_degraded").inc()
+            try:
+                self._refuse_if_unavailable()
+            except ApiError as e:
+                self.metrics.rejected.labels(e.code or "unavailable").inc()
                 end.outcome = "rejected"
-                raise ApiError(
-                    503,
-                    "the router's predictions are not trustworthy now ("
-                    + degraded
-                    + "); retry shortly",
-                    type="server_error",
-                    code="monitoring_degraded",
-                    headers={"retry-after": "1"},
-                )
+                raise
             if self.predictor is not None and self.pool.eligible():
                 try:
                     proj = self.predictor.judge(req.prompt_bytes, self.pool.eligible(), budget)
@@ -320,6 +376,19 @@ class Router:
         finally:
             watcher.cancel()
 
+    def _refuse_if_unavailable(self) -> None:
+        down = self._unavailable()
+        if down is None:
+            return
+        code, reason = down
+        raise ApiError(
+            503,
+            f"this router takes no requests now ({reason}); retry shortly",
+            type="server_error",
+            code=code,
+            headers={"retry-after": "1"},
+        )
+
     def _may_retry(self, busy: frozenset[str], deadline: float) -> bool:
         """Another engine may take a request that engines in `busy` refused with 429, while
         its deadline has time left."""
@@ -348,6 +417,10 @@ class Router:
                 predicted_s=predicted,
                 exclude=busy,
             ) as lease:
+                # Again once placed (the queue may have waited): the token it carries must
+                # be one this router still holds.
+                self._refuse_if_unavailable()
+                lease.fence = self.leadership.token
                 placed = True
                 try:
                     return await self.relayer.run(lease, send)
@@ -358,6 +431,17 @@ class Router:
                         type="server_error",
                         code="engine_failed",
                     ) from None
+        except EngineFenced as e:
+            self.leadership.fence(str(e))
+            self.metrics.rejected.labels("fenced").inc()
+            end.outcome = "rejected"
+            raise ApiError(
+                503,
+                f"this router was fenced ({e}); retry shortly",
+                type="server_error",
+                code="fenced",
+                headers={"retry-after": "1"},
+            ) from None
         except Expired:
             self.metrics.rejected.labels("wait_expired").inc()
             end.outcome = "rejected"
@@ -384,6 +468,15 @@ class Ending:
 
     def __init__(self) -> None:
         self.outcome = "client_gone"
+
+
+def _on_stop_signal(callback: Callable[[], object]) -> None:
+    """The main process tells the worker a stop began (service.serve sends SIGUSR1 before it
+    stops the worker): the router resigns its leadership at once, then drains."""
+    import signal
+
+    with contextlib.suppress(NotImplementedError, RuntimeError):
+        asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, callback)
 
 
 def _counting(counter: Any) -> Callable[[str], None]:

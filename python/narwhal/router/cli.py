@@ -87,6 +87,13 @@ def main(argv: list[str] | None = None) -> int:
     except service.StartError as e:
         print(f"narwhal: error: {e}", file=sys.stderr)
         return 2
+    if config.admin_token_env and not os.environ.get(config.admin_token_env):
+        print(
+            f"narwhal: config error: admin.token_env: the environment variable "
+            f"{config.admin_token_env} is not set (it holds the admin API's token)",
+            file=sys.stderr,
+        )
+        return 2
     from granian.constants import Interfaces, Loops
 
     from narwhal.router import affinity
@@ -122,6 +129,7 @@ def main(argv: list[str] | None = None) -> int:
         limits,
         interface=Interfaces.ASGI,
         loop=Loops.uvloop,
+        notify_stop=True,
     )
 
 

@@ -83,6 +83,26 @@ SCHEMA: dict[str, Any] = {
             "additionalProperties": False,
             "properties": {"interval_s": _pos_num, "timeout_s": _pos_num, "eject_after": _pos_int},
         },
+        "ha": {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["etcd"],
+            "properties": {
+                "etcd": {
+                    "type": "array",
+                    "minItems": 1,
+                    "items": {"type": "string", "pattern": "^https?://"},
+                },
+                "key": {"type": "string", "pattern": "^/"},
+                "lease_ttl_s": {"type": "integer", "minimum": 2, "maximum": 300},
+            },
+        },
+        "admin": {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["token_env"],
+            "properties": {"token_env": {"type": "string", "pattern": "^[A-Za-z_][A-Za-z0-9_]*$"}},
+        },
         "engines": {
             "type": "array",
             "minItems": 1,
@@ -140,6 +160,24 @@ class EngineSpec:
 
 
 @dataclass(frozen=True)
+class HA:
+    """Several routers: leadership on an etcd lease (router/leadership.py)."""
+
+    etcd: tuple[str, ...]
+    key: str = "/narwhal/main/leader"
+    lease_ttl_s: int = 5
+
+    @property
+    def margin_s(self) -> float:
+        """Taken off the TTL: a renewal's time on the wire and the clocks' rate difference."""
+        return max(0.5, 0.2 * self.lease_ttl_s)
+
+    def sibling(self, name: str) -> str:
+        """A key next to the leader key (`/narwhal/main/leader` -> `/narwhal/main/NAME`)."""
+        return self.key.rsplit("/", 1)[0] + "/" + name
+
+
+@dataclass(frozen=True)
 class RouterConfig:
     engines: tuple[EngineSpec, ...]
     model: str = "main"
@@ -172,6 +210,8 @@ class RouterConfig:
     health_interval_s: float = 2.0
     health_timeout_s: float = 2.0
     eject_after: int = 3  # request faults in a row that take an engine out until a probe
+    ha: HA | None = None  # several routers; None: this router is its own leader
+    admin_token_env: str | None = None  # the admin API's token, by environment variable
 
     def to_json(self) -> bytes:
         """The validated config as JSON: its fields, by name (the worker hand-off)."""
@@ -187,6 +227,8 @@ class RouterConfig:
             engines.append(EngineSpec(**e, launch=launch))
         if isinstance(d["cpu_affinity"], list):
             d["cpu_affinity"] = tuple(d["cpu_affinity"])
+        if d["ha"] is not None:
+            d["ha"] = HA(**{**d["ha"], "etcd": tuple(d["ha"]["etcd"])})
         return cls(engines=tuple(engines), **d)
 
 
@@ -221,6 +263,13 @@ def parse(data: Any) -> RouterConfig:
             given[name] = float(value) if isinstance(getattr(_DEFAULTS, name), float) else value
     if "cpu_affinity" in given:
         given["cpu_affinity"] = _affinity(given["cpu_affinity"])
+    if "ha" in data:
+        h = data["ha"]
+        given["ha"] = HA(
+            tuple(h["etcd"]), h.get("key", HA.key), h.get("lease_ttl_s", HA.lease_ttl_s)
+        )
+    if "admin" in data:
+        given["admin_token_env"] = data["admin"]["token_env"]
     return replace(_DEFAULTS, engines=tuple(engines), **given)
 
 

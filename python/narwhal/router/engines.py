@@ -83,9 +83,10 @@ class Pool:
         self.prefill_limit = prefill_limit
         self.decode_limit = decode_limit
         self.changed = asyncio.Event()  # set whenever capacity may have freed up
+        self.maintenance: frozenset[str] = frozenset()  # engine names in the wave (no new work)
 
     def eligible(self) -> list[Engine]:
-        return [e for e in self.engines if e.healthy]
+        return [e for e in self.engines if e.healthy and e.name not in self.maintenance]
 
     def pick(
         self, prefer: Engine | None = None, exclude: frozenset[str] = frozenset()

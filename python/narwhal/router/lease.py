@@ -81,6 +81,7 @@ class Lease:
         "decode_s",
         "engine",
         "exclude",
+        "fence",
         "first_at",
         "intake",
         "output_tokens",
@@ -123,6 +124,7 @@ class Lease:
         self.prompt_tokens: int | None = None
         self.cached_tokens: int | None = None  # of those, what the engine's cache served
         self.output_tokens = 0
+        self.fence: int | None = None  # the leader's fencing token it was placed under
 
     @property
     def on(self) -> Engine:

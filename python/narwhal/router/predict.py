@@ -14,6 +14,8 @@ import math
 import time
 from dataclasses import dataclass
 
+import orjson
+
 from narwhal.errors import ApiError
 from narwhal.router.engines import Engine
 from narwhal.router.lease import Events, Lease
@@ -140,6 +142,46 @@ class Predictor:
         self.drift_bound = drift_bound
         self.drift_min_samples = drift_min_samples
         self.stale_after_s = stale_after_s
+
+    # What a new leader takes over (router HA): the learned rates, not the drift state.
+    _SHARED = (
+        "bytes_per_token",
+        "prefill_tps",
+        "tpot_s",
+        "output_tokens",
+        "prefill_samples",
+        "correction",
+    )
+
+    def export(self) -> bytes:
+        """The learned profiles, for the next leader (bounded: a few numbers an engine)."""
+        return orjson.dumps(
+            {name: {k: getattr(p, k) for k in self._SHARED} for name, p in self.profiles.items()}
+        )
+
+    def load(self, raw: bytes) -> int:
+        """Take over profiles another leader learned; how many engines it knew. They count
+        as measured now: the leader published them seconds ago."""
+        try:
+            data = orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            return 0
+        if not isinstance(data, dict):
+            return 0
+        taken = 0
+        now = time.monotonic()
+        for name, shared in data.items():
+            prof = self.profiles.get(name)
+            if prof is None or not isinstance(shared, dict):
+                continue
+            for k in self._SHARED:
+                v = shared.get(k)
+                if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+                    setattr(prof, k, int(v) if k == "prefill_samples" else float(v))
+            if prof.prefill_tps is not None:
+                prof.measured_at = now
+            taken += 1
+        return taken
 
     def watch(self, events: Events) -> None:
         """Learn from every answered lease; a faulted one's timing is not trusted."""

@@ -20,8 +20,9 @@ from narwhal.errors import ApiError
 from narwhal.router import intake
 from narwhal.router.admission import Admission
 from narwhal.router.engines import Engine, Pool
+from narwhal.router.leadership import Leadership
 from narwhal.router.predict import Predictor
-from narwhal.router.relay import EngineBusy, EngineFailed, Relayer
+from narwhal.router.relay import EngineBusy, EngineFailed, EngineFenced, Relayer
 
 log = logging.getLogger("narwhal.profiling")
 
@@ -60,6 +61,7 @@ class Profiler:
         relayer: Relayer,
         interval_s: float,
         degraded: Callable[[], str | None],
+        leadership: Leadership,
     ):
         self.model = model
         self.pool = pool
@@ -68,12 +70,18 @@ class Profiler:
         self.relayer = relayer
         self.interval_s = interval_s
         self.degraded = degraded
+        self.leadership = leadership  # only the leader probes, under its fencing token
 
     async def run_forever(self) -> None:
         await asyncio.sleep(0.2)  # the first measurement as soon as engines are healthy
         while True:
+            if self.leadership.serving() is not None:
+                await asyncio.sleep(0.25)  # a standby measures nothing; it may lead soon
+                continue
             degraded = self.degraded() is not None
             for e in self.pool.eligible():
+                if self.leadership.serving() is not None:
+                    break
                 profile = self.predictor.profiles[e.name]
                 age = time.monotonic() - profile.measured_at
                 if e.inflight or (age < self.interval_s and not degraded):
@@ -90,10 +98,17 @@ class Profiler:
         ) as lease:
             if lease is None:
                 return  # live traffic came first: it measures the engine too
+            lease.fence = self.leadership.token
             try:
-                await self.relayer.run(lease, _discard)
+                outcome = await self.relayer.run(lease, _discard)
+            except EngineFenced as exc:
+                self.leadership.fence(str(exc))
+                return
             except (ApiError, EngineFailed, EngineBusy) as exc:
                 log.info("profile probe of %s failed: %s", e.name, exc)
+                return
+            if outcome != "completed":  # the engine refused it (a model name it lacks?)
+                log.warning("profile probe of %s: %s", e.name, outcome)
                 return
             if rebase and lease.first_at:
                 # Half-open: a good measurement lets live traffic be judged again.

@@ -49,6 +49,13 @@ class Refusal:
         await asgi.send_bytes(send, self.status, self.body, self.content_type, headers)
 
 
+class EngineFenced(Exception):
+    """The engine refused the fencing token (409 `fenced`): another router leads now."""
+
+    def __init__(self, engine: str, token: int | None) -> None:
+        super().__init__(f"engine {engine} refused fencing token {token}")
+
+
 class EngineBusy(Exception):
     """The engine answered 429 before anything was sent: another engine may take it."""
 
@@ -310,8 +317,9 @@ class Relayer:
         e = lease.on
         body = upstream_body(lease.intake, e.spec.token_ids)
         lease.sent_at = time.monotonic()
+        headers = "" if lease.fence is None else f"x-narwhal-fence: {lease.fence}\r\n"
         try:
-            resp = await self.upstream(e).request(lease.intake.route, body, lease.deadline)
+            resp = await self.upstream(e).request(lease.intake.route, body, lease.deadline, headers)
         except asyncio.TimeoutError:
             raise ApiError(
                 504,
@@ -339,6 +347,8 @@ class Relayer:
                 )
                 if resp.status == 429:
                     raise EngineBusy(e.name, refusal)
+                if resp.status == 409 and b'"fenced"' in data:
+                    raise EngineFenced(e.name, lease.fence)
                 await refusal.send(send)
                 return "engine_error"
             if lease.intake.stream:

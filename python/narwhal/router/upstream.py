@@ -353,14 +353,18 @@ class Upstream:
         self._free: list[_Connection] = []
         self._all: set[_Connection] = set()
 
-    async def request(self, path: str, body: bytes, deadline: float | None = None) -> Exchange:
-        """POST `body` to `path`; returns once the response head arrived.
+    async def request(
+        self, path: str, body: bytes, deadline: float | None = None, headers: str = ""
+    ) -> Exchange:
+        """POST `body` to `path`; returns once the response head arrived. `headers`: more
+        header lines, each ending in CRLF.
 
         A reused connection that breaks before any response byte is retried once on a
         fresh one: the engine closed it while idle, so it never saw the request.
         """
         head = (
-            f"POST {self.prefix}{path} HTTP/1.1\r\n{self._head}Content-Length: {len(body)}\r\n\r\n"
+            f"POST {self.prefix}{path} HTTP/1.1\r\n{self._head}{headers}"
+            f"Content-Length: {len(body)}\r\n\r\n"
         ).encode("latin-1")
         for attempt in range(2):
             conn = self._reuse() if attempt == 0 else None

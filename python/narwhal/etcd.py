@@ -1,0 +1,113 @@
+"""A small etcd v3 client over etcd's own JSON gateway (`/v3/...` over HTTP).
+
+Only what leadership, fencing and maintenance waves need: leases (grant, keep alive,
+revoke), a create-if-absent transaction, range, put and delete. The gateway is part of every
+etcd v3 server (3.4+), so this needs no gRPC stack: aiohttp is already here. int64s travel
+as JSON strings, keys and values as base64, and proto3 leaves out fields at their default.
+Every call is bounded by `timeout_s`; endpoints are tried in order until one answers.
+"""
+
+from __future__ import annotations
+
+import base64
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import orjson
+
+
+class EtcdError(Exception):
+    """No endpoint answered, or one answered with an error."""
+
+
+@dataclass(frozen=True)
+class KeyValue:
+    value: bytes
+    create_revision: int
+    mod_revision: int
+    lease: int
+
+
+def _b64(b: bytes) -> str:
+    return base64.b64encode(b).decode()
+
+
+def _kv(raw: dict[str, Any]) -> KeyValue:
+    return KeyValue(
+        base64.b64decode(raw.get("value", "")),
+        int(raw.get("create_revision", 0)),
+        int(raw.get("mod_revision", 0)),
+        int(raw.get("lease", 0)),
+    )
+
+
+class Etcd:
+    def __init__(self, endpoints: list[str], timeout_s: float = 1.0) -> None:
+        self.endpoints = [e.rstrip("/") for e in endpoints]
+        self.timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self._session: aiohttp.ClientSession | None = None
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+    async def _call(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        if self._session is None:
+            self._session = aiohttp.ClientSession(timeout=self.timeout)
+        data = orjson.dumps(body)
+        failure = "no etcd endpoint"
+        for e in self.endpoints:
+            try:
+                async with self._session.post(e + path, data=data) as r:
+                    raw = await r.read()
+                    if r.status != 200:
+                        failure = f"{e}{path} answered {r.status}: {raw[:200]!r}"
+                        continue
+                    out: dict[str, Any] = orjson.loads(raw)
+                    return out
+            except (aiohttp.ClientError, TimeoutError, orjson.JSONDecodeError) as exc:
+                failure = f"{e}: {type(exc).__name__}: {exc}"
+        raise EtcdError(failure)
+
+    async def grant(self, ttl_s: int) -> int:
+        r = await self._call("/v3/lease/grant", {"TTL": ttl_s})
+        return int(r["ID"])
+
+    async def keep_alive(self, lease: int) -> int:
+        """The lease's TTL after the renewal; 0 when the lease is gone."""
+        r = await self._call("/v3/lease/keepalive", {"ID": str(lease)})
+        return int(r.get("result", {}).get("TTL", 0))
+
+    async def revoke(self, lease: int) -> None:
+        await self._call("/v3/lease/revoke", {"ID": str(lease)})
+
+    async def create(self, key: bytes, value: bytes, lease: int) -> tuple[bool, KeyValue | None]:
+        """Put `key` only if it does not exist: (whether we created it, the key as it is)."""
+        k = _b64(key)
+        r = await self._call(
+            "/v3/kv/txn",
+            {
+                "compare": [
+                    {"key": k, "result": "EQUAL", "target": "CREATE", "create_revision": "0"}
+                ],
+                "success": [{"request_put": {"key": k, "value": _b64(value), "lease": str(lease)}}],
+                "failure": [{"request_range": {"key": k}}],
+            },
+        )
+        if r.get("succeeded"):
+            rev = int(r["header"]["revision"])
+            return True, KeyValue(value, rev, rev, lease)
+        kvs = r.get("responses", [{}])[0].get("response_range", {}).get("kvs", [])
+        return False, _kv(kvs[0]) if kvs else None
+
+    async def get(self, key: bytes) -> KeyValue | None:
+        r = await self._call("/v3/kv/range", {"key": _b64(key)})
+        kvs = r.get("kvs", [])
+        return _kv(kvs[0]) if kvs else None
+
+    async def put(self, key: bytes, value: bytes) -> None:
+        await self._call("/v3/kv/put", {"key": _b64(key), "value": _b64(value)})
+
+    async def delete(self, key: bytes) -> None:
+        await self._call("/v3/kv/deleterange", {"key": _b64(key)})

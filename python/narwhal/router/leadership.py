@@ -1,0 +1,157 @@
+"""Leadership among several routers: an etcd lease, a leader key, a fencing token.
+
+Without `ha` a router is its own leader. With it, routers campaign for one key on an etcd
+lease: whoever creates the key leads, the others stand by and try again as soon as it is
+gone (the lease lapsed, or the leader resigned). The leader's fencing token is the key's
+creation revision, which only grows across elections; every request placed carries it to
+the engine (`x-narwhal-fence`), and LexiEngine with `--fence` refuses a lower one.
+
+A leader knows its lease only as of its last renewal: it places work only while
+`renewed_at + TTL - margin` has not passed (monotonic clock; the margin covers the request's
+time on the wire and clock-rate skew), so it stops before etcd could have let the lease go
+and a new leader could exist. Past that, or when etcd says the lease or the key is gone, or
+when an engine refuses its token, it is fenced: it places nothing new, and campaigns again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import logging
+import math
+import socket
+import time
+from collections.abc import Awaitable, Callable
+
+from narwhal.etcd import Etcd, EtcdError
+from narwhal.router.config import HA
+
+log = logging.getLogger("narwhal.leadership")
+
+
+class Role(enum.Enum):
+    LEADER = "leader"
+    STANDBY = "standby"
+    FENCED = "fenced"
+    STOPPING = "stopping"
+
+
+class Leadership:
+    def __init__(
+        self,
+        ha: HA | None,
+        name: str | None = None,
+        on_lead: Callable[[], Awaitable[None]] | None = None,
+    ) -> None:
+        self.ha = ha
+        self.on_lead = on_lead  # run before a new leader places its first request
+        self.name = name or f"{socket.gethostname()}:{id(self):x}"
+        self.token: int | None = None  # the fencing token while leading
+        if ha is None:
+            self.role, self.reason = Role.LEADER, ""
+            self._valid_until = math.inf
+        else:
+            self.role, self.reason = Role.STANDBY, "standby: campaigning for leadership"
+            self._valid_until = 0.0
+        self.etcd = Etcd(list(ha.etcd)) if ha is not None else None
+        self._lease = 0
+        self._woken = asyncio.Event()
+
+    def serving(self) -> str | None:
+        """None when this router may place work now; else why not (for 503 and /ready)."""
+        if self.role is Role.LEADER:
+            if time.monotonic() < self._valid_until:
+                return None
+            self.fence("the etcd lease could not be renewed in time")
+        return self.reason
+
+    def fence(self, why: str) -> None:
+        if self.role in (Role.LEADER, Role.STANDBY):
+            log.warning("router fenced (token %s): %s", self.token, why)
+            self.role, self.reason = Role.FENCED, f"fenced: {why}"
+            self._valid_until = 0.0
+            self._woken.set()
+
+    @property
+    def stopping(self) -> bool:
+        return self.role is Role.STOPPING
+
+    def describe(self) -> dict[str, object]:
+        out: dict[str, object] = {"role": self.role.value, "fencing_token": self.token}
+        if self.ha is not None:
+            out["key"] = self.ha.key
+        return out
+
+    async def resign(self) -> None:
+        """Stop leading at once (SIGTERM): the key goes with the lease, so a standby takes
+        over without waiting for the TTL. In-flight streams carry on."""
+        if self.ha is None:
+            self.role, self.reason = Role.STOPPING, "stopping"
+            return
+        was = self.role
+        self.role, self.reason = Role.STOPPING, "stopping: shutting down"
+        self._valid_until = 0.0
+        self._woken.set()
+        if self._lease and self.etcd is not None:
+            try:
+                await self.etcd.revoke(self._lease)
+                log.info("resigned (was %s): lease revoked", was.value)
+            except EtcdError as e:
+                log.warning(
+                    "could not revoke the lease (it lapses in %ds): %s", self.ha.lease_ttl_s, e
+                )
+
+    async def run_forever(self) -> None:
+        if self.ha is None or self.etcd is None:
+            return
+        ha, etcd = self.ha, self.etcd
+        key, me = ha.key.encode(), self.name.encode()
+        every = ha.lease_ttl_s / 3
+        while not self.stopping:
+            try:
+                if not self._lease:
+                    sent = time.monotonic()
+                    self._lease = await etcd.grant(ha.lease_ttl_s)
+                    lease_until = sent + ha.lease_ttl_s - ha.margin_s
+                else:
+                    sent = time.monotonic()
+                    ttl = await etcd.keep_alive(self._lease)
+                    if ttl <= 0:
+                        self._lease = 0
+                        if self.role is Role.LEADER:
+                            self.fence("the etcd lease expired")
+                        continue
+                    lease_until = sent + ttl - ha.margin_s
+                created, kv = await etcd.create(key, me, self._lease)
+                ours = created or (kv is not None and kv.lease == self._lease)
+                if self.stopping:  # resigned while this round was out
+                    break
+                if ours and kv is not None:
+                    if self.role is not Role.LEADER or self.token != kv.create_revision:
+                        log.info("leading with fencing token %d", kv.create_revision)
+                        if self.on_lead is not None and self.role is not Role.LEADER:
+                            await self.on_lead()
+                    self.token = kv.create_revision
+                    self._valid_until = lease_until
+                    self.role, self.reason = Role.LEADER, ""
+                else:
+                    if self.role is Role.LEADER:
+                        self.fence("another router holds the leader key")
+                    holder = kv.value.decode(errors="replace") if kv else "nobody"
+                    self.token = None
+                    self.role, self.reason = Role.STANDBY, f"standby: {holder} leads"
+            except EtcdError as e:
+                if self.role is Role.STANDBY:
+                    self.reason = f"standby: etcd unreachable ({e})"
+                # A leader keeps leading until its proven lease runs out (serving()).
+            # A standby looks again soon (it takes over as the key goes); a leader
+            # renews at a third of its TTL.
+            wait = every if self.role is Role.LEADER else min(every, 0.25)
+            self._woken.clear()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._woken.wait(), wait)
+
+    async def close(self) -> None:
+        if self.etcd is not None:
+            await self.etcd.close()

@@ -1,0 +1,289 @@
+"""Several routers on a real etcd: one leads, the others stand by; fencing tokens that
+LexiEngine checks; maintenance waves; the admin API. Real processes throughout."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+from itertools import count
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.support import EtcdServer, Server, start_engine, start_router
+
+pytestmark = pytest.mark.slow
+
+TTL = 2
+_keys = count()
+
+
+@pytest.fixture(scope="module")
+def etcd() -> Iterator[EtcdServer]:
+    try:
+        e = EtcdServer()
+    except RuntimeError as exc:
+        pytest.skip(str(exc))
+    yield e
+    e.stop()
+
+
+@pytest.fixture(scope="module")
+def engine(model_path: str) -> Iterator[Server]:
+    s = start_engine(model_path, "--fence", "--alias", "main", "--parallel", "2", "--temp", "0")
+    yield s
+    s.stop()
+
+
+def config(etcd: EtcdServer, key: str, engines: str, ttl: int = TTL, admin: bool = False) -> str:
+    return (
+        "listen: {port: $PORT}\nadmission: open\nhealth: {interval_s: 0.2}\n"
+        f"ha: {{etcd: ['{etcd.url}'], key: '{key}', lease_ttl_s: {ttl}}}\n"
+        + ("admin: {token_env: NARWHAL_TEST_ADMIN}\n" if admin else "")
+        + f"engines:\n{engines}"
+    )
+
+
+def lexi(engine: Server) -> str:
+    return f"  - {{name: lexi, url: '{engine.url}', dialect: lexi}}\n"
+
+
+def pair(tmp: Path, text: str) -> tuple[Server, Server]:
+    """Two routers on one leader key: the first leads (it was ready before the second)."""
+    first = start_router(tmp, text)
+    second = start_router(tmp, text, wait_ready=False)
+    return first, second
+
+
+def ready(r: Server) -> httpx.Response:
+    return httpx.get(r.url + "/ready", timeout=5)
+
+
+def ask(r: Server, **kw: Any) -> httpx.Response:
+    body = {"prompt": "Hi", "max_tokens": 2, **kw}
+    return httpx.post(r.url + "/v1/completions", json=body, timeout=30)
+
+
+def wait_until(cond: Callable[[], bool], within: float) -> None:
+    end = time.monotonic() + within
+    while not cond():
+        if time.monotonic() > end:
+            raise AssertionError(f"not within {within}s")
+        time.sleep(0.05)
+
+
+def token(r: Server) -> int:
+    t = ready(r).json()["leadership"]["fencing_token"]
+    assert isinstance(t, int)
+    return t
+
+
+def engine_token(engine: Server) -> float:
+    for line in httpx.get(engine.url + "/metrics").text.splitlines():
+        if line.startswith("lexi_fencing_token "):
+            return float(line.split()[1])
+    raise AssertionError("no lexi_fencing_token")
+
+
+def test_one_leads_the_other_stands_by(etcd: EtcdServer, engine: Server, tmp_path: Path) -> None:
+    a, b = pair(tmp_path, config(etcd, f"/t{next(_keys)}/leader", lexi(engine)))
+    try:
+        assert ask(a).status_code == 200
+        r = ask(b)
+        assert r.status_code == 503 and r.headers["retry-after"] == "1"
+        assert r.json()["error"]["code"] == "standby"
+        rd = ready(b)
+        assert rd.status_code == 503 and rd.json()["reason"].startswith("standby")
+        assert ready(a).json()["leadership"]["role"] == "leader"
+        assert engine_token(engine) == token(a)  # the token the engine accepted is a's
+    finally:
+        a.stop()
+        b.stop()
+
+
+def test_kill_9_of_the_leader_the_standby_serves_within_the_ttl(
+    etcd: EtcdServer, engine: Server, tmp_path: Path
+) -> None:
+    a, b = pair(tmp_path, config(etcd, f"/t{next(_keys)}/leader", lexi(engine)))
+    try:
+        old = token(a)
+        os.killpg(a.proc.pid, signal.SIGKILL)
+        wait_until(lambda: ask(b).status_code == 200, within=TTL + 1)
+        assert token(b) > old  # a new election, a higher fencing token
+    finally:
+        a.stop()
+        b.stop()
+
+
+def test_a_leader_paused_past_its_ttl_is_fenced_and_never_served(
+    etcd: EtcdServer, engine: Server, tmp_path: Path
+) -> None:
+    a, b = pair(tmp_path, config(etcd, f"/t{next(_keys)}/leader", lexi(engine)))
+    try:
+        old = token(a)
+        os.killpg(a.proc.pid, signal.SIGSTOP)  # the whole router, frozen mid-lease
+        statuses: list[int] = []
+        # Requests that reach the frozen leader wait in its socket's backlog.
+        sent = [
+            threading.Thread(target=lambda: statuses.append(ask(a).status_code)) for _ in range(3)
+        ]
+        for t in sent:
+            t.start()
+        wait_until(lambda: ask(b).status_code == 200, within=TTL + 1)
+        new = token(b)
+        os.killpg(a.proc.pid, signal.SIGCONT)
+        for t in sent:
+            t.join(30)
+        assert statuses == [503, 503, 503]  # it knew its lease was not proven any more
+        assert ready(a).json()["leadership"]["role"] in ("fenced", "standby")
+        # The engine accepted the new leader's token; the old one is refused there too.
+        assert engine_token(engine) == new > old
+        r = httpx.post(
+            engine.url + "/v1/completions",
+            json={"prompt": "Hi", "max_tokens": 1},
+            headers={"x-narwhal-fence": str(old)},
+        )
+        assert r.status_code == 409 and r.json()["error"]["code"] == "fenced"
+        r = httpx.post(engine.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 1})
+        assert r.status_code == 409  # no token at all
+    finally:
+        os.killpg(a.proc.pid, signal.SIGCONT)
+        a.stop()
+        b.stop()
+
+
+def test_etcd_gone_the_leader_fences_itself_before_its_lease_could_lapse(
+    etcd: EtcdServer, engine: Server, tmp_path: Path
+) -> None:
+    a = start_router(tmp_path, config(etcd, f"/t{next(_keys)}/leader", lexi(engine)))
+    try:
+        assert ask(a).status_code == 200
+        etcd.pause()
+        # The lease lapses TTL after its last renewal at the latest: the leader stops
+        # placing before that, and says why.
+        wait_until(lambda: ask(a).status_code == 503, within=TTL)
+        assert ready(a).json()["reason"].startswith("fenced")
+        etcd.resume()
+        wait_until(lambda: ask(a).status_code == 200, within=TTL + 3)  # it campaigns again
+    finally:
+        etcd.resume()
+        a.stop()
+
+
+def test_sigterm_hands_over_at_once_and_in_flight_streams_finish(
+    etcd: EtcdServer, engine: Server, tmp_path: Path
+) -> None:
+    ttl = 30  # a handover that waited for the lease to lapse would take this long
+    a, b = pair(tmp_path, config(etcd, f"/t{next(_keys)}/leader", lexi(engine), ttl=ttl))
+    try:
+        # Longer than the wait below: a resignation that came only after the drain would
+        # let the standby in too late.
+        body = {
+            "prompt": "Hi",
+            "max_tokens": 500,
+            "stream": True,
+            "grammar": 'root ::= "' + "go " * 600 + '"',
+        }
+        with httpx.stream("POST", a.url + "/v1/completions", json=body, timeout=60) as s:
+            chunks = s.iter_text()
+            first = next(chunks)
+            os.kill(a.proc.pid, signal.SIGTERM)
+            wait_until(lambda: ask(b).status_code == 200, within=5)  # not the 30 s TTL
+            rest = "".join(chunks)
+        assert "[DONE]" in first + rest  # the stream in flight finished
+        assert '"error"' not in first + rest
+    finally:
+        a.stop()
+        b.stop()
+
+
+def test_maintenance_waves_and_the_admin_token(
+    etcd: EtcdServer, engine: Server, tmp_path: Path, scripted: Server
+) -> None:
+    os.environ["NARWHAL_TEST_ADMIN"] = "s3cret"
+    engines = lexi(engine) + f"  - {{name: other, url: '{scripted.url}', dialect: openai}}\n"
+    try:
+        a, b = pair(tmp_path, config(etcd, f"/t{next(_keys)}/leader", engines, admin=True))
+    finally:
+        del os.environ["NARWHAL_TEST_ADMIN"]
+    wave = a.url + "/admin/maintenance"
+    auth = {"authorization": "Bearer s3cret"}
+    try:
+        assert httpx.get(wave).status_code == 401
+        assert (
+            httpx.post(
+                wave, json={"engines": "all"}, headers={"authorization": "Bearer nope"}
+            ).status_code
+            == 401
+        )
+        r = httpx.post(wave, json={"engines": ["lexi"]}, headers=auth)
+        assert r.status_code == 200 and r.json()["engines"] == ["lexi"]
+        for _ in range(4):  # a partial wave: the other engine serves
+            assert ask(a).status_code == 200
+        assert ready(a).json()["maintenance"] == ["lexi"]
+        assert httpx.post(wave, json={"engines": "all"}, headers=auth).json()["whole_wave"]
+        r = ask(a)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "maintenance"
+        assert ready(a).json()["reason"].startswith("whole-wave maintenance")
+        # The wave lives in etcd: the standby that takes over inherits it.
+        os.killpg(a.proc.pid, signal.SIGKILL)
+        wait_until(lambda: ready(b).json()["leadership"]["role"] == "leader", within=TTL + 1)
+        wait_until(lambda: ready(b).json()["maintenance"] == ["lexi", "other"], within=2)
+        assert ask(b).json()["error"]["code"] == "maintenance"
+        assert httpx.delete(b.url + "/admin/maintenance", headers=auth).status_code == 200
+        assert ask(b).status_code == 200
+    finally:
+        a.stop()
+        b.stop()
+
+
+def test_no_admin_routes_without_an_admin_token(scripted: Server, tmp_path: Path) -> None:
+    r = start_router(
+        tmp_path,
+        f"listen: {{port: $PORT}}\nadmission: open\n"
+        f"engines: [{{name: s, url: '{scripted.url}', dialect: openai}}]\n",
+    )
+    try:
+        assert httpx.get(r.url + "/admin/maintenance").status_code == 404
+        assert ready(r).json()["leadership"] == {"role": "leader", "fencing_token": None}
+    finally:
+        r.stop()
+
+
+def test_a_new_leader_admits_with_the_profiles_the_last_one_learned(
+    etcd: EtcdServer, engine: Server, tmp_path: Path
+) -> None:
+    key = f"/t{next(_keys)}/leader"
+    text = config(etcd, key, lexi(engine)).replace("admission: open", "admission: predictive")
+    a, b = pair(tmp_path, text)
+
+    def rate(r: Server) -> Any:
+        return ready(r).json()["engines"][0]["profile"]["prefill_tokens_per_s"]
+
+    def stored() -> Any:
+        import base64
+
+        import orjson
+
+        k = base64.b64encode(key.replace("/leader", "/profiles").encode()).decode()
+        kvs = httpx.post(etcd.url + "/v3/kv/range", json={"key": k}).json().get("kvs")
+        return orjson.loads(base64.b64decode(kvs[0]["value"]))["lexi"] if kvs else None
+
+    try:
+        wait_until(lambda: rate(a) is not None, within=10)  # a's probe measured the engine
+        assert rate(b) is None  # a standby neither probes nor learns
+        wait_until(lambda: stored() is not None and stored()["prefill_tps"], within=5)
+        os.killpg(a.proc.pid, signal.SIGKILL)
+        published = stored()["prefill_tps"]
+        wait_until(lambda: ready(b).json()["leadership"]["role"] == "leader", within=TTL + 1)
+        # Before any measurement of its own (its first probe is an interval away), the new
+        # leader's projection already runs on what the last one learned.
+        assert rate(b) == pytest.approx(published)
+    finally:
+        a.stop()
+        b.stop()
