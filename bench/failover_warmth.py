@@ -80,7 +80,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     a = ap.parse_args()
     etcd = EtcdServer()
-    engine = start_test_engine("tests.scripted_engine")
+    # Every prompt costs prefill, the probes too (2 ms a token, as the live prompts).
+    engine = start_test_engine("tests.scripted_engine", "--prefill-ms-per-token", "2")
     try:
         print("| new leader | offered | answered | first byte within budget | refused | failed |")
         print("|---|---|---|---|---|---|")
