@@ -56,6 +56,15 @@ def test_models_lists_aliases_and_unknown_names_are_refused(engine: Server) -> N
     assert "requested model is not loaded" in r.json()["error"]["message"]
 
 
+def test_a_model_is_retrieved_by_any_of_its_names(engine: Server) -> None:
+    for name in ("main", "client-main"):
+        r = httpx.get(engine.url + "/v1/models/" + name)
+        assert r.status_code == 200 and r.json()["id"] == name
+    r = httpx.get(engine.url + "/v1/models/nope")
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    assert httpx.post(engine.url + "/v1/models/main").status_code == 405
+
+
 def test_reasoning_is_separated_streaming_and_not(engine: Server) -> None:
     r = post(engine, "/v1/chat/completions", chat(grammar=THINK))
     msg = r.json()["choices"][0]["message"]

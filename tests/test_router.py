@@ -497,3 +497,14 @@ def test_readme_names_every_config_key() -> None:
 
     walk(SCHEMA)
     assert sorted(n for n in names if n not in readme) == []
+
+
+def test_a_model_is_retrieved_by_id(router: Server) -> None:
+    from openai import NotFoundError, OpenAI
+
+    client = OpenAI(base_url=router.url + "/v1", api_key="x")
+    assert client.models.retrieve("main").id == "main"
+    with pytest.raises(NotFoundError):
+        client.models.retrieve("other")
+    r = httpx.get(router.url + "/v1/models/other")
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"

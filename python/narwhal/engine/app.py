@@ -111,10 +111,13 @@ class Engine:
                 await asgi.send_json(send, 200, {"status": "ok"})
                 return
             self._authorize(scope)
-            if path in ("/v1/models", "/metrics", "/health") and method != "GET":
+            model_id = path[len("/v1/models/") :] if path.startswith("/v1/models/") else None
+            if (path in ("/v1/models", "/metrics", "/health") or model_id) and method != "GET":
                 raise asgi.method_not_allowed(method, path, "GET")
             if path == "/v1/models":
                 await asgi.send_json(send, 200, self._models())
+            elif model_id:
+                await asgi.send_json(send, 200, self._model(model_id))
             elif path == "/metrics":
                 self._refresh_gauges()
                 await asgi.send_bytes(
@@ -184,6 +187,18 @@ class Engine:
             for i, n in enumerate(self.model.names)
         ]
         return {"object": "list", "data": data}
+
+    def _model(self, model_id: str) -> dict[str, Any]:
+        """`GET /v1/models/{id}`: one of the names (OpenAI's retrieve), or 404."""
+        for m in self._models()["data"]:
+            if m["id"] == model_id:
+                return dict(m)
+        raise ApiError(
+            404,
+            f"The model '{model_id[:200]}' does not exist",
+            param="model",
+            code="model_not_found",
+        )
 
     def _refresh_gauges(self) -> None:
         self.metrics.queue_depth.set(self.slots.waiting)

@@ -149,6 +149,10 @@ class Router:
                 await self._completion(path, scope, receive, send)
             elif path in admin_api.ROUTES and self.admin is not None:
                 await self.admin.handle(scope, receive, send)
+            elif path.startswith("/v1/models/"):
+                if method != "GET":
+                    raise asgi.method_not_allowed(method, path, "GET")
+                await asgi.send_json(send, 200, self._model(path[len("/v1/models/") :]))
             elif path not in GET_ROUTES:
                 raise ApiError(404, f"no route {method} {path}", code="not_found")
             elif method != "GET":
@@ -158,21 +162,7 @@ class Router:
             elif path == "/ready":
                 await self._ready(send)
             elif path == "/v1/models":
-                await asgi.send_json(
-                    send,
-                    200,
-                    {
-                        "object": "list",
-                        "data": [
-                            {
-                                "id": self.config.model,
-                                "object": "model",
-                                "created": 0,
-                                "owned_by": "narwhal",
-                            }
-                        ],
-                    },
-                )
+                await asgi.send_json(send, 200, {"object": "list", "data": [self._model()]})
             elif path == "/engines":
                 await asgi.send_json(
                     send, 200, {"engines": [e.describe() for e in self.pool.engines]}
@@ -188,6 +178,17 @@ class Router:
             await asgi.send_error(send, e)
         except asgi.ClientGone:
             pass
+
+    def _model(self, model_id: str | None = None) -> dict[str, Any]:
+        """The one model the router serves (`GET /v1/models/{id}`: it, or 404)."""
+        if model_id is not None and model_id != self.config.model:
+            raise ApiError(
+                404,
+                f"The model '{model_id[:200]}' does not exist",
+                param="model",
+                code="model_not_found",
+            )
+        return {"id": self.config.model, "object": "model", "created": 0, "owned_by": "narwhal"}
 
     async def _ready(self, send: Send) -> None:
         engines = [e.describe() for e in self.pool.engines]
