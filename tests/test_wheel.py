@@ -23,7 +23,7 @@ def test_release_wheel_installs_and_runs(tmp_path: Path) -> None:
         check=True,
         timeout=900,
     )
-    wheels = list(out.glob("narwhal-*.whl"))
+    wheels = list(out.glob("narwhal_serve-*.whl"))
     assert len(wheels) == 1
     assert "abi3" in wheels[0].name
     env = tmp_path / "venv"
@@ -48,6 +48,14 @@ def test_release_wheel_installs_and_runs(tmp_path: Path) -> None:
         check=True,
         cwd=tmp_path,
     )
+    # Without the engine extra, both ways to start LexiEngine say in one line what to do.
+    for cmd in (["lexi-engine", "serve", "-m", "x.gguf"], ["narwhal", "up", "--model", "x.gguf"]):
+        p = subprocess.run(
+            [str(env / "bin" / cmd[0]), *cmd[1:]], capture_output=True, text=True, cwd=tmp_path
+        )
+        assert p.returncode == 2, p.stderr
+        assert "pip install 'narwhal-serve[engine]'" in p.stderr
+        assert "Traceback" not in p.stderr
     path, data = probe.stdout.split()
     assert str(env) in path  # imported from the installed wheel, not the source tree
     assert data == "ok"

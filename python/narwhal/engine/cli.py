@@ -25,6 +25,12 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    from narwhal.engine.deps import missing
+
+    lacking = missing()
+    if lacking is not None:
+        print(f"lexi-engine: error: {lacking}", file=sys.stderr)
+        return 2
     try:
         config = from_args(args)
         addr = service.resolve(config.host, config.port)

@@ -11,7 +11,6 @@ from typing import Any
 
 import orjson
 
-from narwhal.engine.template import TemplateError, validate_source
 
 REASONING_FORMATS = ("auto", "none")
 
@@ -250,6 +249,10 @@ def from_args(ns: argparse.Namespace) -> EngineConfig:
             raw = Path(ns.chat_template_file).read_bytes()
         except OSError as e:
             raise ConfigError("--chat-template-file", f"cannot read: {e.strerror}") from e
+        # Imported here: the flags (and --help) must work before the engine extra's jinja2
+        # is known to be there (engine/deps.py says how to get it).
+        from narwhal.engine.template import TemplateError, validate_source
+
         try:
             template = validate_source(raw, ns.chat_template_file)
         except TemplateError as e:

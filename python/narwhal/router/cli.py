@@ -87,6 +87,13 @@ def main(argv: list[str] | None = None) -> int:
     except service.StartError as e:
         print(f"narwhal: error: {e}", file=sys.stderr)
         return 2
+    if any(e.launch is not None for e in config.engines):
+        from narwhal.engine.deps import missing
+
+        lacking = missing()
+        if lacking is not None:  # a managed engine could never start
+            print(f"narwhal: error: {lacking}", file=sys.stderr)
+            return 2
     if config.admin_token_env and not os.environ.get(config.admin_token_env):
         print(
             f"narwhal: config error: admin.token_env: the environment variable "
