@@ -6,7 +6,6 @@ import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import httpx
 import orjson
@@ -396,6 +395,36 @@ def test_bad_config_is_refused_with_its_path(tmp_path: Path) -> None:
     assert "engines.0.dialect" in p.stderr and "queue.size" in p.stderr
 
 
+@pytest.mark.parametrize(
+    ("text", "says"),
+    [
+        (
+            "engines:\n  - {name: a, url: 'http://x', launch: {model: m.gguf}}\n",
+            "engines.0: give `url` (an engine to call) or `launch` (a LexiEngine to run), not both",
+        ),
+        ("engines:\n  - {name: a}\n", "engines.0: give `url`"),
+        ("engines: [{name: a, url: 'http://x'}\nqueue: {size: 1}\n", "bad.yaml:2:"),
+    ],
+)
+def test_config_errors_are_in_plain_words_with_the_file(
+    tmp_path: Path, text: str, says: str
+) -> None:
+    import subprocess
+    import sys
+
+    cfg = tmp_path / "bad.yaml"
+    cfg.write_text(text)
+    p = subprocess.run(
+        [str(Path(sys.executable).parent / "narwhal"), "serve", "--config", str(cfg)],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert p.returncode == 2
+    assert says in p.stderr, p.stderr
+    assert "oneOf" not in p.stderr and "<unicode string>" not in p.stderr
+
+
 def _cpus(pid: int) -> set[str]:
     """The CPU lists (`Cpus_allowed_list`) of every thread of `pid` and its descendants."""
     family, grew = {pid}, True
@@ -479,24 +508,16 @@ def test_bad_cpu_affinity_is_refused(tmp_path: Path, value: str, says: str) -> N
     assert says in p.stderr
 
 
-def test_readme_names_every_config_key() -> None:
-    """A clone has only its README for the config keys: every key of the schema is there."""
-    from narwhal.router.config import SCHEMA
+def test_the_config_reference_is_in_step_with_the_schema() -> None:
+    """A clone has docs/CONFIG.md for the config keys: it is what the schema generates
+    (every key, with its type and default), and the README points to it."""
+    from narwhal.router.config_doc import render
 
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    names: set[str] = set()
-
-    def walk(node: Any) -> None:
-        if isinstance(node, dict):
-            names.update(node.get("properties", {}))
-            for v in node.values():
-                walk(v)
-        elif isinstance(node, list):
-            for v in node:
-                walk(v)
-
-    walk(SCHEMA)
-    assert sorted(n for n in names if n not in readme) == []
+    root = Path(__file__).resolve().parent.parent
+    assert (root / "docs" / "CONFIG.md").read_text() == render(), (
+        "regenerate: python -m narwhal.router.config_doc > docs/CONFIG.md"
+    )
+    assert "docs/CONFIG.md" in (root / "README.md").read_text()
 
 
 def test_a_model_is_retrieved_by_id(router: Server) -> None:

@@ -11,7 +11,6 @@ from typing import Any
 
 import orjson
 
-
 REASONING_FORMATS = ("auto", "none")
 
 # llama-server's defaults, used when a switch is omitted.

@@ -232,6 +232,19 @@ class RouterConfig:
         return cls(engines=tuple(engines), **d)
 
 
+def _plain(err: Any, data: Any) -> str:
+    """jsonschema's wording where it is plain, ours where it names a keyword."""
+    if "oneOf" in err.message:  # the one oneOf: an engine's url or launch
+        node = data
+        for part in err.instance_path:
+            node = node[part]
+        given = [k for k in ("url", "launch") if isinstance(node, dict) and k in node]
+        if len(given) == 2:
+            return "give `url` (an engine to call) or `launch` (a LexiEngine to run), not both"
+        return "give `url` (an engine to call) or `launch` (a LexiEngine to run)"
+    return str(err.message)
+
+
 def _path(err: Any) -> str:
     parts = [str(p) for p in getattr(err, "instance_path", [])]
     return ".".join(parts) or "<root>"
@@ -242,7 +255,7 @@ def parse(data: Any) -> RouterConfig:
         raise ConfigError("<root>: the config must be a mapping")
     errors = sorted(_VALIDATOR.iter_errors(data), key=lambda e: list(map(str, e.instance_path)))
     if errors:
-        raise ConfigError("; ".join(f"{_path(e)}: {e.message}" for e in errors))
+        raise ConfigError("; ".join(f"{_path(e)}: {_plain(e, data)}" for e in errors))
     names = [e["name"] for e in data["engines"]]
     dupes = {n for n in names if names.count(n) > 1}
     if dupes:
@@ -318,5 +331,8 @@ def load(path: str | Path) -> RouterConfig:
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: not valid YAML: {e}") from e
+        mark = getattr(e, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ConfigError(f"{where}: not valid YAML: {problem}") from e
     return parse(data)

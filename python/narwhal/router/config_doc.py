@@ -1,0 +1,193 @@
+"""docs/CONFIG.md, generated from the config's JSON Schema and the dataclasses' defaults, so
+the reference cannot drift from what `narwhal serve` accepts (a test compares the two).
+
+    .venv/bin/python -m narwhal.router.config_doc > docs/CONFIG.md
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from narwhal.router.config import _FIELDS, HA, SCHEMA, EngineSpec, Launch, RouterConfig
+
+# What each key means, by its dotted path (`[]` for a list's items). Every key of the schema
+# must be here: render() refuses to leave one out.
+MEANINGS = {
+    "model": "the public model name clients ask for (`model` in requests, `/v1/models`)",
+    "listen": "where the router listens",
+    "listen.host": "address or host name (a name resolves, IPv4 first)",
+    "listen.port": "TCP port; a port another process listens on is refused at start",
+    "admission": "`predictive` (refuse what cannot start within the TTFT budget) or `open`",
+    "serving": "limits on client requests and connections",
+    "serving.max_request_bytes": "larger request bodies are 413",
+    "serving.http_retention_limit": "requests the router holds at once; 429 beyond",
+    "serving.request_timeout_s": "a request's whole deadline (`x-narwhal-timeout-ms` may "
+    "shorten it): 504 before the first byte, an error event after",
+    "serving.shutdown_grace_s": "after the first SIGTERM/SIGINT, in-flight requests may finish "
+    "for this long; a second signal stops at once",
+    "serving.header_timeout_s": "a request head (or a kept-alive connection's next one) must "
+    "arrive within this; a connection that sends nothing is closed after it too",
+    "serving.body_timeout_s": "a request body must arrive whole within this (408)",
+    "serving.max_connections": "client connections served at once (more wait in the backlog)",
+    "serving.stream_idle_timeout_s": "an engine silent this long mid-answer has stalled: the "
+    "stream ends with an `engine_stalled` error event",
+    "serving.native_relay": "relay streams from the upstream socket's read callback in Rust "
+    "where the ASGI server allows (Granian); `false`: each chunk sent from Python",
+    "serving.cpu_affinity": "`auto` (one CPU, the highest-numbered allowed), `none`, or a list "
+    "of CPU numbers for the router's own threads",
+    "queue": "the admission queue in front of the engines",
+    "queue.size": "requests that may wait for a seat; 429 `queue_full` beyond",
+    "queue.wait_s": "how long a request may wait; 504 `admission_timeout` after",
+    "phases": "seats per engine",
+    "phases.prefill_concurrency": "requests before their first token, per engine",
+    "phases.decode_concurrency": "requests streaming tokens, per engine",
+    "predictive": "predictive TTFT admission",
+    "predictive.ttft_budget_s": "the TTFT budget (`x-narwhal-ttft-target-ms` per request)",
+    "predictive.drift_bound": "the typical miss (an EWMA of the absolute log of observed over "
+    "predicted TTFT) beyond which predictions are not trusted: 503 `monitoring_degraded`",
+    "predictive.drift_min_samples": "scored outcomes before drift counts",
+    "predictive.stale_after_s": "an engine's profile older than this is stale",
+    "predictive.probe_interval_s": "an idle engine is probed when its profile is this old",
+    "health": "health probes and the circuit breaker",
+    "health.interval_s": "time between `/health` probes of each engine",
+    "health.timeout_s": "a probe's timeout",
+    "health.eject_after": "request faults in a row that take an engine out until a probe passes",
+    "ha": "several routers: leadership on an etcd lease (README: Several routers)",
+    "ha.etcd": "etcd endpoints (`http://host:2379`), tried in order",
+    "ha.key": "the leader key; the maintenance wave and predictor profiles live beside it",
+    "ha.lease_ttl_s": "the lease's TTL: a dead leader is replaced within it; a leader stops "
+    "placing work 20 % (at least 0.5 s) before it could lapse",
+    "admin": "the admin API (`/admin/maintenance`); without it there are no admin routes",
+    "admin.token_env": "the environment variable that holds the admin Bearer token",
+    "engines": "the engines requests are placed on (at least one)",
+    "engines[].name": "a unique name: letters, digits, `_.-`",
+    "engines[].url": "an engine to call (`http(s)://host:port`, optional `user:pass@`); "
+    "give `url` or `launch`, not both",
+    "engines[].dialect": "`lexi`, `vllm`, `sglang`, `llamacpp` or `openai` (below)",
+    "engines[].launch": "a LexiEngine the router runs and supervises",
+    "engines[].launch.model": "the GGUF file",
+    "engines[].launch.parallel": "slots (`--parallel`)",
+    "engines[].launch.port": "its port (default: a free one)",
+    "engines[].launch.args": "more `lexi-engine serve` flags",
+}
+
+_HEAD = """# Configuration reference
+
+`narwhal serve --config narwhal.yaml` reads this YAML. It is checked against a JSON Schema
+before anything listens: an unknown key or a bad value is refused with its path and exit
+status 2. Generated from `python/narwhal/router/config.py` by
+`python -m narwhal.router.config_doc`; a test keeps the two in step.
+
+| key | type | default | meaning |
+|---|---|---|---|
+"""
+
+_TAIL = """
+## Dialects
+
+| dialect | engines | token accounting | what the router asks of it |
+|---|---|---|---|
+| `lexi` | LexiEngine | token IDs, exact | as vllm; `cache_prompt` off for probes |
+| `vllm` | vLLM | token IDs, exact | `return_token_ids`, `stream_interval: 1`, usage |
+| `sglang` | SGLang | unavailable: usage only | usage |
+| `llamacpp` | llama-server | unavailable: usage only | usage; `cache_prompt: false` for probes |
+| `openai` | anything OpenAI-compatible | unavailable: usage only | usage |
+
+With token IDs the router validates and counts every output token (`narwhal_output_tokens`)
+and strips the IDs unless the client asked for them; elsewhere it counts what usage says.
+
+## Examples
+
+One router, two engines, predictive admission:
+
+```yaml
+model: main
+admission: predictive
+predictive: {ttft_budget_s: 2.0}
+engines:
+  - {name: a, url: "http://127.0.0.1:8001", dialect: lexi}
+  - {name: local, launch: {model: path/to/model.gguf, parallel: 4}}
+```
+
+Two routers sharing leadership on etcd, with the admin API:
+
+```yaml
+model: main
+ha: {etcd: ["http://10.0.0.5:2379"], key: /narwhal/main/leader, lease_ttl_s: 5}
+admin: {token_env: NARWHAL_ADMIN_TOKEN}
+engines:
+  - {name: gpu0, url: "http://10.0.0.11:8080", dialect: lexi}
+  - {name: vllm0, url: "http://10.0.0.12:8000", dialect: vllm}
+```
+"""
+
+
+def _type(node: dict[str, Any]) -> str:
+    if "enum" in node:
+        return " \\| ".join(f"`{v}`" for v in node["enum"])
+    if "anyOf" in node:
+        return " or ".join(_type(n) for n in node["anyOf"])
+    t = node.get("type", "")
+    if t == "array":
+        return f"list of {_type(node.get('items', {}))}"
+    return {
+        "integer": "integer",
+        "number": "number",
+        "string": "string",
+        "boolean": "boolean",
+        "object": "mapping",
+    }.get(t, str(t))
+
+
+def _fmt(v: Any) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, bool):
+        return "`true`" if v else "`false`"
+    if isinstance(v, tuple):
+        return "`[]`" if not v else f"`{list(v)}`"
+    if isinstance(v, float) and v.is_integer():
+        v = int(v)
+    return f"`{v}`"
+
+
+def _defaults() -> dict[str, str]:
+    base = RouterConfig(engines=())
+    out = {
+        ".".join(p for p in key if p): _fmt(getattr(base, name)) for key, name in _FIELDS.items()
+    }
+    for prefix, cls in (("engines[].", EngineSpec), ("engines[].launch.", Launch), ("ha.", HA)):
+        for f in dataclasses.fields(cls):
+            if f.default is not dataclasses.MISSING:
+                out[prefix + f.name] = _fmt(f.default)
+    out["engines[].launch.port"] = "a free port"
+    out["engines[].url"] = "-"
+    out["engines[].launch"] = "-"
+    return out
+
+
+def _rows(
+    node: dict[str, Any], path: str, required: set[str], out: list[str], defaults: dict[str, str]
+) -> None:
+    for key, sub in node.get("properties", {}).items():
+        p = f"{path}{key}"
+        if p not in MEANINGS:
+            raise KeyError(f"config_doc.MEANINGS has nothing for {p}")
+        default = "required" if key in required else defaults.get(p, "-")
+        out.append(f"| `{p}` | {_type(sub)} | {default} | {MEANINGS[p]} |")
+        if sub.get("type") == "object":
+            _rows(sub, p + ".", set(sub.get("required", [])), out, defaults)
+        elif sub.get("type") == "array" and sub.get("items", {}).get("type") == "object":
+            items = sub["items"]
+            _rows(items, p + "[].", set(items.get("required", [])), out, defaults)
+
+
+def render() -> str:
+    rows: list[str] = []
+    _rows(SCHEMA, "", set(SCHEMA.get("required", [])), rows, _defaults())
+    return _HEAD + "\n".join(rows) + "\n" + _TAIL
+
+
+if __name__ == "__main__":
+    print(render(), end="")
