@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import logging
 import os
 import sys
@@ -52,7 +53,8 @@ class Router:
                 engines.append(Engine(spec, me.url, managed=me))
             else:
                 assert spec.url is not None
-                engines.append(Engine(spec, spec.url.rstrip("/")))
+                key = os.environ.get(spec.api_key_env) if spec.api_key_env else None
+                engines.append(Engine(spec, spec.url.rstrip("/"), api_key=key))
         self.pool = Pool(
             engines, config.prefill_concurrency, config.decode_concurrency, config.eject_after
         )
@@ -82,6 +84,7 @@ class Router:
         )
         token = os.environ.get(config.admin_token_env, "") if config.admin_token_env else ""
         self.admin = admin_api.Admin(token, self.maintenance) if token else None
+        self.client_keys = tuple(k.encode() for k in client_keys(config))
         self._tasks: list[asyncio.Task[None]] = []
         self.session: aiohttp.ClientSession | None = None
 
@@ -143,6 +146,8 @@ class Router:
             return
         path, method = scope["path"], scope["method"]
         try:
+            if self.client_keys and path.startswith("/v1/"):
+                self._authorize(scope)
             if path in COMPLETION_ROUTES:
                 if method != "POST":
                     raise asgi.method_not_allowed(method, path, "POST")
@@ -178,6 +183,18 @@ class Router:
             await asgi.send_error(send, e)
         except asgi.ClientGone:
             pass
+
+    def _authorize(self, scope: Scope) -> None:
+        auth = asgi.header(scope, b"authorization") or ""
+        given = auth[7:].encode() if auth[:7].lower() == "bearer " else b""
+        # Every key compared, in constant time each: how many match is all that leaks.
+        if not sum(hmac.compare_digest(given, k) for k in self.client_keys):
+            raise ApiError(
+                401,
+                "invalid or missing API key (Authorization: Bearer KEY)",
+                type="authentication_error",
+                code="invalid_api_key",
+            )
 
     def _model(self, model_id: str | None = None) -> dict[str, Any]:
         """The one model the router serves (`GET /v1/models/{id}`: it, or 404)."""
@@ -469,6 +486,14 @@ class Ending:
 
     def __init__(self) -> None:
         self.outcome = "client_gone"
+
+
+def client_keys(config: RouterConfig) -> list[str]:
+    """The accepted client keys: `auth.api_keys` and those in `auth.api_keys_env`."""
+    keys = list(config.api_keys)
+    if config.api_keys_env:
+        keys += [k.strip() for k in os.environ.get(config.api_keys_env, "").split(",") if k.strip()]
+    return keys
 
 
 def _on_stop_signal(callback: Callable[[], object]) -> None:

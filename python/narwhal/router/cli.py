@@ -94,6 +94,21 @@ def main(argv: list[str] | None = None) -> int:
         if lacking is not None:  # a managed engine could never start
             print(f"narwhal: error: {lacking}", file=sys.stderr)
             return 2
+    unset = [
+        (where, name)
+        for where, name in [
+            ("auth.api_keys_env", config.api_keys_env),
+            *((f"engines.{e.name}.api_key_env", e.api_key_env) for e in config.engines),
+        ]
+        if name and not os.environ.get(name)
+    ]
+    if unset:
+        where, name = unset[0]
+        print(
+            f"narwhal: config error: {where}: the environment variable {name} is not set",
+            file=sys.stderr,
+        )
+        return 2
     if config.admin_token_env and not os.environ.get(config.admin_token_env):
         print(
             f"narwhal: config error: admin.token_env: the environment variable "

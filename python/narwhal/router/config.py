@@ -15,6 +15,7 @@ TOKEN_ID_DIALECTS = frozenset({"lexi", "vllm"})
 
 _pos_int = {"type": "integer", "minimum": 1}
 _pos_num = {"type": "number", "exclusiveMinimum": 0}
+_env_name = {"type": "string", "pattern": "^[A-Za-z_][A-Za-z0-9_]*$"}
 
 SCHEMA: dict[str, Any] = {
     "type": "object",
@@ -97,6 +98,14 @@ SCHEMA: dict[str, Any] = {
                 "lease_ttl_s": {"type": "integer", "minimum": 2, "maximum": 300},
             },
         },
+        "auth": {
+            "type": "object",
+            "additionalProperties": False,
+            "properties": {
+                "api_keys": {"type": "array", "items": {"type": "string", "minLength": 1}},
+                "api_keys_env": _env_name,
+            },
+        },
         "admin": {
             "type": "object",
             "additionalProperties": False,
@@ -114,6 +123,7 @@ SCHEMA: dict[str, Any] = {
                     "name": {"type": "string", "pattern": "^[A-Za-z0-9_.-]+$"},
                     "url": {"type": "string", "pattern": "^https?://"},
                     "dialect": {"enum": list(DIALECTS)},
+                    "api_key_env": _env_name,
                     "launch": {
                         "type": "object",
                         "additionalProperties": False,
@@ -153,6 +163,7 @@ class EngineSpec:
     dialect: str = "lexi"
     url: str | None = None
     launch: Launch | None = None
+    api_key_env: str | None = None  # the variable holding the engine's own API key
 
     @property
     def token_ids(self) -> bool:
@@ -212,6 +223,8 @@ class RouterConfig:
     eject_after: int = 3  # request faults in a row that take an engine out until a probe
     ha: HA | None = None  # several routers; None: this router is its own leader
     admin_token_env: str | None = None  # the admin API's token, by environment variable
+    api_keys: tuple[str, ...] = ()  # client keys (auth.api_keys); none: no client auth
+    api_keys_env: str | None = None  # a variable holding more, comma-separated
 
     def to_json(self) -> bytes:
         """The validated config as JSON: its fields, by name (the worker hand-off)."""
@@ -227,6 +240,7 @@ class RouterConfig:
             engines.append(EngineSpec(**e, launch=launch))
         if isinstance(d["cpu_affinity"], list):
             d["cpu_affinity"] = tuple(d["cpu_affinity"])
+        d["api_keys"] = tuple(d["api_keys"])
         if d["ha"] is not None:
             d["ha"] = HA(**{**d["ha"], "etcd": tuple(d["ha"]["etcd"])})
         return cls(engines=tuple(engines), **d)
@@ -268,7 +282,11 @@ def parse(data: Any) -> RouterConfig:
             launch = Launch(
                 la["model"], la.get("parallel", 4), la.get("port"), tuple(la.get("args", ()))
             )
-        engines.append(EngineSpec(e["name"], e.get("dialect", "lexi"), e.get("url"), launch))
+        engines.append(
+            EngineSpec(
+                e["name"], e.get("dialect", "lexi"), e.get("url"), launch, e.get("api_key_env")
+            )
+        )
     given: dict[str, Any] = {}
     for (section, key), name in _FIELDS.items():
         value = (data.get(section, {}) if section else data).get(key)
@@ -283,6 +301,11 @@ def parse(data: Any) -> RouterConfig:
         )
     if "admin" in data:
         given["admin_token_env"] = data["admin"]["token_env"]
+    auth = data.get("auth", {})
+    if auth.get("api_keys"):
+        given["api_keys"] = tuple(auth["api_keys"])
+    if "api_keys_env" in auth:
+        given["api_keys_env"] = auth["api_keys_env"]
     return replace(_DEFAULTS, engines=tuple(engines), **given)
 
 

@@ -58,12 +58,19 @@ MEANINGS = {
     "ha.key": "the leader key; the maintenance wave and predictor profiles live beside it",
     "ha.lease_ttl_s": "the lease's TTL: a dead leader is replaced within it; a leader stops "
     "placing work 20 % (at least 0.5 s) before it could lapse",
+    "auth": "client authentication: requests to `/v1/...` need `Authorization: Bearer KEY` "
+    "(401 otherwise); `/health`, `/ready` and `/metrics` stay open",
+    "auth.api_keys": "accepted client keys",
+    "auth.api_keys_env": "an environment variable holding more keys, comma-separated (keeps "
+    "them out of the file)",
     "admin": "the admin API (`/admin/maintenance`); without it there are no admin routes",
     "admin.token_env": "the environment variable that holds the admin Bearer token",
     "engines": "the engines requests are placed on (at least one)",
     "engines[].name": "a unique name: letters, digits, `_.-`",
     "engines[].url": "an engine to call (`http(s)://host:port`, optional `user:pass@`); "
     "give `url` or `launch`, not both",
+    "engines[].api_key_env": "an environment variable holding the engine's own API key, sent "
+    "as `Authorization: Bearer` (an engine started with `--api-key`)",
     "engines[].dialect": "`lexi`, `vllm`, `sglang`, `llamacpp` or `openai` (below)",
     "engines[].launch": "a LexiEngine the router runs and supervises",
     "engines[].launch.model": "the GGUF file",

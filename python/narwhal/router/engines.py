@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit, urlunsplit
 
@@ -30,6 +30,7 @@ class Engine:
     prefill_tokens: int = 0  # sized prompt tokens of the requests in prefill
     strikes: int = 0  # request faults in a row (reset by a full answer or a probe's return)
     managed: ManagedEngine | None = None  # the process behind it, when the router runs it
+    api_key: str | None = field(default=None, repr=False)  # sent upstream; never shown
 
     @property
     def name(self) -> str:

@@ -302,7 +302,7 @@ class Relayer:
     def upstream(self, e: Engine) -> Upstream:
         up = self.upstreams.get(e.url)
         if up is None:
-            up = self.upstreams[e.url] = Upstream(e.url)
+            up = self.upstreams[e.url] = Upstream(e.url, api_key=e.api_key)
         return up
 
     def close(self) -> None:

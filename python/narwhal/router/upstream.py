@@ -337,7 +337,7 @@ class Exchange:
 class Upstream:
     """Keep-alive connections to one engine base URL (http or https)."""
 
-    def __init__(self, url: str, connect_timeout: float = 5.0) -> None:
+    def __init__(self, url: str, connect_timeout: float = 5.0, api_key: str | None = None) -> None:
         u = urlsplit(url)
         if u.scheme not in ("http", "https") or not u.hostname:
             raise ValueError(f"unsupported engine URL {url!r}")
@@ -349,6 +349,8 @@ class Upstream:
         self.prefix = u.path.rstrip("/")
         netloc = u.netloc.rpartition("@")[2]
         self._head = f"Host: {netloc}\r\nUser-Agent: narwhal\r\nContent-Type: application/json\r\n"
+        if api_key:
+            self._head += f"Authorization: Bearer {api_key}\r\n"
         self.connect_timeout = connect_timeout
         self._free: list[_Connection] = []
         self._all: set[_Connection] = set()
