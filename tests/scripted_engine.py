@@ -85,6 +85,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     body = await request.json()
     STATS["requests"] += 1
     STATS["last"] = body
+    STATS["last_request_id"] = request.headers.get("x-request-id")
     PEERS.add(request.transport.get_extra_info("peername") if request.transport else None)
     STATS["connections"] = len(PEERS)
     chat = request.path.endswith("chat/completions")

@@ -93,13 +93,13 @@ def start_engine(model: str, *extra: str) -> Server:
     )
 
 
-def start_router(tmp: Path, yaml_text: str, wait_ready: bool = True) -> Server:
+def start_router(tmp: Path, yaml_text: str, wait_ready: bool = True, *args: str) -> Server:
     """`narwhal serve`, waited for until `/ready` (or, `wait_ready=False`, `/health`) is 200."""
     port = free_port()
     cfg = tmp / f"narwhal-{port}.yaml"
     cfg.write_text(yaml_text.replace("$PORT", str(port)))
     return Server(
-        [str(BIN / "narwhal"), "serve", "--config", str(cfg)],
+        [str(BIN / "narwhal"), "serve", "--config", str(cfg), *args],
         "/ready" if wait_ready else "/health",
         port,
         timeout=120,

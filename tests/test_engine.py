@@ -56,6 +56,23 @@ def test_models_lists_aliases_and_unknown_names_are_refused(engine: Server) -> N
     assert "requested model is not loaded" in r.json()["error"]["message"]
 
 
+def test_request_ids_and_access_lines(engine: Server) -> None:
+    r = post(
+        engine,
+        "/v1/completions",
+        {"prompt": "Hi", "max_tokens": 3},
+        headers={"x-request-id": "eng-42"},
+    )
+    assert r.headers["x-request-id"] == "eng-42"
+    for _ in range(50):
+        line = next((x for x in engine.stderr().splitlines() if "request_id=eng-42" in x), None)
+        if line:
+            break
+        time.sleep(0.05)
+    assert line is not None and "lexi.access POST /v1/completions 200" in line
+    assert "tokens_out=3" in line
+
+
 def test_a_model_is_retrieved_by_any_of_its_names(engine: Server) -> None:
     for name in ("main", "client-main"):
         r = httpx.get(engine.url + "/v1/models/" + name)

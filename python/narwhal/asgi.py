@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import contextvars
+import uuid
 from collections.abc import Awaitable, Callable, Iterable, MutableMapping
 from typing import Any
 
@@ -83,10 +85,43 @@ def header(scope: Scope, name: bytes) -> str | None:
     return None
 
 
-def _headers(ctype: bytes, extra: Iterable[tuple[str, str]]) -> list[tuple[bytes, bytes]]:
+class Record:
+    """What the access log says of one request: its ID (every response head carries it as
+    `x-request-id`) and the status it was answered with. One per request, in a context
+    variable: each ASGI request runs in a task of its own."""
+
+    __slots__ = ("fields", "id", "status")
+
+    def __init__(self, rid: str) -> None:
+        self.id = rid
+        self.status = 0  # 0: nothing was sent (the client left first)
+        self.fields: dict[str, Any] = {}  # what the app adds (engine, tokens, outcome)
+
+
+current: contextvars.ContextVar[Record | None] = contextvars.ContextVar("record", default=None)
+
+
+def _headers(
+    ctype: bytes, extra: Iterable[tuple[str, str]], status: int = 200
+) -> list[tuple[bytes, bytes]]:
     out = [(b"content-type", ctype)]
     out.extend((k.lower().encode(), v.encode()) for k, v in extra)
+    rec = current.get()
+    if rec is not None:
+        rec.status = status
+        out.append((b"x-request-id", rec.id.encode()))
     return out
+
+
+def begin(scope: Scope) -> Record:
+    """This request's record: the client's `x-request-id` (printable ASCII, at most 128
+    characters) or a new ID."""
+    raw = header(scope, b"x-request-id")
+    if raw is None or not (0 < len(raw) <= 128) or not all(33 <= ord(c) < 127 for c in raw):
+        raw = uuid.uuid4().hex
+    rec = Record(raw)
+    current.set(rec)
+    return rec
 
 
 async def send_bytes(
@@ -96,7 +131,7 @@ async def send_bytes(
     ctype: bytes = JSON,
     headers: Iterable[tuple[str, str]] = (),
 ) -> None:
-    hs = _headers(ctype, headers)
+    hs = _headers(ctype, headers, status)
     await send({"type": "http.response.start", "status": status, "headers": hs})
     await send({"type": "http.response.body", "body": body})
 

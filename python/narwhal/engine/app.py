@@ -14,7 +14,7 @@ from typing import Any
 import orjson
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from narwhal import asgi, silent
+from narwhal import asgi, logs, silent
 from narwhal.asgi import Receive, Scope, Send
 from narwhal.engine import protocol
 from narwhal.engine.batch import DecodeLoop
@@ -27,6 +27,7 @@ from narwhal.engine.slots import Busy, Slots
 from narwhal.errors import ApiError, json_object
 
 log = logging.getLogger("lexi_engine")
+access_log = logging.getLogger("lexi.access")
 
 MAX_BODY = 16 * 1024 * 1024
 ROUTES = {
@@ -106,6 +107,23 @@ class Engine:
         if scope["type"] != "http":
             return
         path, method = scope["path"], scope["method"]
+        rec = asgi.begin(scope)
+        started = time.monotonic()
+        try:
+            await self._route(path, method, scope, receive, send)
+        finally:
+            if path in ROUTES or rec.status >= 400:
+                logs.access(
+                    access_log,
+                    f"{method} {path} {rec.status}",
+                    request_id=rec.id,
+                    ms=round((time.monotonic() - started) * 1000, 1),
+                    **rec.fields,
+                )
+
+    async def _route(
+        self, path: str, method: str, scope: Scope, receive: Receive, send: Send
+    ) -> None:
         try:
             if path == "/health" and method == "GET":
                 await asgi.send_json(send, 200, {"status": "ok"})
@@ -283,6 +301,13 @@ class Engine:
                         continue
                     finish = item
                     break
+                rec = asgi.current.get()
+                if rec is not None:
+                    rec.fields.update(
+                        tokens_in=len(job.prompt_ids),
+                        tokens_out=finish.completion_tokens,
+                        finish=finish.reason,
+                    )
                 if finish.error:
                     raise ApiError(500, finish.error, type="server_error", code="generation_failed")
                 d = out.finish()
@@ -340,7 +365,7 @@ def create_app() -> Engine:
     from narwhal.engine.cli import CONFIG_ENV
 
     service.guard_worker()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    logs.setup()
     # The decode thread hands the GIL back and forth with the event loop every step; the
     # default 5 ms switch interval would let either side stall the other for that long.
     sys.setswitchinterval(0.0005)

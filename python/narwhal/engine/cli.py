@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from narwhal import __version__, service
+from narwhal import __version__, logs, service
 from narwhal.engine.config import ConfigError, add_arguments, from_args
 
 CONFIG_ENV = "LEXI_ENGINE_CONFIG_FILE"
@@ -20,6 +20,7 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="serve a GGUF model")
     add_arguments(serve)
+    logs.add_arguments(serve)
     return p
 
 
@@ -44,6 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     from granian.constants import Interfaces
 
     service.hand_off(CONFIG_ENV, config.to_json())
+    logs.choose(args.log_format, args.log_level)
     limits = service.Limits(
         config.shutdown_grace_s, config.header_timeout_s, config.max_connections
     )

@@ -15,7 +15,7 @@ from typing import Any
 import aiohttp
 from prometheus_client import generate_latest
 
-from narwhal import asgi, silent
+from narwhal import asgi, logs, silent
 from narwhal.asgi import Receive, Scope, Send
 from narwhal.errors import ApiError
 from narwhal.etcd import EtcdError
@@ -25,7 +25,7 @@ from narwhal.router.admission import Admission, Expired
 from narwhal.router.config import RouterConfig
 from narwhal.router.engines import Engine, Pool
 from narwhal.router.leadership import Leadership
-from narwhal.router.lease import Events
+from narwhal.router.lease import Events, Lease
 from narwhal.router.maintenance import Maintenance
 from narwhal.router.metrics import RouterMetrics
 from narwhal.router.predict import Predictor
@@ -34,6 +34,7 @@ from narwhal.router.relay import EngineBusy, EngineFailed, EngineFenced, Relayer
 from narwhal.router.supervisor import ManagedEngine
 
 log = logging.getLogger("narwhal.router")
+access_log = logging.getLogger("narwhal.access")
 
 COMPLETION_ROUTES = (intake.CHAT, intake.COMPLETION)
 GET_ROUTES = frozenset({"/health", "/ready", "/v1/models", "/engines", "/metrics"})
@@ -145,6 +146,23 @@ class Router:
         if scope["type"] != "http":
             return
         path, method = scope["path"], scope["method"]
+        rec = asgi.begin(scope)
+        started = time.monotonic()
+        try:
+            await self._route(path, method, scope, receive, send)
+        finally:
+            if path in COMPLETION_ROUTES or rec.status >= 400 or path.startswith("/admin/"):
+                logs.access(
+                    access_log,
+                    f"{method} {path} {rec.status}",
+                    request_id=rec.id,
+                    ms=round((time.monotonic() - started) * 1000, 1),
+                    **rec.fields,
+                )
+
+    async def _route(
+        self, path: str, method: str, scope: Scope, receive: Receive, send: Send
+    ) -> None:
         try:
             if self.client_keys and path.startswith("/v1/"):
                 self._authorize(scope)
@@ -312,6 +330,9 @@ class Router:
                 self.admission.release_retention()
         finally:
             m.finished.labels(end.outcome).inc()
+            rec = asgi.current.get()
+            if rec is not None:
+                rec.fields["outcome"] = end.outcome
 
     async def _intake_and_serve(
         self, path: str, scope: Scope, receive: Receive, send: Send, arrived: float, end: Ending
@@ -449,6 +470,8 @@ class Router:
                         type="server_error",
                         code="engine_failed",
                     ) from None
+                finally:
+                    _note(lease)
         except EngineFenced as e:
             self.leadership.fence(str(e))
             self.metrics.rejected.labels("fenced").inc()
@@ -486,6 +509,21 @@ class Ending:
 
     def __init__(self) -> None:
         self.outcome = "client_gone"
+
+
+def _note(lease: Lease) -> None:
+    """What the access log line says of the engine's part."""
+    rec = asgi.current.get()
+    if rec is None:
+        return
+    rec.fields.update(
+        engine=lease.on.name,
+        ttfb_ms=round((lease.first_byte_at - lease.arrived) * 1000, 1)
+        if lease.first_byte_at
+        else None,
+        tokens_in=lease.prompt_tokens,
+        tokens_out=lease.output_tokens,
+    )
 
 
 def client_keys(config: RouterConfig) -> list[str]:
@@ -550,6 +588,6 @@ def create_app() -> Router:
     from narwhal import service
 
     service.guard_worker()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    logs.setup()
     config = RouterConfig.from_json(service.taken_over(CONFIG_ENV))
     return Router(config)

@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 
-from narwhal import __version__, service
+from narwhal import __version__, logs, service
 from narwhal.router.config import ConfigError, EngineSpec, Launch, RouterConfig, load
 
 
@@ -16,6 +16,7 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     s = sub.add_parser("serve", help="run the router from a YAML config")
     s.add_argument("--config", required=True, metavar="PATH", help="narwhal.yaml")
+    logs.add_arguments(s)
     u = sub.add_parser("up", help="one machine: the router plus one managed LexiEngine")
     u.add_argument("--model", metavar="PATH", help="GGUF model (default: the SmolLM2 test model)")
     u.add_argument("--host", default="127.0.0.1")
@@ -27,6 +28,7 @@ def _parser() -> argparse.ArgumentParser:
         default=8192,
         help="engine context in tokens, split evenly over the slots",
     )
+    logs.add_arguments(u)
     u.add_argument(
         "--threads",
         type=int,
@@ -133,6 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"narwhal: config error: {e}", file=sys.stderr)
         return 2
     service.hand_off(CONFIG_ENV, config.to_json())
+    logs.choose(args.log_format, args.log_level)
     engines = ", ".join(e.name + (f" ({e.url})" if e.url else " (managed)") for e in config.engines)
     print(
         f"narwhal {__version__}: model '{config.model}' on http://{config.host}:{config.port} "

@@ -83,6 +83,7 @@ class Lease:
         "exclude",
         "fence",
         "first_at",
+        "first_byte_at",
         "intake",
         "output_tokens",
         "phase",
@@ -120,6 +121,7 @@ class Lease:
         self.alone = False  # the engine's prefill was ours alone at placement
         self.sent_at = 0.0
         self.first_at = 0.0
+        self.first_byte_at = 0.0
         self.decode_s = 0.0  # first output token to the last
         self.prompt_tokens: int | None = None
         self.cached_tokens: int | None = None  # of those, what the engine's cache served
@@ -134,6 +136,7 @@ class Lease:
 
     def first_byte(self) -> None:
         """The first bytes of the answer went to the client."""
+        self.first_byte_at = time.monotonic()
         for hook in self._events.first_byte:
             hook(self)
 

@@ -318,6 +318,9 @@ class Relayer:
         body = upstream_body(lease.intake, e.spec.token_ids)
         lease.sent_at = time.monotonic()
         headers = "" if lease.fence is None else f"x-narwhal-fence: {lease.fence}\r\n"
+        rec = asgi.current.get()
+        if rec is not None:  # the ID is printable ASCII without spaces (asgi.begin)
+            headers += f"x-request-id: {rec.id}\r\n"
         try:
             resp = await self.upstream(e).request(lease.intake.route, body, lease.deadline, headers)
         except asyncio.TimeoutError:

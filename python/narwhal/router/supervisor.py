@@ -23,6 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import aiohttp
+import orjson
 
 from narwhal import service
 from narwhal.router import affinity
@@ -184,7 +185,7 @@ class ManagedEngine:
             if quiet:
                 continue
             with contextlib.suppress(OSError, ValueError):
-                out.write(label + line)
+                out.write(_labelled(line, label, self.spec.name))
                 out.flush()
 
     async def _wait_healthy(self, proc: asyncio.subprocess.Process) -> float | None:
@@ -217,3 +218,17 @@ class ManagedEngine:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
+
+
+def _labelled(line: bytes, label: bytes, name: str) -> bytes:
+    """An engine's log line told apart from the router's: a JSON line (`--log-format json`)
+    gains an `"engine"` member and stays JSON; any other line gets the label in front."""
+    if line.startswith(b"{"):
+        try:
+            obj = orjson.loads(line)
+        except orjson.JSONDecodeError:
+            obj = None
+        if isinstance(obj, dict):
+            obj["engine"] = name
+            return orjson.dumps(obj) + b"\n"
+    return label + line

@@ -1,0 +1,88 @@
+"""Logging for both programs: `--log-format text|json`, `--log-level`, and the access log.
+
+The CLI leaves the choice in the environment (`NARWHAL_LOG_FORMAT`, `NARWHAL_LOG_LEVEL`: no
+secrets) and the worker sets its handler from it. An access-log line is a record of logger
+`narwhal.access` (router) or `lexi.access` (LexiEngine) whose fields go out as `key=value`
+in text and as JSON members in JSON.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import sys
+from typing import Any
+
+import orjson
+
+FORMAT_ENV, LEVEL_ENV = "NARWHAL_LOG_FORMAT", "NARWHAL_LOG_LEVEL"
+FORMATS = ("text", "json")
+LEVELS = ("debug", "info", "warning", "error")
+
+
+def _fields(record: logging.LogRecord) -> dict[str, Any]:
+    fields = getattr(record, "fields", None)
+    return fields if isinstance(fields, dict) else {}
+
+
+class _Text(logging.Formatter):
+    def __init__(self) -> None:
+        super().__init__("%(asctime)s %(levelname)s %(name)s %(message)s")
+
+    def format(self, record: logging.LogRecord) -> str:
+        line = super().format(record)
+        extra = " ".join(f"{k}={v}" for k, v in _fields(record).items() if v is not None)
+        return f"{line} {extra}" if extra else line
+
+
+class _Json(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        out: dict[str, Any] = {
+            "ts": datetime.datetime.fromtimestamp(record.created, datetime.timezone.utc).isoformat(
+                timespec="milliseconds"
+            ),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        out.update(_fields(record))
+        if record.exc_info:
+            out["exc"] = self.formatException(record.exc_info)
+        return orjson.dumps(out, default=str).decode()
+
+
+def choose(fmt: str, level: str) -> None:
+    """In the main process: what the worker will use (checked by argparse's choices)."""
+    os.environ[FORMAT_ENV] = fmt
+    os.environ[LEVEL_ENV] = level
+
+
+def setup() -> None:
+    """In the worker: one handler on stderr, as chosen."""
+    fmt = os.environ.get(FORMAT_ENV, "text")
+    level = os.environ.get(LEVEL_ENV, "info").upper()
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(_Json() if fmt == "json" else _Text())
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(getattr(logging, level, logging.INFO))
+
+
+def access(logger: logging.Logger, message: str, **fields: Any) -> None:
+    logger.info(message, extra={"fields": fields})
+
+
+def add_arguments(p: Any) -> None:
+    p.add_argument(
+        "--log-format",
+        choices=FORMATS,
+        default="text",
+        help="log lines as text or one JSON object each (default %(default)s)",
+    )
+    p.add_argument(
+        "--log-level",
+        choices=LEVELS,
+        default="info",
+        help="the least important lines logged (default %(default)s)",
+    )

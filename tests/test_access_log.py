@@ -1,0 +1,92 @@
+"""Request IDs and the access log: an ID from the client (or a new one) is echoed, sent to
+the engine and logged; one line per request, refusals included, as text or JSON."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+
+from tests.support import Server, start_router
+
+pytestmark = pytest.mark.slow
+
+CHAT = {"model": "main", "messages": [{"role": "user", "content": "hi"}]}
+
+
+def config(scripted: Server) -> str:
+    return (
+        "listen: {port: $PORT}\nadmission: open\n"
+        f"engines: [{{name: s, url: '{scripted.url}', dialect: lexi}}]\n"
+    )
+
+
+@pytest.fixture(scope="module")
+def json_router(scripted: Server, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    r = start_router(tmp_path_factory.mktemp("j"), config(scripted), True, "--log-format", "json")
+    yield r
+    r.stop()
+
+
+def access_lines(r: Server, request_id: str) -> list[dict[str, Any]]:
+    for _ in range(50):  # the line is written as the request ends
+        lines = [orjson.loads(line) for line in r.stderr().splitlines() if line.startswith("{")]
+        found = [x for x in lines if x.get("request_id") == request_id]
+        if found:
+            return found
+        time.sleep(0.05)
+    return []
+
+
+def test_the_client_s_request_id_is_echoed_sent_on_and_logged(
+    json_router: Server, scripted: Server
+) -> None:
+    r = httpx.post(
+        json_router.url + "/v1/chat/completions",
+        json=CHAT,
+        headers={"x-request-id": "trace-abc-123"},
+    )
+    assert r.status_code == 200
+    assert r.headers["x-request-id"] == "trace-abc-123"
+    assert httpx.get(scripted.url + "/stats").json()["last_request_id"] == "trace-abc-123"
+    (line,) = access_lines(json_router, "trace-abc-123")
+    assert line["logger"] == "narwhal.access"
+    assert line["msg"] == "POST /v1/chat/completions 200"
+    assert line["engine"] == "s" and line["outcome"] == "completed"
+    assert line["tokens_out"] == 4 and line["tokens_in"] == 1
+    assert line["ms"] >= line["ttfb_ms"] >= 0
+
+
+def test_a_request_without_an_id_gets_one_and_refusals_are_logged(json_router: Server) -> None:
+    r = httpx.post(json_router.url + "/v1/chat/completions", content=b"{nope")
+    assert r.status_code == 400
+    rid = r.headers["x-request-id"]
+    assert len(rid) == 32 and int(rid, 16) >= 0
+    (line,) = access_lines(json_router, rid)
+    assert line["msg"] == "POST /v1/chat/completions 400" and line["outcome"] == "invalid"
+    bad = "x" * 200  # too long for an ID: replaced
+    assert (
+        httpx.post(
+            json_router.url + "/v1/chat/completions", json=CHAT, headers={"x-request-id": bad}
+        ).headers["x-request-id"]
+        != bad
+    )
+
+
+def test_text_lines_carry_the_same_fields(scripted: Server, tmp_path_factory: Any) -> None:
+    r = start_router(tmp_path_factory.mktemp("t"), config(scripted))
+    try:
+        httpx.post(r.url + "/v1/chat/completions", json=CHAT, headers={"x-request-id": "t-1"})
+        for _ in range(50):
+            line = next((x for x in r.stderr().splitlines() if "request_id=t-1" in x), None)
+            if line:
+                break
+            time.sleep(0.05)
+        assert line is not None and "narwhal.access POST /v1/chat/completions 200" in line
+        assert "engine=s" in line and "outcome=completed" in line
+    finally:
+        r.stop()
