@@ -90,3 +90,18 @@ def test_text_lines_carry_the_same_fields(scripted: Server, tmp_path_factory: An
         assert "engine=s" in line and "outcome=completed" in line
     finally:
         r.stop()
+
+
+def test_metrics_users_chart(json_router: Server) -> None:
+    httpx.post(json_router.url + "/v1/chat/completions", json=CHAT)
+    httpx.post(json_router.url + "/v1/chat/completions", content=b"{nope")
+    m = httpx.get(json_router.url + "/metrics").text
+    assert "_created" not in m
+    route = 'model="main",route="/v1/chat/completions"'
+    assert f'narwhal_responses_total{{code="200",{route}}}' in m
+    assert f'narwhal_responses_total{{code="400",{route}}}' in m
+    assert f'narwhal_request_duration_seconds_bucket{{le="600.0",{route}}}' in m
+    assert 'narwhal_queue_time_seconds_count{model="main"}' in m
+    assert 'narwhal_engine_healthy{engine="s"} 1.0' in m
+    assert 'narwhal_info{model="main",version="' in m
+    assert 'narwhal_time_to_first_byte_seconds_bucket{engine="s",le="600.0"}' in m

@@ -12,7 +12,14 @@ import time
 from typing import Any
 
 import orjson
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
 
 from narwhal import asgi, logs, silent
 from narwhal.asgi import Receive, Scope, Send
@@ -37,6 +44,10 @@ ROUTES = {
 }
 
 
+# No `*_created` series: they double a scrape and nobody reads them.
+disable_created_metrics()  # type: ignore[no-untyped-call]
+
+
 class Metrics:
     def __init__(self, slots: int) -> None:
         r = self.registry = CollectorRegistry()
@@ -53,7 +64,7 @@ class Metrics:
             "lexi_time_to_first_token_seconds",
             "Time to first token",
             registry=r,
-            buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+            buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600),
         )
         self.tpot = Histogram(
             "lexi_time_per_output_token_seconds",

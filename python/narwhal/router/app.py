@@ -86,6 +86,9 @@ class Router:
         token = os.environ.get(config.admin_token_env, "") if config.admin_token_env else ""
         self.admin = admin_api.Admin(token, self.maintenance) if token else None
         self.client_keys = tuple(k.encode() for k in client_keys(config))
+        from narwhal import __version__
+
+        self.metrics.info.labels(config.model, __version__).set(1)
         self._tasks: list[asyncio.Task[None]] = []
         self.session: aiohttp.ClientSession | None = None
 
@@ -151,6 +154,10 @@ class Router:
         try:
             await self._route(path, method, scope, receive, send)
         finally:
+            if path in COMPLETION_ROUTES:
+                m, model = self.metrics, self.config.model
+                m.responses.labels(model, path, str(rec.status)).inc()
+                m.duration.labels(model, path).observe(time.monotonic() - started)
             if path in COMPLETION_ROUTES or rec.status >= 400 or path.startswith("/admin/"):
                 logs.access(
                     access_log,
@@ -292,6 +299,8 @@ class Router:
 
     def _refresh_gauges(self) -> None:
         m = self.metrics
+        for e in self.pool.engines:
+            m.engine_healthy.labels(e.name).set(1 if e in self.pool.eligible() else 0)
         m.retained.set(self.admission.retained)
         m.queued.set(self.admission.queued)
         for e in self.pool.engines:
@@ -461,6 +470,9 @@ class Router:
                 self._refuse_if_unavailable()
                 lease.fence = self.leadership.token
                 placed = True
+                self.metrics.queue_time.labels(self.config.model).observe(
+                    time.monotonic() - arrived
+                )
                 try:
                     return await self.relayer.run(lease, send)
                 except EngineFailed as e:

@@ -5,11 +5,16 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 
 from narwhal.router.lease import Events, Lease
 
-_LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+# Up to the default request timeout (600 s): a long answer lands in a bucket, not in +Inf.
+_LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+
+# No `*_created` series (one per counter and histogram child): they double what a scrape
+# carries and no dashboard reads them.
+disable_created_metrics()  # type: ignore[no-untyped-call]
 _TPOT = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1)
 
 
@@ -135,6 +140,35 @@ class RouterMetrics:
         )
         for path in ("native", "awaited"):
             self.relayed_streams.labels(path)
+        self.responses = Counter(
+            "narwhal_responses",
+            "Completion responses by status code",
+            ["model", "route", "code"],
+            registry=r,
+        )
+        self.duration = Histogram(
+            "narwhal_request_duration_seconds",
+            "Completion requests, arrival to the last byte",
+            ["model", "route"],
+            buckets=_LATENCY,
+            registry=r,
+        )
+        self.queue_time = Histogram(
+            "narwhal_queue_time_seconds",
+            "Arrival to placement on an engine",
+            ["model"],
+            buckets=_LATENCY,
+            registry=r,
+        )
+        self.engine_healthy = Gauge(
+            "narwhal_engine_healthy",
+            "1 when the engine is eligible for placement",
+            ["engine"],
+            registry=r,
+        )
+        self.info = Gauge(
+            "narwhal_info", "The router's model and version", ["model", "version"], registry=r
+        )
         self.silent_closed = Counter(
             "narwhal_silent_connections_closed",
             "Client connections closed for sending nothing within serving.header_timeout_s",
