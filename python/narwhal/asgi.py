@@ -144,6 +144,11 @@ async def send_error(send: Send, err: ApiError) -> None:
     await send_bytes(send, err.status, err.body(), headers=err.headers.items())
 
 
+def response_head(status: int, ctype: bytes) -> Message:
+    """The `http.response.start` of a body sent in pieces."""
+    return {"type": "http.response.start", "status": status, "headers": _headers(ctype, (), status)}
+
+
 def stream_head(headers: Iterable[tuple[str, str]] = ()) -> Message:
     """The `http.response.start` of an event stream."""
     hs = _headers(SSE, [("cache-control", "no-cache"), *headers])

@@ -36,7 +36,7 @@ from narwhal.router.supervisor import ManagedEngine
 log = logging.getLogger("narwhal.router")
 access_log = logging.getLogger("narwhal.access")
 
-COMPLETION_ROUTES = (intake.CHAT, intake.COMPLETION)
+COMPLETION_ROUTES = (intake.CHAT, intake.COMPLETION, intake.RESPONSES)
 GET_ROUTES = frozenset({"/health", "/ready", "/v1/models", "/engines", "/metrics"})
 
 
@@ -403,7 +403,13 @@ class Router:
                     end.outcome = "refused"
                     raise
                 prefer, tokens, predicted = proj.engine, proj.tokens, proj.total_s
-            busy: frozenset[str] = frozenset()  # engines that answered 429 to this request
+            # Engines not to place on: those that cannot serve the route, then those that
+            # answered this request 429.
+            try:
+                busy = self._cannot_serve(req)
+            except ApiError:
+                end.outcome = "invalid"
+                raise
             while True:
                 try:
                     end.outcome = await self._place_and_relay(
@@ -436,6 +442,22 @@ class Router:
             code=code,
             headers={"retry-after": "1"},
         )
+
+    def _cannot_serve(self, req: intake.Intake) -> frozenset[str]:
+        if req.route != intake.RESPONSES:
+            return frozenset()
+        names = frozenset(
+            e.name for e in self.pool.engines if e.spec.dialect not in intake.RESPONSES_DIALECTS
+        )
+        if len(names) == len(self.pool.engines):
+            raise ApiError(
+                404,
+                f"no engine behind this router serves {req.route} (dialects that do: "
+                + ", ".join(sorted(intake.RESPONSES_DIALECTS))
+                + ")",
+                code="unsupported",
+            )
+        return names
 
     def _may_retry(self, busy: frozenset[str], deadline: float) -> bool:
         """Another engine may take a request that engines in `busy` refused with 429, while

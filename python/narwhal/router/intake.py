@@ -11,11 +11,14 @@ from narwhal.errors import ApiError, invalid, json_object
 
 CHAT = "/v1/chat/completions"
 COMPLETION = "/v1/completions"
+RESPONSES = "/v1/responses"
+# The dialects whose engines serve the Responses API (relayed as they answer it).
+RESPONSES_DIALECTS = frozenset({"lexi", "vllm", "openai"})
 
 
 @dataclass
 class Intake:
-    route: str  # CHAT | COMPLETION
+    route: str  # CHAT | COMPLETION | RESPONSES
     body: dict[str, Any]
     stream: bool
     wants_token_ids: bool
@@ -25,6 +28,11 @@ class Intake:
     @property
     def kind(self) -> Literal["chat", "completion"]:
         return "chat" if self.route == CHAT else "completion"
+
+    @property
+    def passthrough(self) -> bool:
+        """Relayed as the engine answers it, neither validated nor assembled (Responses)."""
+        return self.route == RESPONSES
 
     def estimated_prompt_tokens(self) -> int:
         # ~4 bytes a token for English BPE vocabularies; used only when an engine omits usage.
@@ -97,6 +105,8 @@ def check(route: str, raw: bytes, model: str) -> Intake:
     if not isinstance(include_usage, bool):
         raise invalid("'include_usage' must be a boolean", "stream_options.include_usage")
 
+    if route == RESPONSES:
+        return Intake(route, body, stream, False, False, _input_bytes(body))
     if route == CHAT:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
@@ -123,6 +133,17 @@ def check(route: str, raw: bytes, model: str) -> Intake:
     return Intake(route, body, stream, wants_ids, include_usage, prompt_bytes)
 
 
+def _input_bytes(body: dict[str, Any]) -> int:
+    """A Responses request's prompt size: `instructions` and `input` (a string or items)."""
+    size = _text_bytes(body.get("instructions"))
+    raw = body.get("input")
+    if isinstance(raw, str):
+        return size + len(raw.encode())
+    if not isinstance(raw, list) or not raw:
+        raise invalid("'input' must be a string or a nonempty list of items", "input")
+    return size + sum(_text_bytes(i.get("content")) for i in raw if isinstance(i, dict))
+
+
 def _refuse_unassemblable(body: dict[str, Any]) -> None:
     """What the non-streaming assembler could never return is refused up front."""
     if body.get("audio") is not None:
@@ -136,7 +157,10 @@ def _refuse_unassemblable(body: dict[str, Any]) -> None:
 
 
 def upstream_body(intake: Intake, token_ids: bool) -> bytes:
-    """The body sent to the engine: always a stream; token IDs asked for where supported."""
+    """The body sent to the engine: always a stream; token IDs asked for where supported. A
+    Responses request goes as the client wrote it."""
+    if intake.passthrough:
+        return orjson.dumps(intake.body)
     body = dict(intake.body)
     body["stream"] = True
     if token_ids:

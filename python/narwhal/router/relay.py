@@ -354,6 +354,9 @@ class Relayer:
                     raise EngineFenced(e.name, lease.fence)
                 await refusal.send(send)
                 return "engine_error"
+            if lease.intake.passthrough:
+                done = await self._passthrough(lease, resp, send)
+                return "completed" if done else "stream_fault"
             if lease.intake.stream:
                 done = await self._stream(lease, resp, send)
                 return "completed" if done else "stream_fault"
@@ -449,6 +452,39 @@ class Relayer:
                 await asgi.stream_chunk(send, final, more=False)
             if outcome is not None:
                 return outcome
+
+    async def _passthrough(self, lease: Lease, resp: Exchange, send: Send) -> bool:
+        """An answer relayed as the engine sends it (the Responses API: its events are the
+        engine's, neither validated nor assembled here). The deadline and the idle gap
+        bound it as any other; whether it ended well is the engine's HTTP framing's word."""
+        first = await self._read(lease, resp)
+        if not first:
+            lease.fault("engine_disconnected", "the answer ended before any byte")
+            raise EngineFailed("the engine's answer ended before any byte")
+        lease.first_output()
+        ctype = (resp.content_type or "application/json").encode()
+        await send(asgi.response_head(200, ctype))
+        lease.first_byte()
+        await send({"type": "http.response.body", "body": first, "more_body": True})
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                chunk = await resp.read(min(lease.deadline, loop.time() + self.idle_s))
+            except UpstreamError:
+                chunk = b""
+            except asyncio.TimeoutError:
+                self._timed_out(lease)  # reported; the body just ends
+                chunk = b""
+            if chunk:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                continue
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            if resp.complete():
+                lease.finished(0)  # output tokens are counted only where the router parses
+                return True
+            if not _past(lease.deadline):
+                lease.fault("engine_disconnected", "stream ended early")
+            return False
 
     def _warn_not_native(self) -> None:
         if not self.warned:
