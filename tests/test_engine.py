@@ -751,3 +751,54 @@ def test_echo_puts_the_prompt_before_the_completion(engine: Server) -> None:
     ]
     assert fs[0]["choices"][0]["text"] == "Q: what?"
     assert "".join(f["choices"][0]["text"] for f in fs) == "Q: what? A."
+
+
+def test_llama_server_flags_and_environment_variables(model_path: str, tmp_path: Path) -> None:
+    import os
+
+    keys = tmp_path / "keys"
+    keys.write_text("file-key\n")
+    os.environ.update(LEXI_ARG_ALIAS="envname", LEXI_ARG_CTX_SIZE="4096")
+    try:
+        s = start_engine(
+            model_path,
+            "-c",
+            "1024",
+            "-np",
+            "2",
+            "-t",
+            "1",
+            "-ngl",
+            "0",
+            "--metrics",
+            "--no-webui",
+            "--api-key-file",
+            str(keys),
+        )
+    finally:
+        del os.environ["LEXI_ARG_ALIAS"], os.environ["LEXI_ARG_CTX_SIZE"]
+    try:
+        auth = {"authorization": "Bearer file-key"}
+        models = httpx.get(s.url + "/v1/models", headers=auth).json()["data"]
+        assert models[0]["id"] == "envname"  # from the environment
+        assert models[0]["meta"]["n_ctx"] == 512  # -c 1024 over the environment's 4096, 2 slots
+        assert httpx.get(s.url + "/v1/models").status_code == 401  # the key file's key counts
+    finally:
+        s.stop()
+
+
+def test_a_bad_environment_value_names_its_variable(model_path: str) -> None:
+    env = {**__import__("os").environ, "LEXI_ARG_PARALLEL": "many"}
+    p = subprocess.run(
+        [str(BIN / "lexi-engine"), "serve", "-m", model_path],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
+    assert p.returncode == 2
+    assert "LEXI_ARG_PARALLEL" in p.stderr and "Traceback" not in p.stderr
+    help_text = subprocess.run(
+        [str(BIN / "lexi-engine"), "serve", "--help"], capture_output=True, text=True, timeout=60
+    ).stdout
+    assert "LEXI_ARG_CTX_SIZE" in help_text and "-np" in help_text

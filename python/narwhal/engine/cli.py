@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from narwhal import __version__, logs, service
-from narwhal.engine.config import ConfigError, add_arguments, from_args
+from narwhal.engine.config import ConfigError, add_arguments, defaults_from_env, from_args
 
 CONFIG_ENV = "LEXI_ENGINE_CONFIG_FILE"
 
@@ -18,14 +18,27 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--version", action="version", version=f"lexi-engine {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
-    serve = sub.add_parser("serve", help="serve a GGUF model")
+    serve = sub.add_parser(
+        "serve",
+        help="serve a GGUF model",
+        description="llama-server's short flags and names work where they mean the same "
+        "(-m, -c, -np, -t, -ngl, -a, -n, --api-key-file, --metrics); every flag can also "
+        "come from the environment variable shown with it (LEXI_ARG_*, as llama-server's "
+        "LLAMA_ARG_*); the command line wins.",
+    )
     add_arguments(serve)
     logs.add_arguments(serve)
+    defaults_from_env(serve)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    try:
+        parser = _parser()
+    except ConfigError as e:
+        print(f"lexi-engine: error: {e}", file=sys.stderr)
+        return 2
+    args = parser.parse_args(argv)
     from narwhal.engine.deps import missing
 
     lacking = missing()

@@ -76,6 +76,7 @@ def _default(name: str) -> Any:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-m", "--model", required=True, help="path of the GGUF model file")
     p.add_argument(
+        "-a",
         "--alias",
         action="append",
         default=[],
@@ -93,7 +94,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-p", type=float, help="default top-p (0-1)")
     p.add_argument("--top-k", type=int, help="default top-k (0-100000)")
     p.add_argument("--min-p", type=float, help="default min-p (0-1)")
-    p.add_argument("--n-predict", type=int, help="default max new tokens (1-131072)")
+    p.add_argument("-n", "--n-predict", type=int, help="default max new tokens (1-131072)")
     p.add_argument(
         "--queue-wait",
         type=float,
@@ -103,14 +104,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8080)
-    p.add_argument("--ctx-size", type=int, default=4096, help="context size in tokens")
+    p.add_argument("-c", "--ctx-size", type=int, default=4096, help="context size in tokens")
     p.add_argument(
+        "-ngl",
         "--n-gpu-layers",
         type=int,
         default=0,
         help="layers to offload (GPU builds; CPU builds ignore it)",
     )
-    p.add_argument("--threads", type=int, help="CPU threads for decoding")
+    p.add_argument("-t", "--threads", type=int, help="CPU threads for decoding")
     p.add_argument(
         "--api-key",
         action="append",
@@ -120,6 +122,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "which keeps keys out of `ps`: prefer it)",
     )
     p.add_argument(
+        "--api-key-file",
+        action="append",
+        default=[],
+        metavar="PATH",
+        help="read accepted keys from a file, one a line (llama-server's flag; "
+        "the same as --api-key @PATH)",
+    )
+    p.add_argument(
+        "--metrics",
+        action="store_true",
+        help="accepted for llama-server's sake: /metrics is always on",
+    )
+    p.add_argument(
+        "--no-webui",
+        action="store_true",
+        help="accepted for llama-server's sake: LexiEngine has no web UI",
+    )
+    p.add_argument(
+        "-np",
         "--parallel",
         type=int,
         default=1,
@@ -189,6 +210,45 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="N",
         help="client connections served at once (default %(default)d)",
     )
+
+
+ENV_PREFIX = "LEXI_ARG_"
+_TRUE, _FALSE = ("1", "true", "yes", "on", "enabled"), ("0", "false", "no", "off", "disabled")
+
+
+def env_name(action: argparse.Action) -> str | None:
+    """`--ctx-size` -> `LEXI_ARG_CTX_SIZE` (llama-server's LLAMA_ARG_* convention)."""
+    long = next((o for o in action.option_strings if o.startswith("--")), None)
+    if long is None or long in ("--help", "--version"):
+        return None
+    return ENV_PREFIX + long[2:].upper().replace("-", "_")
+
+
+def defaults_from_env(p: argparse.ArgumentParser) -> None:
+    """Every flag may come from its environment variable; the command line wins. Values are
+    checked as the flag's would be (`from_args`), errors naming the variable."""
+    for action in p._actions:
+        name = env_name(action)
+        if name is None:
+            continue
+        if action.help and action.help is not argparse.SUPPRESS:
+            action.help += f" [env {name}]"
+        raw = os.environ.get(name)
+        if raw is None:
+            continue
+        if isinstance(action, (argparse._StoreTrueAction, argparse.BooleanOptionalAction)):
+            low = raw.strip().lower()
+            if low not in _TRUE + _FALSE:
+                raise ConfigError(name, f"must be one of {', '.join(_TRUE + _FALSE)}")
+            action.default = low in _TRUE
+        elif isinstance(action, argparse._AppendAction):
+            action.default = [v.strip() for v in raw.split(",") if v.strip()]
+        else:
+            try:
+                action.default = action.type(raw) if callable(action.type) else raw
+            except ValueError:
+                raise ConfigError(name, f"{raw[:40]!r} is not a valid value") from None
+            action.required = False
 
 
 def _read_keys(values: list[str]) -> tuple[str, ...]:
@@ -304,7 +364,7 @@ def from_args(ns: argparse.Namespace) -> EngineConfig:
         ctx_size=ns.ctx_size,
         n_gpu_layers=ns.n_gpu_layers,
         threads=ns.threads,
-        api_keys=_read_keys(ns.api_key),
+        api_keys=_read_keys([*ns.api_key, *("@" + f for f in ns.api_key_file)]),
         parallel=ns.parallel,
         prefill_chunk=ns.prefill_chunk,
         repack=ns.repack,

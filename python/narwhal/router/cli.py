@@ -30,6 +30,21 @@ def _parser() -> argparse.ArgumentParser:
     )
     logs.add_arguments(u)
     u.add_argument(
+        "--n-gpu-layers",
+        "-ngl",
+        type=int,
+        metavar="N",
+        help="engine layers offloaded to the GPU (a CUDA/Metal build of llama-cpp-python)",
+    )
+    u.add_argument(
+        "--engine-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="one more lexi-engine serve argument, as is (repeatable: --engine-arg=--temp "
+        "--engine-arg=0.7)",
+    )
+    u.add_argument(
         "--threads",
         type=int,
         metavar="N",
@@ -66,11 +81,10 @@ def _up_config(args: argparse.Namespace) -> RouterConfig:
         raise ConfigError("--threads: must be at least 1")
     # The context is split over the slots: 8192 (SmolLM2's trained length) gives each of
     # the default 4 slots 2048 tokens instead of lexi-engine's default 4096 / 4.
-    launch = Launch(
-        model=model,
-        parallel=args.parallel,
-        args=("--ctx-size", str(args.ctx_size), "--threads", str(threads)),
-    )
+    extra = ["--ctx-size", str(args.ctx_size), "--threads", str(threads)]
+    if args.n_gpu_layers is not None:
+        extra += ["--n-gpu-layers", str(args.n_gpu_layers)]
+    launch = Launch(model=model, parallel=args.parallel, args=(*extra, *args.engine_arg))
     return RouterConfig(
         engines=(EngineSpec("local", "lexi", None, launch),),
         host=args.host,
