@@ -34,7 +34,8 @@ def _parser() -> argparse.ArgumentParser:
         "-ngl",
         type=int,
         metavar="N",
-        help="engine layers offloaded to the GPU (a CUDA/Metal build of llama-cpp-python)",
+        help="engine layers offloaded to the GPU (default: all of them on a CUDA, ROCm or "
+        "Metal build of llama-cpp-python, none on a CPU build)",
     )
     u.add_argument(
         "--engine-arg",
@@ -61,6 +62,18 @@ def up_threads(cpus: int) -> int:
     return max(1, cpus - 1)
 
 
+def gpu_build() -> bool:
+    """Whether the installed llama-cpp-python can offload layers (a CUDA, ROCm or Metal
+    build): `narwhal up` then puts the whole model on the GPU unless -ngl says otherwise."""
+    import importlib.util
+
+    if importlib.util.find_spec("llama_cpp") is None:
+        return False
+    import llama_cpp
+
+    return bool(llama_cpp.llama_supports_gpu_offload())
+
+
 def _up_config(args: argparse.Namespace) -> RouterConfig:
     model = args.model
     if model is None:
@@ -82,8 +95,11 @@ def _up_config(args: argparse.Namespace) -> RouterConfig:
     # The context is split over the slots: 8192 (SmolLM2's trained length) gives each of
     # the default 4 slots 2048 tokens instead of lexi-engine's default 4096 / 4.
     extra = ["--ctx-size", str(args.ctx_size), "--threads", str(threads)]
-    if args.n_gpu_layers is not None:
-        extra += ["--n-gpu-layers", str(args.n_gpu_layers)]
+    ngl = args.n_gpu_layers
+    if ngl is None and gpu_build():
+        ngl = 999  # every layer: on a GPU build the one machine's GPU does the work
+    if ngl is not None:
+        extra += ["--n-gpu-layers", str(ngl)]
     launch = Launch(model=model, parallel=args.parallel, args=(*extra, *args.engine_arg))
     return RouterConfig(
         engines=(EngineSpec("local", "lexi", None, launch),),
