@@ -12,9 +12,12 @@ import datetime
 import logging
 import os
 import sys
+import time
 from typing import Any
 
 import orjson
+
+from narwhal.asgi import Record
 
 FORMAT_ENV, LEVEL_ENV = "NARWHAL_LOG_FORMAT", "NARWHAL_LOG_LEVEL"
 FORMATS = ("text", "json")
@@ -69,8 +72,14 @@ def setup() -> None:
     root.setLevel(getattr(logging, level, logging.INFO))
 
 
-def access(logger: logging.Logger, message: str, **fields: Any) -> None:
-    logger.info(message, extra={"fields": fields})
+def access(logger: logging.Logger, method: str, path: str, rec: Record, started: float) -> None:
+    """One request's access line: `METHOD PATH STATUS` and its fields."""
+    fields = {
+        "request_id": rec.id,
+        "ms": round((time.monotonic() - started) * 1000, 1),
+        **rec.fields,
+    }
+    logger.info("%s %s %d", method, path, rec.status, extra={"fields": fields})
 
 
 def add_arguments(p: Any) -> None:

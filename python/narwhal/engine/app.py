@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
 import os
 import sys
@@ -21,7 +20,7 @@ from prometheus_client import (
     generate_latest,
 )
 
-from narwhal import asgi, logs, silent
+from narwhal import asgi, bearer, logs, silent
 from narwhal.asgi import Receive, Scope, Send
 from narwhal.engine import protocol
 from narwhal.engine.batch import DecodeLoop
@@ -124,13 +123,7 @@ class Engine:
             await self._route(path, method, scope, receive, send)
         finally:
             if path in ROUTES or rec.status >= 400:
-                logs.access(
-                    access_log,
-                    f"{method} {path} {rec.status}",
-                    request_id=rec.id,
-                    ms=round((time.monotonic() - started) * 1000, 1),
-                    **rec.fields,
-                )
+                logs.access(access_log, method, path, rec, started)
 
     async def _route(
         self, path: str, method: str, scope: Scope, receive: Receive, send: Send
@@ -182,17 +175,8 @@ class Engine:
         await asyncio.to_thread(self.decoder.stop)
 
     def _authorize(self, scope: Scope) -> None:
-        if not self.keys:
-            return
-        auth = asgi.header(scope, b"authorization") or ""
-        token = auth[7:].encode() if auth[:7].lower() == "bearer " else b""
-        if not any(hmac.compare_digest(token, k) for k in self.keys):
-            raise ApiError(
-                401,
-                "invalid or missing API key",
-                type="authentication_error",
-                code="invalid_api_key",
-            )
+        if self.keys:
+            bearer.require(scope, self.keys)
 
     def _check_fence(self, scope: Scope) -> None:
         if self.fence is None:

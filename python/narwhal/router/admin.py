@@ -6,12 +6,11 @@ constant time; a missing or wrong one is 401 in the envelope.
 
 from __future__ import annotations
 
-import hmac
 from typing import Any
 
 import orjson
 
-from narwhal import asgi
+from narwhal import asgi, bearer
 from narwhal.asgi import Receive, Scope, Send
 from narwhal.errors import ApiError, invalid
 from narwhal.etcd import EtcdError
@@ -25,22 +24,11 @@ class Admin:
         self.token = token.encode()
         self.maintenance = maintenance
 
-    def _authorize(self, scope: Scope) -> None:
-        auth = asgi.header(scope, b"authorization") or ""
-        given = auth[7:].encode() if auth[:7].lower() == "bearer " else b""
-        if not hmac.compare_digest(given, self.token):
-            raise ApiError(
-                401,
-                "invalid or missing admin token",
-                type="authentication_error",
-                code="invalid_api_key",
-            )
-
     async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
         method = scope["method"]
         if method not in ("GET", "POST", "DELETE"):
             raise asgi.method_not_allowed(method, scope["path"], "GET, POST, DELETE")
-        self._authorize(scope)
+        bearer.require(scope, (self.token,), "admin token")
         m = self.maintenance
         try:
             if method == "POST":

@@ -175,6 +175,7 @@ class RouterMetrics:
             registry=r,
         )
         self._per_engine: dict[str, EngineMetrics] = {}
+        self._answered: dict[tuple[str, int], tuple[Any, Any]] = {}
 
     def watch(self, events: Events) -> None:
         events.subscribe(first_byte=self._first_byte, finished=self._finished, fault=self._fault)
@@ -196,6 +197,19 @@ class RouterMetrics:
 
     def _fault(self, lease: Lease, kind: str, against_engine: str | None) -> None:
         self.stream_faults.labels(lease.on.name, kind).inc()
+
+    def answered(self, model: str, route: str, code: int, seconds: float) -> None:
+        """One completion response: its code and how long it took (children looked up once,
+        as in `engine`)."""
+        key = (route, code)
+        pair = self._answered.get(key)
+        if pair is None:
+            pair = self._answered[key] = (
+                self.responses.labels(model, route, str(code)),
+                self.duration.labels(model, route),
+            )
+        pair[0].inc()
+        pair[1].observe(seconds)
 
     def engine(self, name: str) -> EngineMetrics:
         """The per-request series of one engine, looked up once: `labels()` validates and

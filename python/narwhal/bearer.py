@@ -1,0 +1,24 @@
+"""`Authorization: Bearer KEY` checks, shared by the router's client keys, its admin token
+and LexiEngine's `--api-key`: every key compared in constant time, 401 in the envelope."""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Sequence
+
+from narwhal import asgi
+from narwhal.asgi import Scope
+from narwhal.errors import ApiError
+
+
+def require(scope: Scope, keys: Sequence[bytes], what: str = "API key") -> None:
+    auth = asgi.header(scope, b"authorization") or ""
+    given = auth[7:].encode() if auth[:7].lower() == "bearer " else b""
+    # Every key compared, each in constant time: which one matched does not show.
+    if not sum(hmac.compare_digest(given, k) for k in keys):
+        raise ApiError(
+            401,
+            f"invalid or missing {what} (Authorization: Bearer ...)",
+            type="authentication_error",
+            code="invalid_api_key",
+        )
