@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
-import uuid
+import os
 from collections.abc import Awaitable, Callable, Iterable, MutableMapping
 from typing import Any
 
@@ -118,7 +118,7 @@ def begin(scope: Scope) -> Record:
     characters) or a new ID."""
     raw = header(scope, b"x-request-id")
     if raw is None or not (0 < len(raw) <= 128) or not all(33 <= ord(c) < 127 for c in raw):
-        raw = uuid.uuid4().hex
+        raw = os.urandom(16).hex()
     rec = Record(raw)
     current.set(rec)
     return rec
