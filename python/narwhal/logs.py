@@ -8,6 +8,7 @@ in text and as JSON members in JSON.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import os
@@ -120,10 +121,8 @@ def access(logger: logging.Logger, method: str, path: str, rec: Record, started:
     else:
         extra = " ".join(f"{k}={v}" for k, v in fields.items() if v is not None)
         line = f"{_access.stamp(now)} INFO {logger.name} {method} {path} {rec.status} {extra}"
-    try:
+    with contextlib.suppress(OSError, ValueError):
         stream.write(line + "\n")  # stderr is line-buffered: one write, one line
-    except (OSError, ValueError):
-        pass
 
 
 def add_arguments(p: Any) -> None:
