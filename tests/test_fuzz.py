@@ -135,8 +135,8 @@ def _refusal_or_nothing(call: Any) -> None:
 
 @settings(max_examples=400, deadline=None)
 @given(
-    route=st.sampled_from(["/v1/chat/completions", "/v1/completions"]),
-    body=st.one_of(CHAT_BODIES, COMPLETION_BODIES, JSON),
+    route=st.sampled_from(["/v1/chat/completions", "/v1/completions", "/v1/responses"]),
+    body=st.one_of(CHAT_BODIES, COMPLETION_BODIES, RESPONSES_BODIES, JSON),
 )
 def test_router_intake_never_raises_anything_but_a_4xx(route: str, body: Any) -> None:
     from narwhal.router import intake
@@ -146,11 +146,25 @@ def test_router_intake_never_raises_anything_but_a_4xx(route: str, body: Any) ->
 
 
 @settings(max_examples=200, deadline=None)
-@given(raw=st.binary(max_size=200))
-def test_router_intake_takes_any_bytes(raw: bytes) -> None:
+@given(
+    raw=st.binary(max_size=200), route=st.sampled_from(["/v1/chat/completions", "/v1/responses"])
+)
+def test_router_intake_takes_any_bytes(raw: bytes, route: str) -> None:
     from narwhal.router import intake
 
-    _refusal_or_nothing(lambda: intake.check("/v1/chat/completions", raw, "main"))
+    _refusal_or_nothing(lambda: intake.check(route, raw, "main"))
+
+
+@settings(max_examples=200, deadline=None)
+@given(value=st.one_of(st.none(), st.text(max_size=200), st.binary(max_size=200)))
+def test_any_request_id_is_kept_or_replaced_by_a_safe_one(value: Any) -> None:
+    from narwhal import asgi
+
+    raw = value.encode("utf-8", "replace") if isinstance(value, str) else value
+    scope = {"headers": [] if raw is None else [(b"x-request-id", raw)]}
+    rid = asgi.begin(scope).id
+    # It goes into a header line to the engine: no spaces, no controls, bounded.
+    assert 0 < len(rid) <= 128 and all(33 <= ord(c) < 127 for c in rid)
 
 
 @settings(max_examples=200, deadline=None)

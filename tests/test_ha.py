@@ -287,3 +287,32 @@ def test_a_new_leader_admits_with_the_profiles_the_last_one_learned(
     finally:
         a.stop()
         b.stop()
+
+
+def test_a_wave_without_ha_and_an_oversized_admin_body(scripted: Server, tmp_path: Path) -> None:
+    os.environ["NARWHAL_TEST_ADMIN"] = "tok"
+    try:
+        r = start_router(
+            tmp_path,
+            "listen: {port: $PORT}\nadmission: open\nadmin: {token_env: NARWHAL_TEST_ADMIN}\n"
+            f"engines: [{{name: s, url: '{scripted.url}', dialect: openai}}]\n",
+        )
+    finally:
+        del os.environ["NARWHAL_TEST_ADMIN"]
+    auth = {"authorization": "Bearer tok"}
+    try:
+        big = httpx.post(
+            r.url + "/admin/maintenance",
+            headers=auth,
+            content=b'{"engines": "' + b"x" * 100_000 + b'"}',
+        )
+        assert big.status_code == 413 and big.json()["error"]["code"] == "request_too_large"
+        wave = httpx.post(r.url + "/admin/maintenance", headers=auth, json={"engines": ["s"]})
+        assert wave.json() == {"engines": ["s"], "whole_wave": True}
+        assert ask(r).json()["error"]["code"] == "maintenance"
+        bad = httpx.post(r.url + "/admin/maintenance", headers=auth, json={"engines": ["x"]})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "engines"
+        httpx.delete(r.url + "/admin/maintenance", headers=auth)
+        assert ask(r).status_code == 200
+    finally:
+        r.stop()

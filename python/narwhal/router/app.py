@@ -202,6 +202,17 @@ class Router:
             await asgi.send_error(send, e)
         except asgi.ClientGone:
             pass
+        except asgi.BodyTooLarge:
+            await asgi.send_error(
+                send, ApiError(413, "request body too large", code="request_too_large")
+            )
+        except Exception:  # a bug: the client still gets the envelope, the log the trace
+            log.exception("unhandled error on %s %s", method, path)
+            with contextlib.suppress(Exception):  # unless the response had started
+                await asgi.send_error(
+                    send,
+                    ApiError(500, "internal error", type="server_error", code="internal_error"),
+                )
 
     def _model(self, model_id: str | None = None) -> dict[str, Any]:
         """The one model the router serves (`GET /v1/models/{id}`: it, or 404)."""
