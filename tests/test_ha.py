@@ -316,3 +316,20 @@ def test_a_wave_without_ha_and_an_oversized_admin_body(scripted: Server, tmp_pat
         assert ask(r).status_code == 200
     finally:
         r.stop()
+
+
+def test_a_router_without_ha_before_a_fencing_engine_is_told_not_latched(
+    engine: Server, tmp_path: Path
+) -> None:
+    r = start_router(
+        tmp_path, f"listen: {{port: $PORT}}\nadmission: open\nengines:\n{lexi(engine)}"
+    )
+    try:
+        for _ in range(2):
+            resp = ask(r)
+            assert resp.status_code == 503 and resp.json()["error"]["code"] == "fenced"
+        # Its own leader still: nothing would ever lift a fence without etcd.
+        assert ready(r).json()["leadership"]["role"] == "leader"
+        assert "--fence serve only routers with an `ha` section" in r.stderr()
+    finally:
+        r.stop()

@@ -20,6 +20,7 @@ import contextlib
 import enum
 import logging
 import math
+import os
 import socket
 import time
 from collections.abc import Awaitable, Callable
@@ -46,7 +47,7 @@ class Leadership:
     ) -> None:
         self.ha = ha
         self.on_lead = on_lead  # run before a new leader places its first request
-        self.name = name or f"{socket.gethostname()}:{id(self):x}"
+        self.name = name or f"{socket.gethostname()}:{os.getpid()}"
         self.token: int | None = None  # the fencing token while leading
         if ha is None:
             self.role, self.reason = Role.LEADER, ""
@@ -67,6 +68,15 @@ class Leadership:
         return self.reason
 
     def fence(self, why: str) -> None:
+        if self.ha is None:
+            # Its own leader, with no token: an engine with --fence refuses it every time
+            # (a misconfiguration), and nothing would ever lift a latched fence.
+            log.warning(
+                "an engine refused this router's requests: %s (engines with --fence "
+                "serve only routers with an `ha` section)",
+                why,
+            )
+            return
         if self.role in (Role.LEADER, Role.STANDBY):
             log.warning("router fenced (token %s): %s", self.token, why)
             self.role, self.reason = Role.FENCED, f"fenced: {why}"
