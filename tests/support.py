@@ -106,6 +106,20 @@ def start_router(tmp: Path, yaml_text: str, wait_ready: bool = True, *args: str)
     )
 
 
+def refused_config(tmp: Path, yaml_text: str) -> str:
+    """`narwhal serve` with a config it must refuse at start (exit 2): its stderr."""
+    cfg = tmp / "bad.yaml"
+    cfg.write_text(yaml_text)
+    p = subprocess.run(
+        [str(BIN / "narwhal"), "serve", "--config", str(cfg)],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert p.returncode == 2, p.stderr
+    return p.stderr
+
+
 def start_test_engine(module: str, *args: str) -> Server:
     """One of the tests' own engines (`tests.scripted_engine`, `tests.faulty_engine`)."""
     port = free_port()

@@ -10,7 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.support import Server, start_engine, start_router
+from tests.support import Server, refused_config, start_engine, start_router
 
 pytestmark = pytest.mark.slow
 
@@ -82,18 +82,8 @@ def test_probes_stay_open_and_no_secret_shows(router: Server) -> None:
 
 
 def test_an_unset_key_variable_is_refused_at_start(tmp_path: Path) -> None:
-    import subprocess
-    import sys
-
-    cfg = tmp_path / "c.yaml"
-    cfg.write_text(
-        "auth: {api_keys_env: NARWHAL_TEST_NOT_SET}\nengines: [{name: e, url: 'http://x'}]\n"
+    stderr = refused_config(
+        tmp_path,
+        "auth: {api_keys_env: NARWHAL_TEST_NOT_SET}\nengines: [{name: e, url: 'http://x'}]\n",
     )
-    p = subprocess.run(
-        [str(Path(sys.executable).parent / "narwhal"), "serve", "--config", str(cfg)],
-        capture_output=True,
-        text=True,
-        timeout=30,
-    )
-    assert p.returncode == 2
-    assert "auth.api_keys_env: the environment variable NARWHAL_TEST_NOT_SET is not set" in p.stderr
+    assert "auth.api_keys_env: the environment variable NARWHAL_TEST_NOT_SET is not set" in stderr

@@ -333,3 +333,39 @@ def test_a_router_without_ha_before_a_fencing_engine_is_told_not_latched(
         assert "--fence serve only routers with an `ha` section" in r.stderr()
     finally:
         r.stop()
+
+
+def test_fence_etcd_refuses_a_deposed_token_before_the_new_leader_sends_anything(
+    etcd: EtcdServer, model_path: str
+) -> None:
+    import base64
+
+    key = f"/t{next(_keys)}/leader"
+    k = base64.b64encode(key.encode()).decode()
+
+    def elect() -> int:
+        """A leader key as a router would create it; its creation revision is the token."""
+        httpx.post(etcd.url + "/v3/kv/deleterange", json={"key": k})
+        httpx.post(etcd.url + "/v3/kv/put", json={"key": k, "value": "cjE="})
+        kv = httpx.post(etcd.url + "/v3/kv/range", json={"key": k}).json()["kvs"][0]
+        return int(kv["create_revision"])
+
+    first = elect()
+    s = start_engine(model_path, "--fence", "--fence-etcd", etcd.url, "--fence-key", key)
+
+    def status(token: int) -> int:
+        return httpx.post(
+            s.url + "/v1/completions",
+            json={"prompt": "Hi", "max_tokens": 1},
+            headers={"x-narwhal-fence": str(token)},
+            timeout=30,
+        ).status_code
+
+    try:
+        wait_until(lambda: engine_token(s) == first, within=5)  # read from etcd, not sent
+        assert status(first) == 200
+        second = elect()
+        wait_until(lambda: engine_token(s) == second, within=5)
+        assert status(first) == 409  # nobody holding `second` has sent it anything
+    finally:
+        s.stop()

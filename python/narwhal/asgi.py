@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
+import logging
 import os
 from collections.abc import Awaitable, Callable, Iterable, MutableMapping
 from typing import Any
@@ -138,6 +140,25 @@ async def send_bytes(
 
 async def send_json(send: Send, status: int, obj: Any) -> None:
     await send_bytes(send, status, orjson.dumps(obj))
+
+
+async def in_envelope(send: Send, handle: Awaitable[None], log: logging.Logger, what: str) -> None:
+    """Run a route's handler: whatever it raises reaches the client in the OpenAI error
+    envelope (a bug as a 500, its trace in the log), never as the server's bare 500."""
+    try:
+        await handle
+    except ApiError as e:
+        await send_error(send, e)
+    except ClientGone:
+        pass
+    except BodyTooLarge:
+        await send_error(send, ApiError(413, "request body too large", code="request_too_large"))
+    except Exception:
+        log.exception("unhandled error on %s", what)
+        with contextlib.suppress(Exception):  # unless the response had started
+            await send_error(
+                send, ApiError(500, "internal error", type="server_error", code="internal_error")
+            )
 
 
 async def send_error(send: Send, err: ApiError) -> None:

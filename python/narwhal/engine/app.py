@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import sys
@@ -31,6 +30,7 @@ from narwhal.engine.model import Model, ModelLoadError
 from narwhal.engine.render import Output, ToolCallFailed, writer_for
 from narwhal.engine.slots import Busy, Slots
 from narwhal.errors import ApiError, json_object
+from narwhal.etcd import Etcd
 
 log = logging.getLogger("lexi_engine")
 access_log = logging.getLogger("lexi.access")
@@ -120,7 +120,9 @@ class Engine:
         rec = asgi.begin(scope)
         started = time.monotonic()
         try:
-            await self._route(path, method, scope, receive, send)
+            await asgi.in_envelope(
+                send, self._route(path, method, scope, receive, send), log, f"{method} {path}"
+            )
         finally:
             if path in ROUTES or rec.status >= 400:
                 logs.access(access_log, method, path, rec, started)
@@ -128,50 +130,45 @@ class Engine:
     async def _route(
         self, path: str, method: str, scope: Scope, receive: Receive, send: Send
     ) -> None:
-        try:
-            if path == "/health" and method == "GET":
-                await asgi.send_json(send, 200, {"status": "ok"})
-                return
-            self._authorize(scope)
-            model_id = path[len("/v1/models/") :] if path.startswith("/v1/models/") else None
-            if (path in ("/v1/models", "/metrics", "/health") or model_id) and method != "GET":
-                raise asgi.method_not_allowed(method, path, "GET")
-            if path == "/v1/models":
-                await asgi.send_json(send, 200, self._models())
-            elif model_id:
-                await asgi.send_json(send, 200, self._model(model_id))
-            elif path == "/metrics":
-                self._refresh_gauges()
-                await asgi.send_bytes(
-                    send, 200, generate_latest(self.metrics.registry), b"text/plain; version=0.0.4"
-                )
-            elif path in ROUTES:
-                if method != "POST":
-                    raise asgi.method_not_allowed(method, path, "POST")
-                await self._generate(path, scope, receive, send)
-            else:
-                raise ApiError(404, f"no route {method} {path}", code="not_found")
-        except ApiError as e:
-            await asgi.send_error(send, e)
-        except asgi.ClientGone:
-            pass
-        except Exception:  # a bug: the client still gets the envelope, the log the trace
-            log.exception("unhandled error on %s %s", method, path)
-            with contextlib.suppress(Exception):  # unless the response had started
-                await asgi.send_error(
-                    send,
-                    ApiError(500, "internal error", type="server_error", code="internal_error"),
-                )
+        if path == "/health" and method == "GET":
+            await asgi.send_json(send, 200, {"status": "ok"})
+            return
+        self._authorize(scope)
+        model_id = path[len("/v1/models/") :] if path.startswith("/v1/models/") else None
+        if (path in ("/v1/models", "/metrics", "/health") or model_id) and method != "GET":
+            raise asgi.method_not_allowed(method, path, "GET")
+        if path == "/v1/models":
+            await asgi.send_json(send, 200, self._models())
+        elif model_id:
+            await asgi.send_json(send, 200, self._model(model_id))
+        elif path == "/metrics":
+            self._refresh_gauges()
+            await asgi.send_bytes(
+                send, 200, generate_latest(self.metrics.registry), b"text/plain; version=0.0.4"
+            )
+        elif path in ROUTES:
+            if method != "POST":
+                raise asgi.method_not_allowed(method, path, "POST")
+            await self._generate(path, scope, receive, send)
+        else:
+            raise ApiError(404, f"no route {method} {path}", code="not_found")
 
     async def _startup(self) -> None:
-        self._reaper = asyncio.create_task(
-            silent.close_silent_forever(
-                self.config.header_timeout_s, self.metrics.silent_closed.inc
+        c = self.config
+        self._tasks.append(
+            asyncio.create_task(
+                silent.close_silent_forever(c.header_timeout_s, self.metrics.silent_closed.inc)
             )
         )
+        if self.fence is not None and c.fence_etcd is not None:
+            etcd = Etcd([c.fence_etcd])
+            self._tasks.append(
+                asyncio.create_task(self.fence.follow_etcd_forever(etcd, c.fence_key))
+            )
 
     async def _shutdown(self) -> None:
-        self._reaper.cancel()
+        for t in self._tasks:
+            t.cancel()
         await asyncio.to_thread(self.decoder.stop)
 
     def _authorize(self, scope: Scope) -> None:

@@ -54,11 +54,14 @@ class Fence:
 
     async def follow_etcd_forever(self, etcd: Etcd, key: str, interval_s: float = 0.5) -> None:
         """The current leader key's token from etcd, as the floor."""
-        while True:
-            try:
-                kv = await etcd.get(key.encode())
-                if kv is not None:
-                    self.raise_to(kv.create_revision)
-            except EtcdError as e:
-                log.debug("fence: etcd not read: %s", e)
-            await asyncio.sleep(interval_s)
+        try:
+            while True:
+                try:
+                    kv = await etcd.get(key.encode())
+                    if kv is not None:
+                        self.raise_to(kv.create_revision)
+                except EtcdError as e:
+                    log.debug("fence: etcd not read: %s", e)
+                await asyncio.sleep(interval_s)
+        finally:
+            await etcd.close()

@@ -152,7 +152,9 @@ class Router:
         rec = asgi.begin(scope)
         started = time.monotonic()
         try:
-            await self._route(path, method, scope, receive, send)
+            await asgi.in_envelope(
+                send, self._route(path, method, scope, receive, send), log, f"{method} {path}"
+            )
         finally:
             if path in COMPLETION_ROUTES:
                 self.metrics.answered(
@@ -164,55 +166,37 @@ class Router:
     async def _route(
         self, path: str, method: str, scope: Scope, receive: Receive, send: Send
     ) -> None:
-        try:
-            if self.client_keys and path.startswith("/v1/"):
-                bearer.require(scope, self.client_keys)
-            if path in COMPLETION_ROUTES:
-                if method != "POST":
-                    raise asgi.method_not_allowed(method, path, "POST")
-                await self._completion(path, scope, receive, send)
-            elif path in admin_api.ROUTES and self.admin is not None:
-                await self.admin.handle(scope, receive, send)
-            elif path.startswith("/v1/models/"):
-                if method != "GET":
-                    raise asgi.method_not_allowed(method, path, "GET")
-                await asgi.send_json(send, 200, self._model(path[len("/v1/models/") :]))
-            elif path not in GET_ROUTES:
-                raise ApiError(404, f"no route {method} {path}", code="not_found")
-            elif method != "GET":
+        if self.client_keys and path.startswith("/v1/"):
+            bearer.require(scope, self.client_keys)
+        if path in COMPLETION_ROUTES:
+            if method != "POST":
+                raise asgi.method_not_allowed(method, path, "POST")
+            await self._completion(path, scope, receive, send)
+        elif path in admin_api.ROUTES and self.admin is not None:
+            await self.admin.handle(scope, receive, send)
+        elif path.startswith("/v1/models/"):
+            if method != "GET":
                 raise asgi.method_not_allowed(method, path, "GET")
-            elif path == "/health":
-                await asgi.send_json(send, 200, {"status": "ok"})
-            elif path == "/ready":
-                await self._ready(send)
-            elif path == "/v1/models":
-                await asgi.send_json(send, 200, {"object": "list", "data": [self._model()]})
-            elif path == "/engines":
-                await asgi.send_json(
-                    send, 200, {"engines": [e.describe() for e in self.pool.engines]}
-                )
-            elif path == "/metrics":
-                self._refresh_gauges()
-                await asgi.send_bytes(
-                    send, 200, generate_latest(self.metrics.registry), b"text/plain; version=0.0.4"
-                )
-            else:
-                raise ApiError(404, f"no route {method} {path}", code="not_found")
-        except ApiError as e:
-            await asgi.send_error(send, e)
-        except asgi.ClientGone:
-            pass
-        except asgi.BodyTooLarge:
-            await asgi.send_error(
-                send, ApiError(413, "request body too large", code="request_too_large")
+            await asgi.send_json(send, 200, self._model(path[len("/v1/models/") :]))
+        elif path not in GET_ROUTES:
+            raise ApiError(404, f"no route {method} {path}", code="not_found")
+        elif method != "GET":
+            raise asgi.method_not_allowed(method, path, "GET")
+        elif path == "/health":
+            await asgi.send_json(send, 200, {"status": "ok"})
+        elif path == "/ready":
+            await self._ready(send)
+        elif path == "/v1/models":
+            await asgi.send_json(send, 200, {"object": "list", "data": [self._model()]})
+        elif path == "/engines":
+            await asgi.send_json(send, 200, {"engines": [e.describe() for e in self.pool.engines]})
+        elif path == "/metrics":
+            self._refresh_gauges()
+            await asgi.send_bytes(
+                send, 200, generate_latest(self.metrics.registry), b"text/plain; version=0.0.4"
             )
-        except Exception:  # a bug: the client still gets the envelope, the log the trace
-            log.exception("unhandled error on %s %s", method, path)
-            with contextlib.suppress(Exception):  # unless the response had started
-                await asgi.send_error(
-                    send,
-                    ApiError(500, "internal error", type="server_error", code="internal_error"),
-                )
+        else:
+            raise ApiError(404, f"no route {method} {path}", code="not_found")
 
     def _model(self, model_id: str | None = None) -> dict[str, Any]:
         """The one model the router serves (`GET /v1/models/{id}`: it, or 404)."""
@@ -423,18 +407,15 @@ class Router:
         finally:
             watcher.cancel()
 
+    def _refuse_unless_leading(self) -> None:
+        why = self.leadership.serving()
+        if why is not None:
+            raise _unavailable_error(self.leadership.role.value, why)
+
     def _refuse_if_unavailable(self) -> None:
         down = self._unavailable()
-        if down is None:
-            return
-        code, reason = down
-        raise ApiError(
-            503,
-            f"this router takes no requests now ({reason}); retry shortly",
-            type="server_error",
-            code=code,
-            headers={"retry-after": "1"},
-        )
+        if down is not None:
+            raise _unavailable_error(*down)
 
     def _cannot_serve(self, req: intake.Intake) -> frozenset[str]:
         if req.route != intake.RESPONSES:
@@ -480,9 +461,10 @@ class Router:
                 predicted_s=predicted,
                 exclude=busy,
             ) as lease:
-                # Again once placed (the queue may have waited): the token it carries must
-                # be one this router still holds.
-                self._refuse_if_unavailable()
+                # Again once placed (the queue may have waited), but only leadership: the
+                # token the request carries must be one this router still holds. (The engine
+                # it got is out of the wave; a degraded predictor has already admitted it.)
+                self._refuse_unless_leading()
                 lease.fence = self.leadership.token
                 placed = True
                 self._queue_time.observe(time.monotonic() - arrived)
@@ -534,6 +516,16 @@ class Ending:
 
     def __init__(self) -> None:
         self.outcome = "client_gone"
+
+
+def _unavailable_error(code: str, reason: str) -> ApiError:
+    return ApiError(
+        503,
+        f"this router takes no requests now ({reason}); retry shortly",
+        type="server_error",
+        code=code,
+        headers={"retry-after": "1"},
+    )
 
 
 def _note(lease: Lease) -> None:

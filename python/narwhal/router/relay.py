@@ -102,6 +102,16 @@ def _engine_refusal(chunk: bytes) -> tuple[int, bytes] | None:
     return None
 
 
+def _deadline_passed() -> ApiError:
+    """Before any byte went to the client, a passed deadline is still an HTTP 504."""
+    return ApiError(
+        504,
+        "the request deadline passed before the engine answered",
+        type="timeout_error",
+        code="deadline_exceeded",
+    )
+
+
 def _past(deadline: float) -> bool:
     # The loop's timers run on a millisecond clock that may fire a hair before
     # time.monotonic() (the deadlines' clock) reaches the deadline.
@@ -324,12 +334,7 @@ class Relayer:
         try:
             resp = await self.upstream(e).request(lease.intake.route, body, lease.deadline, headers)
         except asyncio.TimeoutError:
-            raise ApiError(
-                504,
-                "the request deadline passed before the engine answered",
-                type="timeout_error",
-                code="deadline_exceeded",
-            ) from None
+            raise _deadline_passed() from None
         except OSError as exc:
             lease.fault("connect", f"request failed: {exc}")
             raise EngineFailed(str(exc)) from exc
@@ -377,12 +382,7 @@ class Relayer:
         except asyncio.TimeoutError:
             if not _past(lease.deadline):
                 raise self._stalled(lease) from None
-            raise ApiError(
-                504,
-                "the request deadline passed before the engine answered",
-                type="timeout_error",
-                code="deadline_exceeded",
-            ) from None
+            raise _deadline_passed() from None
         except UpstreamError:
             return b""
 
