@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMPS := .stamps
 RUST_SOURCES := $(shell find rust -name '*.rs' -o -name Cargo.toml) Cargo.toml
 
-.PHONY: setup serve test test-rust test-python lint bench clean
+.PHONY: setup serve test test-rust test-python test-pythons lint bench clean
 
 setup: $(STAMPS)/native $(STAMPS)/model $(STAMPS)/etcd
 
@@ -50,6 +50,24 @@ test-rust:
 test-python:
 	$(PY) -m pytest
 
+# The oldest and the newest Python the package claims, each in a venv of its own with the
+# router's side only (the `test` extra, no llama-cpp-python): every test that does not
+# need the model runs there (router, HA, native, wheel). scripts/find-python says where
+# each interpreter is found (pyenv, uv, the PATH).
+MATRIX := 3.10 3.13
+test-pythons: $(STAMPS)/etcd
+	@set -e; for v in $(MATRIX); do \
+	  venv=.venv-py$$v; \
+	  if [ ! -x $$venv/bin/python ]; then \
+	    py=$$(scripts/find-python $$v); \
+	    $$py -m venv $$venv; \
+	    $$venv/bin/python -m pip install --quiet --upgrade pip; \
+	  fi; \
+	  $$venv/bin/python -m pip install --quiet -e '.[test]'; \
+	  echo "== Python $$v"; \
+	  $$venv/bin/python -m pytest -q -p no:cacheprovider; \
+	done
+
 lint: setup
 	cargo fmt --all --check
 	cargo clippy --workspace --all-targets -- -D warnings
@@ -62,4 +80,4 @@ bench: setup
 	$(PY) -m pytest bench --benchmark-only
 
 clean:
-	rm -rf $(STAMPS) target $(VENV)
+	rm -rf $(STAMPS) target $(VENV) .venv-py*

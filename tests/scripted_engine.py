@@ -193,6 +193,12 @@ async def _script_body(
             b'"code": "tool_call_invalid"}}\n\n'
         )
         return
+    elif name == "error_event_bare":  # vLLM's shape: a numeric code, no param
+        await w(_frame(body, chat, {"content": "a"}, [7]))
+        await w(
+            b'data: {"error": {"message": "boom", "type": "InternalServerError", "code": 500}}\n\n'
+        )
+        return
     elif name == "reasoning":
         await w(_frame(body, chat, {"reasoning_content": "hmm"}, [3]))
         await w(_frame(body, chat, {"content": "ok"}, [4]))

@@ -258,6 +258,20 @@ engines: [{{name: s, url: "{scripted.url}", dialect: openai}}]
         )
         assert whole.status_code == 422
         assert whole.json()["error"]["code"] == "tool_call_invalid"
+        # An engine's error object reaches the client in the whole envelope, its message
+        # kept, `code` a string.
+        bare = httpx.post(
+            r.url + "/v1/completions", timeout=30, json={"prompt": "script:error_event_bare"}
+        )
+        assert bare.status_code == 502
+        assert bare.json() == {
+            "error": {
+                "message": "boom",
+                "type": "InternalServerError",
+                "param": None,
+                "code": "engine_error",
+            }
+        }
         busy = httpx.post(r.url + "/v1/completions", json={"prompt": "script:status:429"})
         assert busy.status_code == 429 and busy.headers["retry-after"] == "1"
         m = httpx.get(r.url + "/metrics").text

@@ -104,6 +104,39 @@ CHAT_BODIES = st.one_of(
         _body(CHAT_KEYS, {}),
     ),
 )
+# Tools whose schemas are anything JSON: the keys a schema has, with values of any shape.
+SCHEMA = st.dictionaries(
+    st.sampled_from(
+        ["type", "properties", "required", "$defs", "anyOf", "oneOf", "items", "enum", "$ref"]
+    ),
+    JSON,
+    max_size=4,
+)
+TOOL_BODIES = st.builds(
+    lambda params, strict, deep: {
+        "messages": [
+            {"role": "user", "content": "hi"},
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {
+                        "id": "c",
+                        "type": "function",
+                        "function": {"name": "f", "arguments": "[" * deep + "]" * deep},
+                    }
+                ],
+            },
+            {"role": "tool", "tool_call_id": "c", "content": "ok"},
+        ],
+        "tools": [
+            {"type": "function", "function": {"name": "f", "strict": strict, "parameters": params}}
+        ],
+    },
+    st.one_of(SCHEMA, st.builds(lambda p: {"type": "object", **p}, SCHEMA)),
+    st.booleans(),
+    st.sampled_from([0, 3, 254, 300, 1000]),
+)
 COMPLETION_BODIES = _body((*CHAT_KEYS, "prompt", "echo", "suffix"), {"prompt": "hi"})
 RESPONSES_BODIES = _body(
     (
@@ -221,7 +254,7 @@ def lexi(model_path: str) -> Any:
 @settings(
     max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
-@given(body=CHAT_BODIES)
+@given(body=st.one_of(CHAT_BODIES, TOOL_BODIES))
 def test_engine_chat_intake_never_raises_anything_but_a_4xx(lexi: Any, body: Any) -> None:
     from narwhal.engine import protocol
 

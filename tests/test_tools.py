@@ -281,6 +281,49 @@ def test_strict_tool_that_is_not_closed_is_refused(engine: Server) -> None:
     assert "get_weather" in r.json()["error"]["message"]
 
 
+@pytest.mark.parametrize(
+    ("schema", "path"),
+    [
+        ({"type": "object", "properties": [1]}, ".properties"),
+        ({"type": "object", "properties": [{}]}, ".properties"),
+        ({"type": "object", "properties": {}, "required": 5}, ".required"),
+        ({"type": "object", "$defs": [1]}, ".$defs"),
+        ({"type": "object", "anyOf": 5}, ".anyOf"),
+    ],
+)
+@pytest.mark.parametrize("strict", [True, False])
+def test_a_tool_schema_that_is_not_one_is_a_400_naming_the_place(
+    engine: Server, schema: dict[str, Any], path: str, strict: bool
+) -> None:
+    fn = {"name": "bad", "strict": strict, "parameters": {**schema, "additionalProperties": False}}
+    tools = [TOOLS[0], {"type": "function", "function": fn}]
+    r = post(engine, "/v1/chat/completions", {"messages": ASK, "tools": tools})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "tools[1].function.parameters" + path
+
+
+def test_history_arguments_too_deep_to_write_are_a_400(engine: Server) -> None:
+    deep = "[" * 300 + "]" * 300
+    history = [
+        *ASK,
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": ' + deep + "}"},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+    ]
+    r = post(engine, "/v1/chat/completions", {"messages": history, "tools": TOOLS})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "messages[1].tool_calls[0].function.arguments"
+
+
 def test_tool_choice_none_leaves_calls_as_text(engine: Server) -> None:
     msg = chat(engine, grammar=forced(CALL), tool_choice="none").json()["choices"][0]["message"]
     assert msg["content"] == CALL and "tool_calls" not in msg

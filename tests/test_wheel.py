@@ -7,9 +7,10 @@ import subprocess
 import venv
 from pathlib import Path
 
+import httpx
 import pytest
 
-from tests.support import BIN, ROOT
+from tests.support import BIN, ROOT, Server, free_port
 
 pytestmark = pytest.mark.slow
 
@@ -35,7 +36,22 @@ def test_release_wheel_installs_and_runs(tmp_path: Path) -> None:
     version = subprocess.run(
         [str(env / "bin" / "narwhal"), "--version"], capture_output=True, text=True, check=True
     )
-    assert version.stdout.startswith("narwhal ")
+    # Our own distribution's version, everywhere a user reads it.
+    release = wheels[0].name.split("-")[1]  # the version maturin built: Cargo.toml's
+    assert version.stdout.strip() == f"narwhal {release}"
+    port = free_port()
+    cfg = tmp_path / "router.yaml"
+    cfg.write_text(
+        f"listen: {{port: {port}}}\nmodel: main\nadmission: open\n"
+        'engines: [{name: a, url: "http://127.0.0.1:9", dialect: openai}]\n'
+    )
+    router = Server([str(env / "bin" / "narwhal"), "serve", "--config", str(cfg)], "/health", port)
+    try:
+        metrics = httpx.get(router.url + "/metrics").text
+        assert f'narwhal_info{{model="main",version="{release}"}} 1.0' in metrics
+        assert f"narwhal {release}: model 'main'" in router.stderr()
+    finally:
+        router.stop()
     probe = subprocess.run(
         [
             str(py),

@@ -150,7 +150,12 @@ async def in_envelope(send: Send, handle: Awaitable[None], log: logging.Logger, 
     except ApiError as e:
         await send_error(send, e)
     except ClientGone:
-        pass
+        # The server ends the body with a disconnect both when the client left and when the
+        # body's framing is broken (a chunk size that is not hex or overflows, a body shorter
+        # than its Content-Length): answer the second kind, which the server would otherwise
+        # answer with its own bare 500; to a client that left, the answer goes nowhere.
+        with contextlib.suppress(Exception):
+            await send_error(send, _UNREADABLE)
     except BodyTooLarge:
         await send_error(send, ApiError(413, "request body too large", code="request_too_large"))
     except Exception:
@@ -159,6 +164,14 @@ async def in_envelope(send: Send, handle: Awaitable[None], log: logging.Logger, 
             await send_error(
                 send, ApiError(500, "internal error", type="server_error", code="internal_error")
             )
+
+
+_UNREADABLE = ApiError(
+    400,
+    "the request body could not be read: the connection ended or its framing is malformed",
+    code="bad_request_body",
+    headers={"connection": "close"},
+)
 
 
 async def send_error(send: Send, err: ApiError) -> None:

@@ -9,6 +9,7 @@ Every call is bounded by `timeout_s`; endpoints are tried in order until one ans
 
 from __future__ import annotations
 
+import asyncio
 import base64
 from dataclasses import dataclass
 from typing import Any
@@ -66,7 +67,7 @@ class Etcd:
                         continue
                     out: dict[str, Any] = orjson.loads(raw)
                     return out
-            except (aiohttp.ClientError, TimeoutError, orjson.JSONDecodeError) as exc:
+            except (aiohttp.ClientError, asyncio.TimeoutError, orjson.JSONDecodeError) as exc:
                 failure = f"{e}: {type(exc).__name__}: {exc}"
         raise EtcdError(failure)
 

@@ -14,6 +14,7 @@ import orjson
 from narwhal.engine.config import EngineConfig
 from narwhal.engine.generation import Sampling
 from narwhal.engine.model import GrammarError, Model
+from narwhal.engine.schema_check import check_schema
 from narwhal.engine.template import RESERVED, TemplateError, TemplateFault
 from narwhal.engine.tools import TRIGGER, ToolPlan, plan_tools
 from narwhal.errors import ApiError, invalid
@@ -182,7 +183,7 @@ def _grammar(body: dict[str, Any], model: Model) -> Any:
                 "response_format.json_schema.schema",
             )
         where = "response_format.json_schema.schema"
-        _check_schema(schema, where)
+        check_schema(schema, where)
         try:
             return model.json_schema_grammar(orjson.dumps(schema).decode())
         except GrammarError as e:
@@ -190,22 +191,6 @@ def _grammar(body: dict[str, Any], model: Model) -> Any:
         except Exception as e:  # a third-party converter: whatever it trips on is the schema's
             raise invalid(f"unsupported JSON schema: {type(e).__name__}: {e}", where) from None
     raise invalid(f"unsupported response_format type '{kind}'", "response_format.type")
-
-
-def _check_schema(schema: dict[str, Any], where: str) -> None:
-    """A JSON Schema that is not one (`{"type": 5}`, `properties` as a list) is a 400 naming
-    the place in it, before any converter sees it."""
-    import jsonschema_rs
-
-    try:
-        jsonschema_rs.meta.validate(schema)
-    except jsonschema_rs.ValidationError as e:
-        inner = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in e.instance_path)
-        raise invalid(
-            f"not a valid JSON Schema at {where}{inner}: {e.message}", where + inner
-        ) from None
-    except Exception as e:  # a $ref it cannot resolve, say
-        raise invalid(f"not a valid JSON Schema: {e}", where) from None
 
 
 def _logprobs(body: dict[str, Any], sampling: Sampling, chat: bool) -> bool:
@@ -302,6 +287,7 @@ def _history_calls(calls: Any, p: str) -> list[dict[str, Any]]:
                     "tool call arguments are not valid JSON",
                     f"{p}.tool_calls[{j}].function.arguments",
                 ) from e
+            _refuse_unwritable(args, f"{p}.tool_calls[{j}].function.arguments")
         out.append(
             {
                 "id": c.get("id"),
@@ -310,6 +296,20 @@ def _history_calls(calls: Any, p: str) -> list[dict[str, Any]]:
             }
         )
     return out
+
+
+# orjson reads JSON nested up to 1,024 levels but writes only 255, and the prompt writes
+# earlier calls' arguments out again, inside the objects that carry them (the template's
+# tojson of a message, the engine's own tool prompt): keep room for those.
+_WRAPPERS = 4
+_MAX_DEPTH = 255 - _WRAPPERS
+
+
+def _refuse_unwritable(value: Any, where: str) -> None:
+    try:
+        orjson.dumps([[[[value]]]])
+    except TypeError:  # orjson's JSONEncodeError: "Recursion limit reached"
+        raise invalid(f"{where} nests JSON deeper than {_MAX_DEPTH} levels", where) from None
 
 
 def _template_kwargs(body: dict[str, Any], config: EngineConfig) -> dict[str, Any]:

@@ -19,6 +19,7 @@ import jsonschema_rs
 import orjson
 
 from narwhal.engine.generation import held
+from narwhal.engine.schema_check import check_schema
 from narwhal.engine.schema_grammar import calls_grammar
 from narwhal.errors import invalid
 
@@ -225,6 +226,7 @@ def _tool(i: int, raw: Any) -> Tool:
     strict = fn.get("strict", False)
     if not isinstance(strict, bool):
         raise invalid(f"tool '{name}': strict must be a boolean", f"{p}.function.strict")
+    check_schema(schema, f"{p}.function.parameters")
     if strict:
         problem = _strict_problem(schema, "")
         if problem is None and schema.get("type") != "object":

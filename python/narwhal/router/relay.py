@@ -97,9 +97,26 @@ def _engine_refusal(chunk: bytes) -> tuple[int, bytes] | None:
             except orjson.JSONDecodeError:
                 continue
             if isinstance(err, dict):
-                status = _STATUS_OF_TYPE.get(str(err.get("type")), 502)
-                return status, orjson.dumps({"error": err})
+                return _normalised(err)
     return None
+
+
+def _normalised(err: dict[str, object]) -> tuple[int, bytes]:
+    """The engine's error object in the OpenAI envelope: `message`, `type`, `param` and
+    `code` always there, `code` a string (engines send `"code": 500` or leave it out); the
+    engine's own message kept."""
+    kind = err.get("type")
+    status = _STATUS_OF_TYPE.get(str(kind), 502)
+    message = err.get("message")
+    param = err.get("param")
+    code = err.get("code")
+    return status, ApiError(
+        status,
+        message if isinstance(message, str) and message else "the engine reported an error",
+        type=kind if isinstance(kind, str) and kind else "server_error",
+        param=param if isinstance(param, str) else None,
+        code=code if isinstance(code, str) and code else "engine_error",
+    ).body()
 
 
 def _deadline_passed() -> ApiError:

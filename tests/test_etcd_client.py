@@ -1,0 +1,38 @@
+"""narwhal/etcd.py against endpoints that misbehave: every failure is an EtcdError."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+import pytest
+
+from narwhal.etcd import Etcd, EtcdError
+
+
+async def _silent_endpoint() -> tuple[asyncio.AbstractServer, str]:
+    """An endpoint that accepts and never answers (etcd stalled, a black-holed route)."""
+
+    async def hold(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.read()  # until the client gives up and closes
+        writer.close()
+
+    server = await asyncio.start_server(hold, "127.0.0.1", 0, family=socket.AF_INET)
+    port = server.sockets[0].getsockname()[1]
+    return server, f"http://127.0.0.1:{port}"
+
+
+def test_a_stalled_endpoint_is_an_etcd_error_on_every_python() -> None:
+    # On 3.10 aiohttp's timeout is asyncio.TimeoutError, not the built-in TimeoutError:
+    # a catch of the latter let it through and killed the loop that called.
+    async def main() -> None:
+        server, url = await _silent_endpoint()
+        etcd = Etcd([url], timeout_s=0.3)
+        try:
+            with pytest.raises(EtcdError, match="TimeoutError"):
+                await etcd.get(b"/k")
+        finally:
+            await etcd.close()
+            server.close()
+
+    asyncio.run(main())
