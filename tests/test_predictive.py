@@ -6,6 +6,7 @@ from __future__ import annotations
 import sys
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 from typing import Any
 
@@ -20,7 +21,9 @@ MS_PER_TOKEN = 2  # the scripted engine's prefill cost; 4 prompt bytes make a to
 
 
 def prompt(tokens: int) -> str:
-    head = f"script:prefill:{MS_PER_TOKEN}:"
+    # Each prompt its own text: prompts that share a prefix are projected to be served
+    # from the engine's cache, and this engine has none.
+    head = f"script:prefill:{MS_PER_TOKEN}:{uuid.uuid4().hex}"
     return head + "x" * (tokens * 4 - len(head))
 
 

@@ -385,10 +385,14 @@ def chat_job(body: dict[str, Any], config: EngineConfig, model: Model) -> Job:
     _fit(ids, sampling, model, "messages")
     if plan is not None and plan.grammar and sampling.grammar is None:
         # A client's own grammar or response_format wins; otherwise calls are constrained.
+        try:
+            calls = model.grammar(plan.grammar)
+        except GrammarError as e:  # a schema no value satisfies (`"enum": []`), say
+            raise invalid(f"the tools' parameter schemas admit no call: {e}", "tools") from None
         if plan.required:
-            sampling.grammar = model.grammar(plan.grammar)
+            sampling.grammar = calls
         else:
-            sampling.lazy_grammar = (model.grammar(plan.grammar), [TRIGGER])
+            sampling.lazy_grammar = (calls, [TRIGGER])
     job = Job("chat", ids, sampling, stream=_bool(body, "stream"), body=body, tools=plan)
     job.logprobs = _logprobs(body, sampling, chat=True)
     job.split_reasoning = config.reasoning_format == "auto"

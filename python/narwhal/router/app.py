@@ -27,6 +27,10 @@ from narwhal.router.leadership import Leadership
 from narwhal.router.lease import Events, Lease
 from narwhal.router.maintenance import Maintenance
 from narwhal.router.metrics import RouterMetrics
+from narwhal.router.policies import OPEN_PLAN, Plan, Policy
+from narwhal.router.policies.open import OpenPolicy
+from narwhal.router.policies.predictive import PredictivePolicy
+from narwhal.router.policies.prefix_cache import PrefixCache
 from narwhal.router.predict import Predictor
 from narwhal.router.profiling import Profiler
 from narwhal.router.relay import EngineBusy, EngineFailed, EngineFenced, Relayer
@@ -68,10 +72,10 @@ class Router:
             if config.admission == "predictive"
             else None
         )
+        self.policy = _policy(config, engines, self.predictor)
         self.pool.watch(events)
         self.metrics.watch(events)
-        if self.predictor is not None:
-            self.predictor.watch(events)
+        self.policy.watch(events)
         paths = {p: self.metrics.relayed_streams.labels(p) for p in ("native", "awaited")}
         self.relayer = Relayer(
             config.stream_idle_timeout_s, config.native_relay, lambda path: paths[path].inc()
@@ -344,6 +348,9 @@ class Router:
             deadline = self._deadline(scope, arrived)
             budget = self._budget(scope)
             req = intake.check(path, raw, self.config.model)
+            session = asgi.header(scope, b"x-session-id")
+            if session:
+                req.session = session[:256]
         except ApiError as e:
             if e.status == 400:
                 m.invalid_requests.inc()
@@ -365,21 +372,20 @@ class Router:
         assert task is not None
         watcher = asyncio.create_task(asgi.watch_disconnect(receive, task))
         try:
-            prefer, tokens, predicted = None, 0, None
             try:
                 self._refuse_if_unavailable()
             except ApiError as e:
                 self.metrics.rejected.labels(e.code or "unavailable").inc()
                 end.outcome = "rejected"
                 raise
-            if self.predictor is not None and self.pool.eligible():
+            plan = OPEN_PLAN
+            if self.pool.eligible():
                 try:
-                    proj = self.predictor.judge(req.prompt_bytes, self.pool.eligible(), budget)
+                    plan = self.policy.judge(req, self.pool.eligible(), budget)
                 except ApiError as e:
                     self.metrics.refused.labels(e.code or "predictive").inc()
                     end.outcome = "refused"
                     raise
-                prefer, tokens, predicted = proj.engine, proj.tokens, proj.total_s
             # Engines not to place on: those that cannot serve the route, then those that
             # answered this request 429.
             try:
@@ -390,7 +396,7 @@ class Router:
             while True:
                 try:
                     end.outcome = await self._place_and_relay(
-                        req, send, arrived, deadline, prefer, tokens, predicted, busy, end
+                        req, send, arrived, deadline, plan, busy, end
                     )
                     return
                 except EngineBusy as e:
@@ -444,9 +450,7 @@ class Router:
         send: Send,
         arrived: float,
         deadline: float,
-        prefer: Engine | None,
-        tokens: int,
-        predicted: float | None,
+        plan: Plan,
         busy: frozenset[str],
         end: Ending,
     ) -> str:
@@ -456,9 +460,9 @@ class Router:
                 req,
                 arrived,
                 deadline,
-                prefer=prefer,
-                tokens=tokens,
-                predicted_s=predicted,
+                prefer=plan.prefer,
+                tokens=plan.tokens,
+                predicted_s=plan.predicted_s,
                 exclude=busy,
             ) as lease:
                 # Again once placed (the queue may have waited), but only leadership: the
@@ -466,6 +470,8 @@ class Router:
                 # it got is out of the wave; a degraded predictor has already admitted it.)
                 self._refuse_unless_leading()
                 lease.fence = self.leadership.token
+                lease.plan = plan
+                self.policy.placed(lease)
                 placed = True
                 self._queue_time.observe(time.monotonic() - arrived)
                 try:
@@ -506,6 +512,18 @@ class Router:
                 self.metrics.rejected.labels(e.code or "capacity").inc()
                 end.outcome = "rejected"
             raise
+
+
+def _policy(config: RouterConfig, engines: list[Engine], predictor: Predictor | None) -> Policy:
+    """The admission and placement policy, chosen once."""
+    if predictor is None:
+        return OpenPolicy()
+    cache = (
+        PrefixCache(engines, config.prefix_cache_tokens, config.prefix_block_bytes)
+        if config.prefix_cache_tokens
+        else None
+    )
+    return PredictivePolicy(predictor, engines, cache, config.tpot_target_s)
 
 
 class Ending:

@@ -77,6 +77,15 @@ SCHEMA: dict[str, Any] = {
                 "drift_min_samples": _pos_int,
                 "stale_after_s": _pos_num,
                 "probe_interval_s": _pos_num,
+                "tpot_target_s": _pos_num,
+            },
+        },
+        "prefix_cache": {
+            "type": "object",
+            "additionalProperties": False,
+            "properties": {
+                "tokens_per_engine": {"type": "integer", "minimum": 0},
+                "block_bytes": {"type": "integer", "minimum": 64, "maximum": 65536},
             },
         },
         "health": {
@@ -218,6 +227,13 @@ class RouterConfig:
     drift_min_samples: int = 5
     stale_after_s: float = 120.0
     probe_interval_s: float = 10.0
+    # Mean time per output token to keep: placement avoids engines where a new prompt's
+    # prefill would push their streams past it; None: TTFT alone decides.
+    tpot_target_s: float | None = None
+    # What placement assumes each engine's prefix cache holds (0: no cache-aware placement),
+    # and the text block its picture is kept in (router/policies/prefix_cache.py).
+    prefix_cache_tokens: int = 400_000
+    prefix_block_bytes: int = 512
     health_interval_s: float = 2.0
     health_timeout_s: float = 2.0
     eject_after: int = 3  # request faults in a row that take an engine out until a probe
@@ -335,6 +351,9 @@ _FIELDS = {
     ("predictive", "drift_min_samples"): "drift_min_samples",
     ("predictive", "stale_after_s"): "stale_after_s",
     ("predictive", "probe_interval_s"): "probe_interval_s",
+    ("predictive", "tpot_target_s"): "tpot_target_s",
+    ("prefix_cache", "tokens_per_engine"): "prefix_cache_tokens",
+    ("prefix_cache", "block_bytes"): "prefix_block_bytes",
     ("health", "interval_s"): "health_interval_s",
     ("health", "timeout_s"): "health_timeout_s",
     ("health", "eject_after"): "eject_after",

@@ -49,6 +49,15 @@ MEANINGS = {
     "predictive.drift_min_samples": "scored outcomes before drift counts",
     "predictive.stale_after_s": "an engine's profile older than this is stale",
     "predictive.probe_interval_s": "an idle engine is probed when its profile is this old",
+    "predictive.tpot_target_s": "mean time per output token to keep: placement avoids an engine "
+    "where a new prompt's prefill would push its streams past it, while another engine fits the "
+    "TTFT budget (unset: TTFT alone decides)",
+    "prefix_cache": "cache-aware placement: the router's picture of each engine's prefix cache",
+    "prefix_cache.tokens_per_engine": "prompt tokens each engine's prefix cache is assumed to "
+    "hold (its KV pool); the picture is corrected by the cached tokens engines report; 0 turns "
+    "cache-aware placement off",
+    "prefix_cache.block_bytes": "prompt text is hashed in blocks of this many bytes (chained, "
+    "as engines chain KV blocks)",
     "health": "health probes and the circuit breaker",
     "health.interval_s": "time between `/health` probes of each engine",
     "health.timeout_s": "a probe's timeout",

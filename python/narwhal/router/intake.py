@@ -24,6 +24,11 @@ class Intake:
     wants_token_ids: bool
     include_usage: bool
     prompt_bytes: int
+    # The prompt's text as one byte string in prompt order (tools, then each message's role
+    # and content): what cache-aware placement hashes, equal wherever the prompts agree.
+    prefix_text: bytes = b""
+    # The conversation's routing key (`x-session-id`, else the body's `user`), if any.
+    session: str | None = None
 
     @property
     def kind(self) -> Literal["chat", "completion"]:
@@ -50,16 +55,16 @@ def _type(body: dict[str, Any], name: str, kind: type | tuple[type, ...], label:
     return v
 
 
-def _text_bytes(content: Any) -> int:
+def _text_parts(content: Any) -> list[bytes]:
     if isinstance(content, str):
-        return len(content.encode())
+        return [content.encode()]
     if isinstance(content, list):  # content parts are flat: a part's text is a string
-        return sum(
-            len(t.encode())
+        return [
+            t.encode()
             for p in content
             if isinstance(p, dict) and isinstance(t := p.get("text"), str)
-        )
-    return 0
+        ]
+    return []
 
 
 # orjson reads JSON nested up to 1,024 levels but writes only 255: a body between the two
@@ -105,8 +110,14 @@ def check(route: str, raw: bytes, model: str) -> Intake:
     if not isinstance(include_usage, bool):
         raise invalid("'include_usage' must be a boolean", "stream_options.include_usage")
 
+    user = body.get("user")
+    session = user if isinstance(user, str) and user else None
     if route == RESPONSES:
-        return Intake(route, body, stream, False, False, _input_bytes(body))
+        parts = _input_parts(body)
+        return Intake(route, body, stream, False, False, _size(parts), b"".join(parts), session)
+    tools = body.get("tools")
+    # Tools come first in a rendered prompt: requests that differ in them share no prefix.
+    parts = [orjson.dumps(tools)] if tools else []
     if route == CHAT:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
@@ -114,13 +125,18 @@ def check(route: str, raw: bytes, model: str) -> Intake:
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or not isinstance(m.get("role"), str):
                 raise invalid("each message must be an object with a role", f"messages[{i}]")
-        prompt_bytes = sum(_text_bytes(m.get("content")) for m in messages)
+            parts.append(_ROLE_MARK + m["role"].encode() + b"\n")
+            parts += _text_parts(m.get("content"))
+        prompt_bytes = _size(parts) - sum(len(p) for p in parts if p.startswith(_ROLE_MARK))
+        prompt_bytes -= len(parts[0]) if tools else 0
     else:
         prompt = body.get("prompt")
         if isinstance(prompt, str):
-            prompt_bytes = len(prompt.encode())
+            parts.append(prompt.encode())
+            prompt_bytes = len(parts[-1])
         elif isinstance(prompt, list) and prompt:
             prompt_bytes = sum(len(p.encode()) if isinstance(p, str) else 4 for p in prompt)
+            parts.append(orjson.dumps(prompt))
         else:
             raise invalid("'prompt' must be a string or a nonempty list", "prompt")
 
@@ -130,18 +146,30 @@ def check(route: str, raw: bytes, model: str) -> Intake:
     for i, t in enumerate(tools or ()):
         if not isinstance(t, dict) or t.get("type") != "function":
             raise invalid("only function tools are supported", f"tools[{i}].type")
-    return Intake(route, body, stream, wants_ids, include_usage, prompt_bytes)
+    return Intake(
+        route, body, stream, wants_ids, include_usage, prompt_bytes, b"".join(parts), session
+    )
 
 
-def _input_bytes(body: dict[str, Any]) -> int:
-    """A Responses request's prompt size: `instructions` and `input` (a string or items)."""
-    size = _text_bytes(body.get("instructions"))
+_ROLE_MARK = b"\x00"  # never in JSON text: a role line cannot be confused with content
+
+
+def _size(parts: list[bytes]) -> int:
+    return sum(len(p) for p in parts)
+
+
+def _input_parts(body: dict[str, Any]) -> list[bytes]:
+    """A Responses request's prompt: `instructions` and `input` (a string or items)."""
+    parts = _text_parts(body.get("instructions"))
     raw = body.get("input")
     if isinstance(raw, str):
-        return size + len(raw.encode())
+        return [*parts, raw.encode()]
     if not isinstance(raw, list) or not raw:
         raise invalid("'input' must be a string or a nonempty list of items", "input")
-    return size + sum(_text_bytes(i.get("content")) for i in raw if isinstance(i, dict))
+    for i in raw:
+        if isinstance(i, dict):
+            parts += _text_parts(i.get("content"))
+    return parts
 
 
 def _refuse_unassemblable(body: dict[str, Any]) -> None:

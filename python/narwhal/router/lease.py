@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Protocol
 if TYPE_CHECKING:
     from narwhal.router.engines import Engine
     from narwhal.router.intake import Intake
+    from narwhal.router.policies import Plan
 
 
 class Phase(enum.Enum):
@@ -87,6 +88,7 @@ class Lease:
         "intake",
         "output_tokens",
         "phase",
+        "plan",
         "predicted_s",
         "prefer",
         "prompt_tokens",
@@ -127,6 +129,7 @@ class Lease:
         self.cached_tokens: int | None = None  # of those, what the engine's cache served
         self.output_tokens = 0
         self.fence: int | None = None  # the leader's fencing token it was placed under
+        self.plan: Plan | None = None  # what the policy decided before placement
 
     @property
     def on(self) -> Engine:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import orjson
@@ -64,12 +65,16 @@ class Profile:
         decode_s: float,
         predicted_s: float | None = None,
         cached_tokens: int = 0,
+        expected_cached: int = 0,
     ) -> None:
         # A prompt the engine partly served from its prefix cache prefilled only the rest:
-        # its rate counts those tokens, and its outcome is not scored against a projection
-        # that assumed a full prefill (a cache hit is not a misprediction).
+        # its rate counts those tokens. The projection counted the cache it expected; where
+        # the engine's cache held much more or much less than that, the miss is the
+        # picture's, not the rate's, and is not scored.
         fresh = prompt_tokens - min(cached_tokens, prompt_tokens) if prompt_tokens else None
-        cache_hit = bool(prompt_tokens and cached_tokens > 0.1 * prompt_tokens)
+        cache_hit = bool(
+            prompt_tokens and abs(cached_tokens - expected_cached) > 0.1 * prompt_tokens
+        )
         if ttft_s and ttft_s > 0:
             self.measured_at = time.monotonic()
             # Sub-50 ms requests are all fixed overhead: they say nothing about the model.
@@ -122,7 +127,7 @@ class Profile:
 @dataclass
 class Projection:
     engine: Engine
-    tokens: int
+    tokens: int  # the prompt tokens it is expected to prefill (what its cache lacks)
     own_s: float | None  # None: no profile yet
     total_s: float | None  # the projection itself (what outcomes are scored against)
     # The projection widened by the engine's typical miss (drift): a request projected just
@@ -189,6 +194,7 @@ class Predictor:
 
     def _learn(self, lease: Lease) -> None:
         ttft = lease.first_at - lease.sent_at if lease.first_at else None
+        exp = lease.plan.expected.get(lease.on.name) if lease.plan is not None else None
         self.profiles[lease.on.name].observe(
             lease.intake.prompt_bytes,
             lease.prompt_tokens,
@@ -198,6 +204,7 @@ class Predictor:
             lease.decode_s,
             lease.predicted_s,
             cached_tokens=lease.cached_tokens or 0,
+            expected_cached=exp.tokens if exp is not None else 0,
         )
 
     def _discard(self, lease: Lease, kind: str, against_engine: str | None) -> None:
@@ -237,34 +244,53 @@ class Predictor:
         bpt = self.profiles[e.name].bytes_per_token or 4.0
         return max(1, math.ceil(prompt_bytes / bpt))
 
-    def project(self, prompt_bytes: int, e: Engine) -> Projection:
+    def project(self, prompt_bytes: int, e: Engine, cached: int = 0) -> Projection:
+        """TTFT on `e` for a prompt of `prompt_bytes` of which `cached` tokens are expected
+        to come from its prefix cache: the prefill queued there, then what is left of this
+        prompt (at least its last token: an engine always computes that)."""
         tokens = self.size(prompt_bytes, e)
+        fresh = tokens - min(cached, tokens - 1)
         prof = self.profiles[e.name]
         if prof.prefill_tps is None:
-            return Projection(e, tokens, None, None)
+            return Projection(e, fresh, None, None)
         rate = prof.prefill_tps / prof.correction
-        own = tokens / rate
+        own = fresh / rate
         total = own + e.prefill_tokens / rate
-        return Projection(e, tokens, own, total, total * self.margin(prof))
+        return Projection(e, fresh, own, total, total * self.margin(prof))
 
-    def judge(self, prompt_bytes: int, engines: list[Engine], budget_s: float) -> Projection:
-        """The best projection within budget, or the spec's 429 refusals."""
-        ps = [self.project(prompt_bytes, e) for e in engines]
+    def judge(
+        self,
+        prompt_bytes: int,
+        engines: list[Engine],
+        budget_s: float,
+        cached: dict[str, int] | None = None,
+        home: Engine | None = None,
+        keeps_pace: Callable[[Projection], bool] | None = None,
+    ) -> Projection:
+        """The best projection within budget, or the spec's 429 refusals. `cached` says
+        per engine name how many of the prompt's tokens its cache is expected to serve;
+        `home` is the engine a conversation was last placed on: kept while it fits;
+        `keeps_pace` says whether placing there keeps the engine's streams within the TPOT
+        target (engines that would not are avoided while another fits)."""
+        cached = cached or {}
+        ps = [self.project(prompt_bytes, e, cached.get(e.name, 0)) for e in engines]
         unknown = [p for p in ps if p.total_s is None]
         if unknown:
             return min(unknown, key=lambda p: p.engine.prefill)
-        best = min(ps, key=lambda p: p.guarded_s or 0.0)
-        assert best.own_s is not None and best.guarded_s is not None
         if min(p.own_s or 0.0 for p in ps) > budget_s:
+            fastest = min(ps, key=lambda p: p.own_s or 0.0)
             raise ApiError(
                 429,
-                f"the prompt alone is projected to take {best.own_s:.2f}s to "
+                f"the prompt alone is projected to take {fastest.own_s:.2f}s to "
                 f"prefill, over the {budget_s:.2f}s TTFT budget; shorten the prompt "
                 "or raise the target (x-narwhal-ttft-target-ms)",
                 type="rate_limit_error",
                 code="prompt_exceeds_ttft_budget",
             )
-        if best.guarded_s > budget_s:
+        fit = [p for p in ps if (p.guarded_s or 0.0) <= budget_s]
+        if not fit:
+            best = min(ps, key=_rank)
+            assert best.guarded_s is not None
             overrun = max(1, round(best.guarded_s - budget_s))
             raise ApiError(
                 429,
@@ -274,4 +300,18 @@ class Predictor:
                 code="ttft_budget_exceeded",
                 headers={"retry-after": str(overrun)},
             )
-        return best
+        if keeps_pace is not None:
+            # A preference, not a refusal: the TPOT projection is a smoothed rate model, and
+            # refusing on it turned away work that met its SLO (docs/DECISIONS.md).
+            fit = [p for p in fit if keeps_pace(p)] or fit
+        if home is not None:
+            for p in fit:
+                if p.engine is home:
+                    return p
+        return min(fit, key=_rank)
+
+
+def _rank(p: Projection) -> tuple[float, int]:
+    # Ties (idle engines, no cache anywhere) go to the engine with the least in flight, not
+    # to the first one listed.
+    return (p.guarded_s or 0.0, p.engine.inflight)

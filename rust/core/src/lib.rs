@@ -6,6 +6,7 @@
 //! - [`json_scan`]: pass-through edits of frames (token-ID stripping) without re-serializing;
 //! - [`assemble`]: one non-streaming response from a stream's frames;
 //! - [`http1`]: incremental HTTP/1.1 response de-framing for upstream connections;
+//! - [`prefix`]: chained block hashes of prompts, and per engine the blocks placed there;
 //! - [`think`]: streaming reasoning/content separation with delimiter holdback;
 //! - [`relay`]: per-chunk pipelines combining the above for the router.
 
@@ -15,6 +16,7 @@ pub mod frame;
 pub mod http1;
 pub mod json_read;
 pub mod json_scan;
+pub mod prefix;
 pub mod relay;
 pub mod sse;
 pub mod think;

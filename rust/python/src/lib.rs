@@ -10,6 +10,7 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyString};
 
+mod prefix;
 mod upstream;
 
 create_exception!(_native, SseError, PyValueError, "The event stream is malformed.");
@@ -301,6 +302,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<StreamRelay>()?;
     m.add_class::<Assembler>()?;
     m.add_class::<ThinkSplitter>()?;
+    m.add_class::<prefix::PromptBlocks>()?;
+    m.add_class::<prefix::PrefixMap>()?;
     m.add_class::<upstream::ResponseDecoder>()?;
     m.add_class::<upstream::UpstreamReader>()?;
     Ok(())

@@ -1,0 +1,210 @@
+"""One simulated GPU engine: continuous batching with chunked prefill, a KV pool in blocks
+and a prefix cache of chained block hashes with LRU eviction. Pure logic, no I/O: the HTTP
+side (bench/fleet/server.py) feeds it sequences and is told what each step produced.
+
+The cost model is the one serving papers use (Sarathi-Serve, DistServe, vLLM's scheduler):
+every step takes up to `chunk_tokens` uncached prompt tokens from the sequences still in
+prefill (oldest first) plus one token for every sequence that is decoding, and lasts
+
+    step_s = step_base_s + step_per_seq_s x decoding sequences + prefill tokens / prefill_tps
+
+The defaults are shaped like one H100 serving an 8B model in bf16 (bench/README.md gives
+the sources): a decode step reads the 16 GB of weights (~5 ms at 3.35 TB/s, 8 ms with
+launch overheads), each sequence adds its KV reads, prefill runs near 10k tokens/s at
+8k-token contexts, the KV pool holds ~430k tokens (80 GB less weights and activations,
+128 KiB a token).
+
+One whitespace word is one token, so every router sees the same prefix structure in text.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class GpuModel:
+    step_base_s: float = 0.008
+    step_per_seq_s: float = 0.0002
+    prefill_tps: float = 10_000.0
+    chunk_tokens: int = 2048
+    block_tokens: int = 512
+    kv_blocks: int = 840
+    max_seqs: int = 128
+
+    def step_s(self, decoding: int, prefill_tokens: int) -> float:
+        return self.step_base_s + self.step_per_seq_s * decoding + prefill_tokens / self.prefill_tps
+
+
+def block_hashes(words: list[str], block: int) -> list[int]:
+    """Chained hashes of the prompt's whole blocks (a partial last block is never cached)."""
+    out = []
+    h = 0
+    for i in range(0, len(words) - block + 1, block):
+        h = hash((h, " ".join(words[i : i + block])))
+        out.append(h)
+    return out
+
+
+@dataclass(eq=False)
+class Seq:
+    """One request in the engine."""
+
+    prompt_tokens: int
+    max_tokens: int
+    hashes: list[int]
+    cached_tokens: int = 0
+    prefilled: int = 0  # prompt tokens computed so far (cached ones count as computed)
+    generated: int = 0
+    pinned: int = 0  # KV blocks it holds
+    cancelled: bool = False
+    emitted: list[int] = field(default_factory=list)  # token steps not yet taken by the writer
+
+    @property
+    def in_prefill(self) -> bool:
+        return self.prefilled < self.prompt_tokens
+
+    @property
+    def done(self) -> bool:
+        return self.generated >= self.max_tokens
+
+
+class Gpu:
+    """The scheduler and the KV/prefix-cache bookkeeping of one engine."""
+
+    def __init__(self, model: GpuModel) -> None:
+        self.model = model
+        self.waiting: deque[Seq] = deque()
+        self.running: list[Seq] = []
+        # Cached blocks no running sequence pins, least recently used first; pinned blocks
+        # count their holders (a shared prefix is computed once and held by all).
+        self.free_cached: OrderedDict[int, None] = OrderedDict()
+        self.pins: dict[int, int] = {}
+        self.pinned_blocks = 0  # blocks held by running sequences (shared ones once)
+        self.private_blocks = 0  # blocks of unshared tail and output, held by one sequence
+        self.prompt_tokens = 0
+        self.cached_tokens = 0
+        self.served = 0
+
+    # -- what the HTTP side does ------------------------------------------------------
+    def submit(self, seq: Seq) -> None:
+        self.waiting.append(seq)
+
+    @property
+    def load(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    @property
+    def idle(self) -> bool:
+        return not self.waiting and not self.running
+
+    # -- one step ---------------------------------------------------------------------
+    def plan(self) -> tuple[float, list[Seq], int]:
+        """Admit what fits, then the step: (its duration, the sequences that produce a
+        token at its end, the prefill tokens it computes)."""
+        self._drop_cancelled()
+        self._admit()
+        budget = self.model.chunk_tokens
+        prefill = 0
+        producing: list[Seq] = []
+        decoding = 0
+        for s in self.running:
+            if s.in_prefill:
+                if budget <= 0:
+                    continue
+                take = min(budget, s.prompt_tokens - s.prefilled)
+                s.prefilled += take
+                budget -= take
+                prefill += take
+                if not s.in_prefill:
+                    producing.append(s)  # the step that ends its prefill samples token 1
+            else:
+                decoding += 1
+                producing.append(s)
+        return self.model.step_s(decoding, prefill), producing, prefill
+
+    def finish_step(self, producing: list[Seq]) -> list[Seq]:
+        """Each producing sequence got a token; those that are done leave (returned)."""
+        out = []
+        for s in producing:
+            if s.cancelled:
+                continue
+            s.generated += 1
+            if s.done:
+                out.append(s)
+        for s in out:
+            self._release(s)
+            self.served += 1
+        return out
+
+    # -- KV and prefix cache ----------------------------------------------------------
+    def _blocks_for(self, tokens: int) -> int:
+        b = self.model.block_tokens
+        return (tokens + b - 1) // b
+
+    def _used(self) -> int:
+        return self.pinned_blocks + self.private_blocks + len(self.free_cached)
+
+    def _admit(self) -> None:
+        """FIFO admission, as vLLM's scheduler: the oldest waits for room (blocks for its
+        whole prompt and output are reserved at once, so nothing is ever preempted)."""
+        cap = self.model.kv_blocks
+        while self.waiting and len(self.running) < self.model.max_seqs:
+            s = self.waiting[0]
+            if s.cancelled:
+                self.waiting.popleft()
+                continue
+            hit = 0
+            for h in s.hashes:
+                if h in self.pins or h in self.free_cached:
+                    hit += 1
+                else:
+                    break
+            ours = {h for h in s.hashes if h in self.free_cached}
+            new = sum(1 for h in s.hashes if h not in self.pins and h not in self.free_cached)
+            tail = self._blocks_for(s.prompt_tokens + s.max_tokens) - len(s.hashes)
+            evictable = len(self.free_cached) - len(ours)
+            if new + tail > cap - self._used() + evictable:
+                return
+            self.waiting.popleft()
+            for h in s.hashes:
+                self._pin(h)
+            self.private_blocks += tail
+            s.pinned = tail
+            while self._used() > cap and self.free_cached:
+                self.free_cached.popitem(last=False)  # least recently used out
+            # An engine never serves the whole prompt from cache: the last token is computed.
+            s.cached_tokens = min(hit * self.model.block_tokens, s.prompt_tokens - 1)
+            s.prefilled = s.cached_tokens
+            self.prompt_tokens += s.prompt_tokens
+            self.cached_tokens += s.cached_tokens
+            self.running.append(s)
+
+    def _pin(self, h: int) -> None:
+        n = self.pins.get(h, 0)
+        if n == 0:
+            if h in self.free_cached:
+                del self.free_cached[h]
+            self.pinned_blocks += 1
+        self.pins[h] = n + 1
+
+    def _release(self, s: Seq) -> None:
+        self.running.remove(s)
+        self.private_blocks -= s.pinned
+        # Deepest first into the LRU order, so a prefix is evicted from its tail.
+        for h in reversed(s.hashes):
+            n = self.pins[h] - 1
+            if n:
+                self.pins[h] = n
+            else:
+                del self.pins[h]
+                self.pinned_blocks -= 1
+                self.free_cached[h] = None
+
+    def _drop_cancelled(self) -> None:
+        for s in [s for s in self.running if s.cancelled]:
+            self._release(s)
+
+    def reset(self) -> None:
+        self.__init__(self.model)  # type: ignore[misc]

@@ -1,0 +1,483 @@
+"""Replay a trace open-loop through front doors onto one simulated fleet, side by side.
+
+    .venv/bin/python -m bench.fleet.replay --trace bench/fleet/traces/production-8.jsonl \\
+        --engines 8 --loads 0.5,1,2,4 --time-scale 2 --ttft-budget-s 5 --tpot-target-ms 100 \\
+        [--sglang /tmp/sgl/bin/sglang-router] [--vllm /tmp/vllmr/bin/vllm-router] \\
+        [--doors direct,narwhal-predictive,narwhal-open,sglang-cache_aware,...] \\
+        [--requests 400] [--json out.json] [--plot out.png]
+
+For every load and door: the engines' caches and counters are reset, the door starts, a
+short warm-up of unique prompts (not counted) lets learning doors learn, then the trace
+is offered at `load` times its own pace (1x = the fleet's capacity, see traces.py), every
+request streamed with `max_tokens` = its output length. Per door and load: offered,
+served, refused (by status and code), failed, SLO attainment (served with TTFT within the
+budget and mean TPOT within the target, over offered), goodput (SLO-met requests a
+second), TTFT p50/p90/p99 of what was served, the fleet's prefix-cache hit rate (cached /
+prompt tokens, as the engines counted them), and the door's CPU per request (its whole
+process tree). Every time is measured on the wall clock and divided by `--time-scale`.
+
+Loopback only; every request loop is bounded by the trace and a deadline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import orjson
+
+from bench.fleet.traces import Request, prompt_text, read
+from bench.router_e2e import tree_cpu
+from tests.support import BIN, ROOT, free_port, wait_http
+
+TOKEN = re.compile(rb'"(?:content|text)":\s*"t\d')
+
+
+@dataclass
+class Outcome:
+    status: int = 0
+    code: str | None = None
+    ttft_s: float | None = None
+    tpot_s: float | None = None
+    tokens: int = 0
+    failed: bool = False
+
+
+@dataclass
+class Result:
+    door: str
+    load: float
+    outcomes: list[Outcome] = field(default_factory=list)
+    span_s: float = 0.0
+    cpu_s: float = 0.0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+
+    def summary(self, budget_s: float, tpot_s: float) -> dict[str, Any]:
+        o = self.outcomes
+        served = [x for x in o if x.status == 200 and not x.failed]
+        refused = [x for x in o if x.status not in (0, 200)]
+        failed = [x for x in o if x.status in (0, 200) and (x.failed or x.status == 0)]
+        met = [
+            x
+            for x in served
+            if x.ttft_s is not None and x.ttft_s <= budget_s and (x.tpot_s or 0.0) <= tpot_s
+        ]
+        ttfts = sorted(x.ttft_s for x in served if x.ttft_s is not None)
+        tpots = sorted(x.tpot_s for x in served if x.tpot_s is not None)
+        codes: dict[str, int] = {}
+        for x in refused:
+            k = f"{x.status} {x.code}"
+            codes[k] = codes.get(k, 0) + 1
+        return {
+            "door": self.door,
+            "load": self.load,
+            "offered": len(o),
+            "served": len(served),
+            "refused": len(refused),
+            "refused_by": codes,
+            "failed": len(failed),
+            "slo_attainment": len(met) / len(o) if o else 0.0,
+            "served_within_slo": len(met) / len(served) if served else 0.0,
+            "goodput_per_s": len(met) / self.span_s if self.span_s else 0.0,
+            "ttft_p50_s": _pct(ttfts, 50),
+            "ttft_p90_s": _pct(ttfts, 90),
+            "ttft_p99_s": _pct(ttfts, 99),
+            "tpot_p50_ms": 1000 * (_pct(tpots, 50) or 0.0),
+            "tpot_p99_ms": 1000 * (_pct(tpots, 99) or 0.0),
+            "missed_ttft": sum(1 for x in served if x.ttft_s is None or x.ttft_s > budget_s),
+            "missed_tpot": sum(1 for x in served if (x.tpot_s or 0.0) > tpot_s),
+            "prefix_hit": self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0,
+            "cpu_ms_per_request": 1000 * self.cpu_s / len(o) if o else 0.0,
+        }
+
+
+def _pct(xs: list[float], p: float) -> float | None:
+    if not xs:
+        return None
+    return xs[min(len(xs) - 1, max(0, round(p / 100 * len(xs)) - 1))]
+
+
+async def one(
+    session: aiohttp.ClientSession,
+    url: str,
+    r: Request,
+    scale: float,
+    deadline_s: float,
+    out: Outcome,
+) -> None:
+    body = {
+        "model": "main",
+        "messages": [{"role": "user", "content": prompt_text(r)}],
+        "max_tokens": r.output_length,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    headers = {"content-type": "application/json"}
+    if r.session:
+        headers["x-session-id"] = r.session
+        body["user"] = r.session
+    sent = time.monotonic()
+    first = last = 0.0
+    try:
+        async with session.post(
+            url + "/v1/chat/completions",
+            data=orjson.dumps(body),
+            headers=headers,
+            timeout=aiohttp.ClientTimeout(total=deadline_s),
+        ) as resp:
+            out.status = resp.status
+            if resp.status != 200:
+                raw = await resp.read()
+                try:
+                    out.code = str(orjson.loads(raw)["error"].get("code"))
+                except (orjson.JSONDecodeError, KeyError, TypeError, AttributeError):
+                    out.code = raw[:40].decode("utf-8", "replace")
+                return
+            async for chunk in resp.content.iter_any():
+                n = len(TOKEN.findall(chunk))
+                if n:
+                    now = time.monotonic()
+                    if not first:
+                        first = now
+                    last = now
+                    out.tokens += n
+    except (aiohttp.ClientError, asyncio.TimeoutError):
+        out.failed = True
+        return
+    if out.tokens < r.output_length:
+        out.failed = True
+    if first:
+        out.ttft_s = (first - sent) / scale
+        if out.tokens > 1:
+            out.tpot_s = (last - first) / (out.tokens - 1) / scale
+
+
+async def offer(
+    url: str, trace: list[Request], load: float, scale: float
+) -> tuple[list[Outcome], float]:
+    """Every request at its time (open loop): the trace's pace times `load`."""
+    outs = [Outcome() for _ in trace]
+    conn = aiohttp.TCPConnector(limit=0, force_close=False)
+    async with aiohttp.ClientSession(connector=conn) as s:
+        start = time.monotonic()
+        tasks = []
+        t0 = trace[0].timestamp_ms
+        for r, o in zip(trace, outs, strict=True):
+            at = start + (r.timestamp_ms - t0) / 1000 / load * scale
+            delay = at - time.monotonic()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(one(s, url, r, scale, 600 * scale, o)))
+        await asyncio.gather(*tasks)
+        span = (time.monotonic() - start) / scale
+    return outs, span
+
+
+async def warm(url: str, n: int, scale: float) -> None:
+    """Unique prompts a learning door measures its engines on (not counted, not cached)."""
+    warmup = [
+        Request(i * 150.0, 600 + 400 * (i % 4), 24, [10**9 + i * 100 + k for k in range(3)])
+        for i in range(n)
+    ]
+    await offer(url, warmup, 1.0, scale)
+
+
+async def engine_stats(urls: list[str]) -> tuple[int, int]:
+    async with aiohttp.ClientSession() as s:
+        p = c = 0
+        for u in urls:
+            async with s.get(u + "/sim/stats") as r:
+                d = await r.json()
+                p += d["prompt_tokens"]
+                c += d["cached_tokens"]
+        return p, c
+
+
+async def reset(urls: list[str]) -> None:
+    async with aiohttp.ClientSession() as s:
+        for u in urls:
+            for _ in range(200):
+                async with s.post(u + "/sim/reset") as r:
+                    if r.status == 200:
+                        break
+                await asyncio.sleep(0.1)
+
+
+@dataclass
+class Door:
+    name: str
+    cmd: list[str] | None  # None: the engines directly, round robin (no process)
+    health: str = "/health"
+    port: int = 0
+
+
+def doors(a: argparse.Namespace, engines: list[str], tmp: Path) -> list[Door]:
+    out: list[Door] = []
+    wanted = a.doors.split(",")
+    for name in wanted:
+        port = free_port()
+        if name == "direct":
+            out.append(Door(name, None))
+        elif name.startswith("narwhal-"):
+            mode = name.split("-", 1)[1]
+            cfg = tmp / f"{name}.yaml"
+            lines = "\n".join(
+                f'  - {{name: e{i}, url: "{u}", dialect: vllm}}' for i, u in enumerate(engines)
+            )
+            tpot = f", tpot_target_s: {a.tpot_target_ms / 1000 * a.time_scale}" if a.tpot else ""
+            cfg.write_text(
+                f"model: main\nlisten: {{port: {port}}}\nadmission: {mode}\n"
+                f"predictive: {{ttft_budget_s: {a.ttft_budget_s * a.time_scale}{tpot}}}\n"
+                "serving: {http_retention_limit: 8192, request_timeout_s: 3600}\n"
+                "queue: {size: 4096, wait_s: 600}\n"
+                "phases: {prefill_concurrency: 64, decode_concurrency: 512}\n"
+                f"engines:\n{lines}\n"
+            )
+            out.append(
+                Door(name, [str(BIN / "narwhal"), "serve", "--config", str(cfg)], "/ready", port)
+            )
+        elif name.startswith("sglang-") and a.sglang:
+            policy = name.split("-", 1)[1]
+            out.append(
+                Door(
+                    name,
+                    [
+                        a.sglang,
+                        "launch",
+                        "--host",
+                        "127.0.0.1",
+                        "--port",
+                        str(port),
+                        "--worker-urls",
+                        *engines,
+                        "--policy",
+                        policy,
+                        "--prometheus-port",
+                        str(free_port()),
+                    ],
+                    "/health",
+                    port,
+                )
+            )
+        elif name.startswith("vllm-") and a.vllm:
+            policy = name.split("-", 1)[1]
+            out.append(
+                Door(
+                    name,
+                    [
+                        a.vllm,
+                        "--host",
+                        "127.0.0.1",
+                        "--port",
+                        str(port),
+                        "--worker-urls",
+                        *engines,
+                        "--policy",
+                        policy,
+                        "--prometheus-port",
+                        str(free_port()),
+                    ],
+                    "/health",
+                    port,
+                )
+            )
+    return out
+
+
+async def offer_direct(  # the `direct` door: the replayer spreads requests in turn
+    engines: list[str], trace: list[Request], load: float, scale: float
+) -> tuple[list[Outcome], float]:
+    outs = [Outcome() for _ in trace]
+    conn = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=conn) as s:
+        start = time.monotonic()
+        tasks = []
+        t0 = trace[0].timestamp_ms
+        for i, (r, o) in enumerate(zip(trace, outs, strict=True)):
+            at = start + (r.timestamp_ms - t0) / 1000 / load * scale
+            delay = at - time.monotonic()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            url = engines[i % len(engines)]
+            tasks.append(asyncio.create_task(one(s, url, r, scale, 600 * scale, o)))
+        await asyncio.gather(*tasks)
+        span = (time.monotonic() - start) / scale
+    return outs, span
+
+
+def run_door(
+    door: Door, engines: list[str], trace: list[Request], load: float, a: argparse.Namespace
+) -> Result:
+    asyncio.run(reset(engines))
+    res = Result(door.name, load)
+    proc = None
+    try:
+        if door.cmd is not None:
+            proc = subprocess.Popen(
+                door.cmd,
+                cwd=ROOT,
+                start_new_session=True,
+                stdout=subprocess.DEVNULL,
+                stderr=open(Path(tempfile.gettempdir()) / f"fleet-{door.name}.log", "wb"),  # noqa: SIM115
+            )
+            url = f"http://127.0.0.1:{door.port}"
+            wait_http(url + door.health, proc, 60)
+            asyncio.run(warm(url, a.warmup, a.time_scale))
+        asyncio.run(reset_counters_only(engines))
+        cpu0 = tree_cpu(proc.pid) if proc else 0.0
+        if door.cmd is None:
+            res.outcomes, res.span_s = asyncio.run(offer_direct(engines, trace, load, a.time_scale))
+        else:
+            res.outcomes, res.span_s = asyncio.run(
+                offer(f"http://127.0.0.1:{door.port}", trace, load, a.time_scale)
+            )
+        res.cpu_s = (tree_cpu(proc.pid) - cpu0) if proc else 0.0
+        res.prompt_tokens, res.cached_tokens = asyncio.run(engine_stats(engines))
+    finally:
+        if proc is not None and proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(20)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    return res
+
+
+async def reset_counters_only(engines: list[str]) -> None:
+    """After the warm-up: the counters start at zero, the caches keep what warm-up left
+    (unique prompts, which no trace request shares)."""
+    async with aiohttp.ClientSession() as s:
+        for u in engines:
+            async with s.post(u + "/sim/reset?counters=1") as r:
+                await r.read()
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    head = (
+        "| load | door | served | refused | failed | within SLO (of offered) | served within SLO "
+        "| goodput/s | TTFT p50 | TTFT p99 | TPOT p99 | missed TTFT / TPOT | prefix hit "
+        "| door CPU ms/req |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+    )
+    out = [head]
+    for r in rows:
+        o = r["offered"]
+        out.append(
+            f"| {r['load']:g}x | {r['door']} | {100 * r['served'] / o:.1f} % | "
+            f"{100 * r['refused'] / o:.1f} % | {r['failed']} | {100 * r['slo_attainment']:.1f} % | "
+            f"{100 * r['served_within_slo']:.1f} % | {r['goodput_per_s']:.2f} | "
+            f"{_s(r['ttft_p50_s'])} | {_s(r['ttft_p99_s'])} | {r['tpot_p99_ms']:.0f} ms | "
+            f"{r['missed_ttft']} / {r['missed_tpot']} | {100 * r['prefix_hit']:.0f} % | "
+            f"{r['cpu_ms_per_request']:.2f} |"
+        )
+    return "\n".join(out)
+
+
+def _s(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f} s"
+
+
+def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    for door in dict.fromkeys(r["door"] for r in rows):
+        pts = sorted((r["load"], r) for r in rows if r["door"] == door)
+        xs = [p[0] for p in pts]
+        ax1.plot(xs, [100 * p[1]["slo_attainment"] for p in pts], marker="o", label=door)
+        ax2.plot(xs, [p[1]["goodput_per_s"] for p in pts], marker="o", label=door)
+    ax1.set(xlabel="load (x fleet capacity)", ylabel="within SLO, % of offered", xscale="log")
+    ax2.set(xlabel="load (x fleet capacity)", ylabel="goodput (SLO-met requests/s)", xscale="log")
+    ax1.legend(fontsize=7)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--trace", type=Path, required=True)
+    ap.add_argument("--requests", type=int, default=0, help="the trace's first N (0: all)")
+    ap.add_argument("--engines", type=int, default=8)
+    ap.add_argument("--loads", default="0.5,1,2,4")
+    ap.add_argument("--time-scale", type=float, default=2.0)
+    ap.add_argument("--ttft-budget-s", type=float, default=5.0)
+    ap.add_argument("--tpot-target-ms", type=float, default=100.0)
+    ap.add_argument("--tpot", action="store_true", help="give Narwhal the TPOT target too")
+    ap.add_argument("--warmup", type=int, default=24)
+    ap.add_argument(
+        "--doors",
+        default="direct,narwhal-predictive,narwhal-open,sglang-cache_aware,"
+        "sglang-power_of_two,vllm-cache_aware",
+    )
+    ap.add_argument("--sglang")
+    ap.add_argument("--vllm")
+    ap.add_argument("--json", type=Path)
+    ap.add_argument("--plot", type=Path)
+    ap.add_argument("--sim-args", default="", help="extra flags for bench.fleet.server")
+    a = ap.parse_args()
+    trace = read(a.trace)
+    if a.requests:
+        trace = trace[: a.requests]
+    base = free_port() + 1000
+    sim = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "bench.fleet.server",
+            "--engines",
+            str(a.engines),
+            "--port",
+            str(base),
+            "--time-scale",
+            str(a.time_scale),
+            *a.sim_args.split(),
+        ],
+        cwd=ROOT,
+        start_new_session=True,
+    )
+    engines = [f"http://127.0.0.1:{base + i}" for i in range(a.engines)]
+    rows = []
+    try:
+        for u in engines:
+            wait_http(u + "/health", sim, 30)
+        with tempfile.TemporaryDirectory() as tmp:
+            for load in [float(x) for x in a.loads.split(",")]:
+                for door in doors(a, engines, Path(tmp)):
+                    res = run_door(door, engines, trace, load, a)
+                    row = res.summary(a.ttft_budget_s, a.tpot_target_ms / 1000)
+                    rows.append(row)
+                    print(table([row]).splitlines()[-1], flush=True)
+    finally:
+        os.killpg(sim.pid, signal.SIGTERM)
+        sim.wait()
+    title = (
+        f"{a.trace.name}: {len(trace)} requests, {a.engines} engines, TTFT budget "
+        f"{a.ttft_budget_s:g} s, TPOT target {a.tpot_target_ms:g} ms"
+    )
+    print(title)
+    print(table(rows))
+    if a.json:
+        a.json.write_bytes(orjson.dumps(rows, option=orjson.OPT_INDENT_2))
+    if a.plot:
+        plot(rows, a.plot, title)
+
+
+if __name__ == "__main__":
+    main()

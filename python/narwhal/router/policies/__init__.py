@@ -1,0 +1,49 @@
+"""Admission and placement policies, one a module, chosen once at start (`choose`).
+
+A policy judges a request before it is placed (refusing it, or saying which engine it
+prefers and what it expects there: a `Plan`), hears where it was placed, and learns from
+how it ended through the lease events it subscribed to at start.
+
+- `open`: every request is admitted; placement is the pool's least-loaded pick.
+- `predictive`: TTFT projected per engine from learned profiles, counting only the prompt
+  tokens each engine is expected to prefill (its prefix cache, `prefix_cache`), and the
+  spec's 429s when no engine is projected to fit; conversations stay on their engine
+  while it fits (`sessions`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from narwhal._native import PromptBlocks
+    from narwhal.router.engines import Engine
+    from narwhal.router.intake import Intake
+    from narwhal.router.lease import Events, Lease
+    from narwhal.router.policies.prefix_cache import Expectation
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What a policy decided for one request before placement."""
+
+    prefer: Engine | None = None  # the engine it projects best, if any
+    tokens: int = 0  # prompt tokens it expects `prefer` to prefill (cached ones not counted)
+    predicted_s: float | None = None  # projected TTFT on `prefer`, for drift scoring
+    blocks: PromptBlocks | None = None  # the prompt's block hashes (cache-aware placement)
+    # Per engine name, what its prefix cache is expected to serve (engines expected to hold
+    # nothing of it are absent).
+    expected: dict[str, Expectation] = field(default_factory=dict)
+    session: str | None = None
+
+
+OPEN_PLAN = Plan()
+
+
+class Policy(Protocol):
+    def judge(self, req: Intake, engines: list[Engine], budget_s: float) -> Plan: ...
+
+    def placed(self, lease: Lease) -> None: ...
+
+    def watch(self, events: Events) -> None: ...

@@ -1,0 +1,19 @@
+"""`admission: open`: every request is admitted and placed on the least-loaded engine."""
+
+from __future__ import annotations
+
+from narwhal.router.engines import Engine
+from narwhal.router.intake import Intake
+from narwhal.router.lease import Events, Lease
+from narwhal.router.policies import OPEN_PLAN, Plan
+
+
+class OpenPolicy:
+    def judge(self, req: Intake, engines: list[Engine], budget_s: float) -> Plan:
+        return OPEN_PLAN
+
+    def placed(self, lease: Lease) -> None:
+        pass
+
+    def watch(self, events: Events) -> None:
+        pass
