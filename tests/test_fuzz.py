@@ -273,3 +273,30 @@ def test_engine_completion_and_responses_intake(lexi: Any, body: Any, which: boo
     config, model = lexi
     job = protocol.completion_job if which else protocol.responses_job
     _refusal_or_nothing(lambda: job(body, config, model))
+
+
+@pytest.fixture(scope="module")
+def lexi_server(model_path: str) -> Iterator[Server]:
+    from tests.support import start_engine
+
+    e = start_engine(model_path)
+    yield e
+    e.stop()
+
+
+@pytest.mark.slow
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(body=st.one_of(CHAT_BODIES, TOOL_BODIES, JSON), stream=st.booleans())
+def test_engine_over_http_answers_in_the_envelope(
+    lexi_server: Server, body: Any, stream: bool
+) -> None:
+    if isinstance(body, dict) and "messages" in body:
+        body = {**body, "stream": stream, "max_tokens": 4}
+    r = httpx.post(
+        lexi_server.url + "/v1/chat/completions", timeout=60, content=json.dumps(body).encode()
+    )
+    assert r.status_code < 500, r.text
+    if r.status_code != 200:
+        assert set(r.json()["error"]) == {"message", "type", "param", "code"}

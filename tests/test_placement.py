@@ -169,3 +169,15 @@ def test_the_picture_is_bounded_by_what_an_engine_holds() -> None:
     for i in range(20):
         f.serve(request(words(f"p{i}", 400)))
     assert f.cache.map.blocks(0) <= 40
+
+
+def test_a_long_prefill_goes_where_it_stalls_the_fewest_streams() -> None:
+    f = Fleet(n=2, tpot_target_s=0.05)
+    busy, quiet = f.engines
+    busy.decode = 12  # streams decoding beside any prefill placed there
+    quiet.decode = 1
+    quiet.prefill_tokens = 500  # half a second of prefill queued: TTFT alone prefers `busy`
+    long = request(words("L", 2000))
+    assert f.judge(long).prefer is quiet
+    f.policy.tpot_target_s = None
+    assert f.judge(long).prefer is busy

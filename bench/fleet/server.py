@@ -198,6 +198,15 @@ def make_app(engine: SimEngine) -> web.Application:
     return app
 
 
+_IDS = list(range(100, 100 + MAX_MODEL_LEN))
+
+
+def _prompt_ids(n: int) -> list[int]:
+    # Any valid IDs do: what matters is their count and the bytes they take on the wire.
+    # Made without a per-word hash, which would stall every engine of this one process.
+    return _IDS[:n]
+
+
 class _Writer:
     """vLLM's stream frames, one per token."""
 
@@ -231,7 +240,7 @@ class _Writer:
         for i in range(sent, sent + n):
             top: dict[str, Any] = {}
             if i == 0 and words is not None:
-                top["prompt_token_ids"] = [hash(w) & 0xFFFF for w in words]
+                top["prompt_token_ids"] = _prompt_ids(len(words))
             out.append(self._frame(self._choice(f"t{i} ", 1000 + i % 30000), **top))
         return b"".join(out)
 
@@ -266,7 +275,7 @@ class _Writer:
             },
         }
         if words is not None:
-            out["prompt_token_ids"] = [hash(w) & 0xFFFF for w in words]
+            out["prompt_token_ids"] = _prompt_ids(len(words))
         return out
 
 

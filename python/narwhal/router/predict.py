@@ -266,12 +266,16 @@ class Predictor:
         cached: dict[str, int] | None = None,
         home: Engine | None = None,
         keeps_pace: Callable[[Projection], bool] | None = None,
+        stall: Callable[[Projection], float] | None = None,
     ) -> Projection:
         """The best projection within budget, or the spec's 429 refusals. `cached` says
         per engine name how many of the prompt's tokens its cache is expected to serve;
         `home` is the engine a conversation was last placed on: kept while it fits;
         `keeps_pace` says whether placing there keeps the engine's streams within the TPOT
-        target (engines that would not are avoided while another fits)."""
+        target (engines that would not are avoided while another fits); `stall` is what
+        placing there costs the streams decoding beside it, in stream-seconds: with it, the
+        engines within budget are ranked by that cost plus their projection (a TTFT within
+        budget meets the SLO however small; a stall may break others' TPOT)."""
         cached = cached or {}
         ps = [self.project(prompt_bytes, e, cached.get(e.name, 0)) for e in engines]
         unknown = [p for p in ps if p.total_s is None]
@@ -308,6 +312,8 @@ class Predictor:
             for p in fit:
                 if p.engine is home:
                     return p
+        if stall is not None:
+            return min(fit, key=lambda p: (stall(p) + (p.guarded_s or 0.0), p.engine.inflight))
         return min(fit, key=_rank)
 
 

@@ -55,9 +55,15 @@ class PredictivePolicy:
                 }
         cached = {name: x.tokens for name, x in expected.items()}
         home = self.sessions.engine(req.session)
-        keeps_pace = self._keeps_pace if self.tpot_target_s is not None else None
+        paced = self.tpot_target_s is not None
         proj = self.predictor.judge(
-            req.prompt_bytes, engines, budget_s, cached, self._engines.get(home or ""), keeps_pace
+            req.prompt_bytes,
+            engines,
+            budget_s,
+            cached,
+            self._engines.get(home or ""),
+            self._keeps_pace if paced else None,
+            self._stall if paced else None,
         )
         return Plan(proj.engine, proj.tokens, proj.total_s, blocks, expected, req.session)
 
@@ -68,6 +74,12 @@ class PredictivePolicy:
             return True
         tpot = self.loads[p.engine.name].projected(p.tokens, rate, time.monotonic())
         return tpot is None or tpot <= self.tpot_target_s
+
+    def _stall(self, p: Projection) -> float:
+        """Stream-seconds of decode this prompt's prefill holds up on its engine: each
+        stream decoding there waits out the prefill's share of every step it shares."""
+        rate = self._rate(p.engine.name)
+        return 0.0 if rate is None else p.tokens / rate * p.engine.decode
 
     def _rate(self, name: str) -> float | None:
         prof = self.predictor.profiles[name]
