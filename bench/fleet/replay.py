@@ -165,20 +165,22 @@ async def one(
 
 
 async def offer(
-    url: str, trace: list[Request], load: float, scale: float
+    urls: list[str], trace: list[Request], load: float, scale: float
 ) -> tuple[list[Outcome], float]:
-    """Every request at its time (open loop): the trace's pace times `load`."""
+    """Every request at its time (open loop): the trace's pace times `load`, spread over
+    `urls` in turn (a door's one URL, or the engines themselves for `direct`)."""
     outs = [Outcome() for _ in trace]
-    conn = aiohttp.TCPConnector(limit=0, force_close=False)
+    conn = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=conn) as s:
         start = time.monotonic()
         tasks = []
         t0 = trace[0].timestamp_ms
-        for r, o in zip(trace, outs, strict=True):
+        for i, (r, o) in enumerate(zip(trace, outs, strict=True)):
             at = start + (r.timestamp_ms - t0) / 1000 / load * scale
             delay = at - time.monotonic()
             if delay > 0:
                 await asyncio.sleep(delay)
+            url = urls[i % len(urls)]
             tasks.append(asyncio.create_task(one(s, url, r, scale, 600 * scale, o)))
         await asyncio.gather(*tasks)
         span = (time.monotonic() - start) / scale
@@ -191,7 +193,7 @@ async def warm(url: str, n: int, scale: float) -> None:
         Request(i * 150.0, 600 + 400 * (i % 4), 24, [10**9 + i * 100 + k for k in range(3)])
         for i in range(n)
     ]
-    await offer(url, warmup, 1.0, scale)
+    await offer([url], warmup, 1.0, scale)
 
 
 async def engine_stats(urls: list[str]) -> tuple[int, int]:
@@ -248,73 +250,14 @@ def doors(a: argparse.Namespace, engines: list[str], tmp: Path) -> list[Door]:
             out.append(
                 Door(name, [str(BIN / "narwhal"), "serve", "--config", str(cfg)], "/ready", port)
             )
-        elif name.startswith("sglang-") and a.sglang:
-            policy = name.split("-", 1)[1]
-            out.append(
-                Door(
-                    name,
-                    [
-                        a.sglang,
-                        "launch",
-                        "--host",
-                        "127.0.0.1",
-                        "--port",
-                        str(port),
-                        "--worker-urls",
-                        *engines,
-                        "--policy",
-                        policy,
-                        "--prometheus-port",
-                        str(free_port()),
-                    ],
-                    "/health",
-                    port,
-                )
-            )
-        elif name.startswith("vllm-") and a.vllm:
-            policy = name.split("-", 1)[1]
-            out.append(
-                Door(
-                    name,
-                    [
-                        a.vllm,
-                        "--host",
-                        "127.0.0.1",
-                        "--port",
-                        str(port),
-                        "--worker-urls",
-                        *engines,
-                        "--policy",
-                        policy,
-                        "--prometheus-port",
-                        str(free_port()),
-                    ],
-                    "/health",
-                    port,
-                )
-            )
+        elif (name.startswith("sglang-") and a.sglang) or (name.startswith("vllm-") and a.vllm):
+            # Both Rust routers take the same flags; sglang-router's under `launch`. Each its
+            # own metrics port (both default to 29000).
+            exe = [a.sglang, "launch"] if name.startswith("sglang-") else [a.vllm]
+            cmd = [*exe, "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *engines]
+            cmd += ["--policy", name.split("-", 1)[1], "--prometheus-port", str(free_port())]
+            out.append(Door(name, cmd, "/health", port))
     return out
-
-
-async def offer_direct(  # the `direct` door: the replayer spreads requests in turn
-    engines: list[str], trace: list[Request], load: float, scale: float
-) -> tuple[list[Outcome], float]:
-    outs = [Outcome() for _ in trace]
-    conn = aiohttp.TCPConnector(limit=0)
-    async with aiohttp.ClientSession(connector=conn) as s:
-        start = time.monotonic()
-        tasks = []
-        t0 = trace[0].timestamp_ms
-        for i, (r, o) in enumerate(zip(trace, outs, strict=True)):
-            at = start + (r.timestamp_ms - t0) / 1000 / load * scale
-            delay = at - time.monotonic()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            url = engines[i % len(engines)]
-            tasks.append(asyncio.create_task(one(s, url, r, scale, 600 * scale, o)))
-        await asyncio.gather(*tasks)
-        span = (time.monotonic() - start) / scale
-    return outs, span
 
 
 def run_door(
@@ -337,12 +280,8 @@ def run_door(
             asyncio.run(warm(url, a.warmup, a.time_scale))
         asyncio.run(reset_counters_only(engines))
         cpu0 = tree_cpu(proc.pid) if proc else 0.0
-        if door.cmd is None:
-            res.outcomes, res.span_s = asyncio.run(offer_direct(engines, trace, load, a.time_scale))
-        else:
-            res.outcomes, res.span_s = asyncio.run(
-                offer(f"http://127.0.0.1:{door.port}", trace, load, a.time_scale)
-            )
+        urls = engines if door.cmd is None else [f"http://127.0.0.1:{door.port}"]
+        res.outcomes, res.span_s = asyncio.run(offer(urls, trace, load, a.time_scale))
         res.cpu_s = (tree_cpu(proc.pid) - cpu0) if proc else 0.0
         res.prompt_tokens, res.cached_tokens = asyncio.run(engine_stats(engines))
     finally:
