@@ -3,11 +3,20 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 from collections.abc import Iterator
 
 import pytest
+from hypothesis import settings
 
 from tests.support import Server, start_test_engine
+
+
+# CI explores the same examples every run (a red CI names a bug it can reproduce); a
+# developer's run explores new ones each time.
+settings.register_profile("ci", derandomize=True)
+if os.environ.get("CI"):
+    settings.load_profile("ci")
 
 
 @pytest.fixture(scope="session")

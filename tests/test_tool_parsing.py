@@ -199,6 +199,7 @@ def test_a_closed_strict_tool_is_accepted() -> None:
         ({"tools": [{"type": "code_interpreter"}]}, "tools[0].type"),
         ({"tools": [tool("bad name!", {})]}, "tools[0].function.name"),
         ({"tools": [tool("t", {"type": 12})]}, "tools[0].function.parameters.type"),
+        ({"tools": [tool("t", {"enum": [2**70]})]}, "tools[0].function"),
         ({"tools": [tool("t", {})], "tool_choice": "sometimes"}, "tool_choice"),
         (
             {

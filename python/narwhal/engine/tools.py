@@ -227,6 +227,10 @@ def _tool(i: int, raw: Any) -> Tool:
     if not isinstance(strict, bool):
         raise invalid(f"tool '{name}': strict must be a boolean", f"{p}.function.strict")
     check_schema(schema, f"{p}.function.parameters")
+    try:  # the tool is written into the prompt as JSON: what cannot be written is refused
+        orjson.dumps(fn)
+    except TypeError as e:  # orjson's JSONEncodeError: too deep, an integer over 64 bits
+        raise invalid(f"tool '{name}' cannot be written as JSON: {e}", f"{p}.function") from None
     if strict:
         problem = _strict_problem(schema, "")
         if problem is None and schema.get("type") != "object":
