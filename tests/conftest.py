@@ -11,7 +11,6 @@ from hypothesis import settings
 
 from tests.support import Server, start_test_engine
 
-
 # CI explores the same examples every run (a red CI names a bug it can reproduce); a
 # developer's run explores new ones each time.
 settings.register_profile("ci", derandomize=True)
