@@ -106,7 +106,7 @@ def test_a_prompt_too_long_alone_is_admitted_where_it_is_cached() -> None:
     with pytest.raises(ApiError) as refused:
         f.judge(request(doc + " first"))
     assert refused.value.code == "prompt_exceeds_ttft_budget"
-    f.cache.placed("e2", f.cache.blocks(request(doc + " seed").prefix_text))
+    f.cache.placed("e2", f.cache.blocks(request(doc + " seed").prefix_text()))
     plan = f.judge(request(doc + " second"))
     assert plan.prefer is not None and plan.prefer.name == "e2"
 

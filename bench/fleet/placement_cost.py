@@ -48,7 +48,7 @@ def judge_us(engines: int, words: int, cache_on: bool, rounds: int = 400) -> flo
         for e in pool:
             for k in range(cache.map.blocks(0), 3200, 100):
                 cache.placed(e.name, cache.blocks(f"{e.name}-{k}".encode() * 4000))
-        cache.placed(pool[-1].name, cache.blocks(reqs[0].prefix_text))
+        cache.placed(pool[-1].name, cache.blocks(reqs[0].prefix_text()))
     times = []
     for r in range(rounds):
         req = reqs[r % len(reqs)]

@@ -24,9 +24,6 @@ class Intake:
     wants_token_ids: bool
     include_usage: bool
     prompt_bytes: int
-    # The prompt's text as one byte string in prompt order (tools, then each message's role
-    # and content): what cache-aware placement hashes, equal wherever the prompts agree.
-    prefix_text: bytes = b""
     # The conversation's routing key (`x-session-id`, else the body's `user`), if any.
     session: str | None = None
 
@@ -38,6 +35,25 @@ class Intake:
     def passthrough(self) -> bool:
         """Relayed as the engine answers it, neither validated nor assembled (Responses)."""
         return self.route == RESPONSES
+
+    def prefix_text(self) -> bytes:
+        """The prompt's text as one byte string in prompt order (tools, then each message's
+        role and content): what cache-aware placement hashes, equal wherever prompts agree.
+        Made on demand: only that policy reads it."""
+        b = self.body
+        if self.route == RESPONSES:
+            return b"".join(_input_parts(b))
+        tools = b.get("tools")
+        # Tools come first in a rendered prompt: requests that differ in them share no prefix.
+        parts = [orjson.dumps(tools)] if tools else []
+        if self.route == CHAT:
+            for m in b["messages"]:
+                parts.append(_ROLE_MARK + m["role"].encode() + b"\n")
+                parts += _text_parts(m.get("content"))
+        else:
+            prompt = b["prompt"]
+            parts.append(prompt.encode() if isinstance(prompt, str) else orjson.dumps(prompt))
+        return b"".join(parts)
 
     def estimated_prompt_tokens(self) -> int:
         # ~4 bytes a token for English BPE vocabularies; used only when an engine omits usage.
@@ -65,6 +81,13 @@ def _text_parts(content: Any) -> list[bytes]:
             if isinstance(p, dict) and isinstance(t := p.get("text"), str)
         ]
     return []
+
+
+def _text_bytes(content: Any) -> int:
+    return sum(len(p) for p in _text_parts(content))
+
+
+_ROLE_MARK = b"\x00"  # never in JSON text: a role line cannot be confused with content
 
 
 # orjson reads JSON nested up to 1,024 levels but writes only 255: a body between the two
@@ -113,11 +136,7 @@ def check(route: str, raw: bytes, model: str) -> Intake:
     user = body.get("user")
     session = user if isinstance(user, str) and user else None
     if route == RESPONSES:
-        parts = _input_parts(body)
-        return Intake(route, body, stream, False, False, _size(parts), b"".join(parts), session)
-    tools = body.get("tools")
-    # Tools come first in a rendered prompt: requests that differ in them share no prefix.
-    parts = [orjson.dumps(tools)] if tools else []
+        return Intake(route, body, stream, False, False, _input_bytes(body), session)
     if route == CHAT:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
@@ -125,18 +144,13 @@ def check(route: str, raw: bytes, model: str) -> Intake:
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or not isinstance(m.get("role"), str):
                 raise invalid("each message must be an object with a role", f"messages[{i}]")
-            parts.append(_ROLE_MARK + m["role"].encode() + b"\n")
-            parts += _text_parts(m.get("content"))
-        prompt_bytes = _size(parts) - sum(len(p) for p in parts if p.startswith(_ROLE_MARK))
-        prompt_bytes -= len(parts[0]) if tools else 0
+        prompt_bytes = sum(_text_bytes(m.get("content")) for m in messages)
     else:
         prompt = body.get("prompt")
         if isinstance(prompt, str):
-            parts.append(prompt.encode())
-            prompt_bytes = len(parts[-1])
+            prompt_bytes = len(prompt.encode())
         elif isinstance(prompt, list) and prompt:
             prompt_bytes = sum(len(p.encode()) if isinstance(p, str) else 4 for p in prompt)
-            parts.append(orjson.dumps(prompt))
         else:
             raise invalid("'prompt' must be a string or a nonempty list", "prompt")
 
@@ -146,20 +160,15 @@ def check(route: str, raw: bytes, model: str) -> Intake:
     for i, t in enumerate(tools or ()):
         if not isinstance(t, dict) or t.get("type") != "function":
             raise invalid("only function tools are supported", f"tools[{i}].type")
-    return Intake(
-        route, body, stream, wants_ids, include_usage, prompt_bytes, b"".join(parts), session
-    )
+    return Intake(route, body, stream, wants_ids, include_usage, prompt_bytes, session)
 
 
-_ROLE_MARK = b"\x00"  # never in JSON text: a role line cannot be confused with content
-
-
-def _size(parts: list[bytes]) -> int:
-    return sum(len(p) for p in parts)
+def _input_bytes(body: dict[str, Any]) -> int:
+    """A Responses request's prompt size: `instructions` and `input` (a string or items)."""
+    return sum(len(p) for p in _input_parts(body))
 
 
 def _input_parts(body: dict[str, Any]) -> list[bytes]:
-    """A Responses request's prompt: `instructions` and `input` (a string or items)."""
     parts = _text_parts(body.get("instructions"))
     raw = body.get("input")
     if isinstance(raw, str):

@@ -42,8 +42,8 @@ class PredictivePolicy:
     def judge(self, req: Intake, engines: list[Engine], budget_s: float) -> Plan:
         blocks = None
         expected: dict[str, Expectation] = {}
-        if self.cache is not None and req.prefix_text:
-            blocks = self.cache.blocks(req.prefix_text)
+        if self.cache is not None:
+            blocks = self.cache.blocks(req.prefix_text())
             if len(blocks):
                 bpt = [p.bytes_per_token for p in self._profiles]
                 expected = {
