@@ -20,7 +20,7 @@ One whitespace word is one token, so every router sees the same prefix structure
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
@@ -59,7 +59,6 @@ class Seq:
     generated: int = 0
     pinned: int = 0  # KV blocks it holds
     cancelled: bool = False
-    emitted: list[int] = field(default_factory=list)  # token steps not yet taken by the writer
 
     @property
     def in_prefill(self) -> bool:

@@ -98,7 +98,3 @@ class PrefixCache:
             # It no longer holds what the picture says: keep only what it reported.
             keep = int(cached_tokens * self._bpt[i] / self.block_bytes)
             self.map.forget_after(i, blocks, keep)
-
-    def describe(self, engine: str) -> dict[str, float | int]:
-        i = self.index[engine]
-        return {"blocks": self.map.blocks(i), "realised": round(self.realised[i], 3)}

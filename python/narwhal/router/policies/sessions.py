@@ -24,6 +24,3 @@ class Sessions:
         self._engine.move_to_end(key)
         if len(self._engine) > self.capacity:
             self._engine.popitem(last=False)
-
-    def __len__(self) -> int:
-        return len(self._engine)
