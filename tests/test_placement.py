@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Iterator
 
 import orjson
 import pytest
@@ -16,11 +17,11 @@ from narwhal.router import intake
 from narwhal.router.admission import Admission
 from narwhal.router.config import EngineSpec
 from narwhal.router.engines import Engine, Pool
-from narwhal.router.lease import Events
+from narwhal.router.lease import Events, Lease
 from narwhal.router.policies import Plan
 from narwhal.router.policies.predictive import PredictivePolicy
 from narwhal.router.policies.prefix_cache import PrefixCache
-from narwhal.router.predict import Predictor
+from narwhal.router.predict import NoEngineKeepsPace, Predictor
 
 RATE = 1000.0  # prefill tokens/s every engine has learned
 BUDGET = 5.0
@@ -30,11 +31,25 @@ def words(tag: str, n: int) -> str:
     return " ".join(f"{tag}{i:04d}" for i in range(n))
 
 
-def request(text: str, session: str | None = None) -> intake.Intake:
-    body = {"model": "m", "messages": [{"role": "user", "content": text}]}
+def request(text: str, session: str | None = None, max_tokens: int | None = None) -> intake.Intake:
+    body: dict[str, object] = {"model": "m", "messages": [{"role": "user", "content": text}]}
     if session:
         body["user"] = session
+    if max_tokens:
+        body["max_tokens"] = max_tokens
     return intake.check(intake.CHAT, orjson.dumps(body), "m")
+
+
+_loops: list[asyncio.AbstractEventLoop] = []
+
+
+@pytest.fixture(autouse=True)
+def _close_loops() -> Iterator[None]:
+    yield
+    while _loops:
+        loop = _loops.pop()
+        loop.run_until_complete(loop.shutdown_asyncgens())  # open leases end
+        loop.close()
 
 
 class Fleet:
@@ -50,6 +65,9 @@ class Fleet:
         self.policy.watch(self.events)
         self.pool = Pool(self.engines, prefill_limit=64, decode_limit=64)
         self.admission = Admission(self.pool, 100, 10, 5.0, self.events)
+        self.loop = asyncio.new_event_loop()
+        _loops.append(self.loop)
+        self._open: list[object] = []
 
     def judge(self, req: intake.Intake) -> Plan:
         return self.policy.judge(req, self.engines, BUDGET)
@@ -70,6 +88,24 @@ class Fleet:
                 return lease.on.name
 
         return asyncio.run(run())
+
+    def open(self, req: intake.Intake, on: str) -> Lease:
+        """A request placed on engine `on` and still running (release it to end it)."""
+        e = next(e for e in self.engines if e.name == on)
+        plan = Plan(e, self.predictor.size(req.prompt_bytes, e), None)
+        now = time.monotonic()
+        placing = self.admission.place(req, now, now + 60, prefer=e, tokens=plan.tokens)
+        # On the fleet's own loop, which (unlike asyncio.run) leaves the lease open after.
+        lease = self.loop.run_until_complete(placing.__aenter__())
+        self._open.append(placing)  # a collected one would release its lease
+        assert lease.on is e
+        lease.plan = plan
+        self.policy.placed(lease)
+        return lease
+
+    def learn_tau0(self, seconds: float) -> None:
+        for streams in self.policy.streams.values():
+            streams.tau0_s = seconds
 
 
 def test_a_family_follows_its_prefix() -> None:
@@ -147,19 +183,61 @@ def test_a_conversation_stays_on_its_engine_while_it_fits() -> None:
     assert plan.prefer is not None and plan.prefer is not home
 
 
-def test_a_long_prefill_goes_where_it_stalls_no_streams_past_the_tpot_target() -> None:
+def test_a_long_prefill_goes_where_no_stream_would_miss_its_tpot_target() -> None:
     f = Fleet(tpot_target_s=0.05)
-    for load in f.policy.loads.values():
-        load.tau0_s = 0.02  # 20 ms a step without prefill, learned
-    # e0 has just been given 8,000 uncached tokens: its streams already run at the limit.
-    f.policy.loads["e0"].placed(8000, time.monotonic())
+    f.learn_tau0(0.02)  # 20 ms a step without prefill
+    # e0 streams a short answer: 4 steps left at most 30 ms over their own, so 120 ms
+    # (120 prompt tokens at 1,000/s) of prefill beside it would break its target.
+    short = f.open(request(words("s", 10), max_tokens=5), on="e0")
+    short.first_output()
     for e in f.engines[1:]:
-        e.decode = 5
+        e.decode = 3  # busier, but with nothing near its target
     long = request(words("L", 3000))
     plan = f.judge(long)
     assert plan.prefer is not None and plan.prefer.name != "e0"
-    # Without the target, TTFT alone decides: e0 is as fast and has no streams in decode.
+    # Without the target, fewest streams and in flight win: e0.
     f.policy.tpot_target_s = None
+    assert f.judge(long).prefer is f.engines[0]
+
+
+def test_a_prefill_no_engine_can_take_waits_for_a_stream_to_end() -> None:
+    f = Fleet(n=2, tpot_target_s=0.05)
+    f.learn_tau0(0.02)
+    leases = [
+        f.open(request(words(f"s{i}", 10), max_tokens=5), on=e.name)
+        for i, e in enumerate(f.engines)
+    ]
+    for lease in leases:
+        lease.first_output()
+    long = request(words("L", 1000))
+    with pytest.raises(NoEngineKeepsPace) as refused:
+        f.judge(long)
+    assert refused.value.slack_s > 0  # the TTFT budget leaves time to wait
+    assert refused.value.refusal.code == "tpot_target_exceeded"
+
+    async def wait_then_judge() -> Plan:
+        waiting = asyncio.create_task(f.policy.room(3600))
+        await asyncio.sleep(0)
+        assert not waiting.done()
+        leases[1].finished(5)
+        leases[1].release()  # e1's stream ended: room there
+        await asyncio.wait_for(waiting, 10)  # woken by the end, not by the timeout
+        return f.judge(long)
+
+    plan = f.loop.run_until_complete(wait_then_judge())
+    assert plan.prefer is f.engines[1]
+
+
+def test_a_stream_that_ended_no_longer_holds_its_engine_back() -> None:
+    f = Fleet(n=1, tpot_target_s=0.05)
+    f.learn_tau0(0.02)
+    short = f.open(request(words("s", 10), max_tokens=5), on="e0")
+    short.first_output()
+    long = request(words("L", 1000))
+    with pytest.raises(NoEngineKeepsPace):
+        f.judge(long)
+    short.finished(5)
+    short.release()
     assert f.judge(long).prefer is f.engines[0]
 
 

@@ -304,6 +304,29 @@ async def reset_counters_only(engines: list[str]) -> None:
                 await r.read()
 
 
+def dump(folder: Path, res: Result, trace: list[Request]) -> None:
+    """Per request, what was offered and what came of it (for looking into the misses)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    lines = [
+        orjson.dumps(
+            {
+                "i": i,
+                "at_ms": r.timestamp_ms,
+                "input": r.input_length,
+                "output": r.output_length,
+                "session": r.session,
+                "status": o.status,
+                "code": o.code,
+                "ttft_s": o.ttft_s,
+                "tpot_s": o.tpot_s,
+                "failed": o.failed,
+            }
+        )
+        for i, (r, o) in enumerate(zip(trace, res.outcomes, strict=True))
+    ]
+    (folder / f"{res.door}-{res.load:g}x.jsonl").write_bytes(b"\n".join(lines) + b"\n")
+
+
 def table(rows: list[dict[str, Any]]) -> str:
     head = (
         "| load | door | served | refused | failed | within SLO (of offered) | served within SLO "
@@ -370,6 +393,9 @@ def main() -> None:
     ap.add_argument("--json", type=Path)
     ap.add_argument("--plot", type=Path)
     ap.add_argument("--sim-args", default="", help="extra flags for bench.fleet.server")
+    ap.add_argument(
+        "--dump", type=Path, help="a folder: one JSONL per door and load, a line a request"
+    )
     a = ap.parse_args()
     trace = read(a.trace)
     if a.requests:
@@ -402,6 +428,8 @@ def main() -> None:
                     res = run_door(door, engines, trace, load, a)
                     row = res.summary(a.ttft_budget_s, a.tpot_target_ms / 1000)
                     rows.append(row)
+                    if a.dump:
+                        dump(a.dump, res, trace)
                     print(table([row]).splitlines()[-1], flush=True)
     finally:
         os.killpg(sim.pid, signal.SIGTERM)

@@ -31,7 +31,7 @@ from narwhal.router.policies import OPEN_PLAN, Plan, Policy
 from narwhal.router.policies.open import OpenPolicy
 from narwhal.router.policies.predictive import PredictivePolicy
 from narwhal.router.policies.prefix_cache import PrefixCache
-from narwhal.router.predict import Predictor
+from narwhal.router.predict import NoEngineKeepsPace, Predictor
 from narwhal.router.profiling import Profiler
 from narwhal.router.relay import EngineBusy, EngineFailed, EngineFenced, Relayer
 from narwhal.router.supervisor import ManagedEngine
@@ -41,6 +41,8 @@ access_log = logging.getLogger("narwhal.access")
 
 COMPLETION_ROUTES = (intake.CHAT, intake.COMPLETION, intake.RESPONSES)
 GET_ROUTES = frozenset({"/health", "/ready", "/v1/models", "/engines", "/metrics"})
+# A request that would wait less than this for an engine to keep pace is refused at once.
+MIN_WAIT_S = 0.01
 
 
 class Router:
@@ -381,7 +383,7 @@ class Router:
             plan = OPEN_PLAN
             if self.pool.eligible():
                 try:
-                    plan = self.policy.judge(req, self.pool.eligible(), budget)
+                    plan = await self._judge(req, arrived, budget)
                 except ApiError as e:
                     self.metrics.refused.labels(e.code or "predictive").inc()
                     end.outcome = "refused"
@@ -412,6 +414,25 @@ class Router:
                 raise  # not the client's doing: shutting down
         finally:
             watcher.cancel()
+
+    async def _judge(self, req: intake.Intake, arrived: float, budget: float) -> Plan:
+        """The policy's plan; a request no engine can take without breaking others' time
+        per output token waits for a stream to end while its TTFT budget allows."""
+        deferred: ApiError | None = None
+        while True:
+            left = budget - (time.monotonic() - arrived)
+            try:
+                return self.policy.judge(req, self.pool.eligible(), left)
+            except NoEngineKeepsPace as e:
+                if e.slack_s <= MIN_WAIT_S:
+                    raise e.refusal from None
+                deferred = e.refusal
+                await self.policy.room(e.slack_s)
+            except ApiError as e:
+                # Waiting used up the budget: the reason is still the pace.
+                if deferred is not None and e.code == "ttft_budget_exceeded":
+                    raise deferred from None
+                raise
 
     def _refuse_unless_leading(self) -> None:
         why = self.leadership.serving()

@@ -26,6 +26,7 @@ class Intake:
     prompt_bytes: int
     # The conversation's routing key (`x-session-id`, else the body's `user`), if any.
     session: str | None = None
+    max_tokens: int | None = None  # the most output tokens asked for, if the body says
 
     @property
     def kind(self) -> Literal["chat", "completion"]:
@@ -123,10 +124,13 @@ def check(route: str, raw: bytes, model: str) -> Intake:
             raise invalid(f"Invalid sampling width: {width} must be 1", width)
         if v is not None and v < 1:
             raise invalid(f"'{width}' must be at least 1", width)
+    most = None
     for limit in ("max_tokens", "max_completion_tokens"):
         v = _type(body, limit, int, "an integer")
         if v is not None and v < 1:
             raise invalid(f"'{limit}' must be at least 1", limit)
+        if v is not None:
+            most = v if most is None else min(most, v)
     wants_ids = bool(_type(body, "return_token_ids", bool, "a boolean"))
     opts = _type(body, "stream_options", dict, "an object") or {}
     include_usage = opts.get("include_usage", False)
@@ -136,7 +140,9 @@ def check(route: str, raw: bytes, model: str) -> Intake:
     user = body.get("user")
     session = user if isinstance(user, str) and user else None
     if route == RESPONSES:
-        return Intake(route, body, stream, False, False, _input_bytes(body), session)
+        v = body.get("max_output_tokens")
+        most = v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None
+        return Intake(route, body, stream, False, False, _input_bytes(body), session, most)
     if route == CHAT:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
@@ -160,7 +166,7 @@ def check(route: str, raw: bytes, model: str) -> Intake:
     for i, t in enumerate(tools or ()):
         if not isinstance(t, dict) or t.get("type") != "function":
             raise invalid("only function tools are supported", f"tools[{i}].type")
-    return Intake(route, body, stream, wants_ids, include_usage, prompt_bytes, session)
+    return Intake(route, body, stream, wants_ids, include_usage, prompt_bytes, session, most)
 
 
 def _input_bytes(body: dict[str, Any]) -> int:

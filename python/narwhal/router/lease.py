@@ -49,6 +49,7 @@ class Events:
         self.first_output: list[Listener] = []
         self.finished: list[Listener] = []
         self.fault: list[FaultListener] = []
+        self.released: list[Listener] = []  # a placed lease gave its seat back (once)
 
     def subscribe(
         self,
@@ -57,11 +58,13 @@ class Events:
         first_output: Listener | None = None,
         finished: Listener | None = None,
         fault: FaultListener | None = None,
+        released: Listener | None = None,
     ) -> None:
         for hooks, hook in (
             (self.first_byte, first_byte),
             (self.first_output, first_output),
             (self.finished, finished),
+            (self.released, released),
         ):
             if hook is not None:
                 hooks.append(hook)
@@ -170,4 +173,7 @@ class Lease:
     def release(self) -> None:
         if self.phase in (Phase.PREFILL, Phase.DECODE):
             self._seats.release(self)
+            self.phase = Phase.DONE
+            for hook in self._events.released:
+                hook(self)
         self.phase = Phase.DONE

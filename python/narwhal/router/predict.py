@@ -305,9 +305,10 @@ class Predictor:
                 headers={"retry-after": str(overrun)},
             )
         if keeps_pace is not None:
-            # A preference, not a refusal: the TPOT projection is a smoothed rate model, and
-            # refusing on it turned away work that met its SLO (docs/DECISIONS.md).
-            fit = [p for p in fit if keeps_pace(p)] or fit
+            paced = [p for p in fit if keeps_pace(p)]
+            if not paced:
+                raise NoEngineKeepsPace(budget_s - min((p.guarded_s or 0.0) for p in fit))
+            fit = paced
         if home is not None:
             for p in fit:
                 if p.engine is home:
@@ -315,6 +316,25 @@ class Predictor:
         if stall is not None:
             return min(fit, key=lambda p: (stall(p) + (p.guarded_s or 0.0), p.engine.inflight))
         return min(fit, key=_rank)
+
+
+class NoEngineKeepsPace(Exception):
+    """Every engine within the TTFT budget would break the time per output token of a
+    stream decoding there. Streams end within seconds: the request may wait for one to,
+    `slack_s` at most (what the budget leaves beyond the best projection), and is refused
+    with `refusal` when none has."""
+
+    def __init__(self, slack_s: float) -> None:
+        super().__init__("no engine keeps pace")
+        self.slack_s = slack_s
+        self.refusal = ApiError(
+            429,
+            "every engine within the TTFT budget would break the time per output token of "
+            "streams decoding there",
+            type="rate_limit_error",
+            code="tpot_target_exceeded",
+            headers={"retry-after": "1"},
+        )
 
 
 def _rank(p: Projection) -> tuple[float, int]:

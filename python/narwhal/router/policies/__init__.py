@@ -42,7 +42,13 @@ OPEN_PLAN = Plan()
 
 
 class Policy(Protocol):
-    def judge(self, req: Intake, engines: list[Engine], budget_s: float) -> Plan: ...
+    def judge(self, req: Intake, engines: list[Engine], budget_s: float) -> Plan:
+        """The plan for `req`, or an ApiError refusing it, or `NoEngineKeepsPace` when it
+        may wait for `room()`."""
+
+    async def room(self, timeout_s: float) -> None:
+        """Returns when placement may have changed its mind (a stream ended), or after
+        `timeout_s`."""
 
     def placed(self, lease: Lease) -> None: ...
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 from narwhal.router.engines import Engine
 from narwhal.router.intake import Intake
 from narwhal.router.lease import Events, Lease
@@ -11,6 +13,9 @@ from narwhal.router.policies import OPEN_PLAN, Plan
 class OpenPolicy:
     def judge(self, req: Intake, engines: list[Engine], budget_s: float) -> Plan:
         return OPEN_PLAN
+
+    async def room(self, timeout_s: float) -> None:
+        await asyncio.sleep(timeout_s)  # never asked for: it never defers a request
 
     def placed(self, lease: Lease) -> None:
         pass

@@ -10,7 +10,8 @@ conversation stays on its engine while that engine is projected within budget; t
 
 from __future__ import annotations
 
-import time
+import asyncio
+import contextlib
 
 from narwhal.router.engines import Engine
 from narwhal.router.intake import Intake
@@ -18,7 +19,7 @@ from narwhal.router.lease import Events, Lease
 from narwhal.router.policies import Plan
 from narwhal.router.policies.prefix_cache import Expectation, PrefixCache
 from narwhal.router.policies.sessions import Sessions
-from narwhal.router.policies.tpot import PrefillLoad
+from narwhal.router.policies.tpot import Streams
 from narwhal.router.predict import Predictor, Projection
 
 
@@ -35,7 +36,9 @@ class PredictivePolicy:
         self.cache = cache
         self.tpot_target_s = tpot_target_s
         self.sessions = sessions or Sessions()
-        self.loads = {e.name: PrefillLoad() for e in engines}
+        self.streams = {e.name: Streams() for e in engines}
+        self._entries: dict[Lease, int] = {}  # placed streams in the ledger, until released
+        self._ended: asyncio.Future[None] | None = None  # resolved when a stream ends
         self._engines = {e.name: e for e in engines}
         self._profiles = [predictor.profiles[e.name] for e in engines]
 
@@ -68,12 +71,9 @@ class PredictivePolicy:
         return Plan(proj.engine, proj.tokens, proj.total_s, blocks, expected, req.session)
 
     def _keeps_pace(self, p: Projection) -> bool:
-        assert self.tpot_target_s is not None
+        """Placing there leaves every stream on the engine within the TPOT target."""
         rate = self._rate(p.engine.name)
-        if rate is None:
-            return True
-        tpot = self.loads[p.engine.name].projected(p.tokens, rate, time.monotonic())
-        return tpot is None or tpot <= self.tpot_target_s
+        return rate is None or self.streams[p.engine.name].fits(p.tokens / rate)
 
     def _stall(self, p: Projection) -> float:
         """Stream-seconds of decode this prompt's prefill holds up on its engine: each
@@ -93,20 +93,55 @@ class PredictivePolicy:
         if plan.blocks is not None and self.cache is not None:
             self.cache.placed(name, plan.blocks)
         self.sessions.placed(plan.session, name)
-        self.loads[name].placed(lease.tokens, time.monotonic())
+        if self.tpot_target_s is not None:
+            self._joined(lease, name)
+
+    def _joined(self, lease: Lease, name: str) -> None:
+        assert self.tpot_target_s is not None
+        rate = self._rate(name)
+        if rate is None:
+            return
+        ledger = self.streams[name]
+        prof = self.predictor.profiles[name]
+        tau0 = ledger.tau0_s or prof.tpot_s
+        # What the stream will run to: its max_tokens, unless answers here typically stop
+        # sooner (a stall weighs more on a short stream than on a long one).
+        n = lease.intake.max_tokens
+        if prof.output_tokens is not None:
+            typical = max(2, round(prof.output_tokens))
+            n = typical if n is None else min(n, typical)
+        allowance = None
+        if tau0 is not None and n is not None and n > 1:
+            allowance = max(0.0, self.tpot_target_s - tau0) * (n - 1)
+        entry = ledger.placed(lease.tokens / rate, allowance)
+        if entry is not None:
+            self._entries[lease] = entry
 
     def watch(self, events: Events) -> None:
         self.predictor.watch(events)
-        events.subscribe(finished=self._finished)
+        events.subscribe(finished=self._finished, released=self._released)
 
     def _finished(self, lease: Lease) -> None:
-        if lease.output_tokens > 1 and lease.decode_s > 0:
-            rate = self._rate(lease.on.name)
-            if rate is not None:
-                tpot = lease.decode_s / (lease.output_tokens - 1)
-                self.loads[lease.on.name].learn(tpot, rate, time.monotonic())
         if self.cache is not None:
             self._reported(lease)
+
+    def _released(self, lease: Lease) -> None:
+        entry = self._entries.pop(lease, None)
+        if entry is None:
+            return
+        self.streams[lease.on.name].ended(entry, lease.output_tokens, lease.decode_s)
+        if self._ended is not None:
+            if not self._ended.done():
+                self._ended.set_result(None)
+            self._ended = None
+
+    async def room(self, timeout_s: float) -> None:
+        """Returns when a stream in the ledger ends (an engine may keep pace again), or
+        after `timeout_s`."""
+        if self._ended is None:
+            self._ended = asyncio.get_running_loop().create_future()
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(asyncio.shield(self._ended), timeout_s)
 
     def _reported(self, lease: Lease) -> None:
         """The engine's own count of cached tokens corrects the picture."""

@@ -3,65 +3,81 @@
 Engines that batch continuously with chunked prefill (vLLM, SGLang, LexiEngine) put each
 step's prefill tokens beside every decoding stream's next token, so a step lasts about
 `tau0 + prefill tokens in it / R`, where `tau0` is the step without prefill (weights and KV
-reads) and `R` the prefill rate. With prefill arriving at `P` tokens a second, the time per
-output token settles at
+reads) and `R` the prefill rate. Engines prefill first come, first served: every uncached
+token placed on an engine after a stream was placed there is prefilled while that stream
+decodes (or after it has ended), and costs it `1 / R` seconds.
 
-    tpot = tau0 / (1 - P / R)
+So each stream has an allowance: the decode time its target leaves beyond its own steps,
+`(target - tau0) x (n - 1)` for `n` output tokens (the request's `max_tokens`, or what
+the engine's answers typically run to when it has none). Per engine, a ledger counts the
+prefill seconds placed there; a stream's allowance is spent by what was placed after it.
+Placing a prompt keeps pace on an engine when its prefill fits the smallest allowance left
+among the streams there: a short stream, nearly spent, is exactly the one a long prefill
+breaks. Counting prefill placed after a stream as if it all ran during its decode is
+conservative: a stream that ends early leaves the ledger then.
 
-(each step's prefill share is P x step / R). The router knows `R` (the predictor's learned
-rate) and `P` (the uncached tokens it placed on the engine, as a rate decaying over
-`WINDOW_S`); it learns `tau0` per engine from finished streams (observed TPOT x (1 - P/R)
-at the time). Placing a prompt adds its own uncached tokens to `P`: the projection says
-what that does to the engine's streams, the new one included.
+`tau0` is learned per engine from streams that shared few steps with prefill.
 """
 
 from __future__ import annotations
 
-import math
-import time
+import heapq
+import itertools
 
-WINDOW_S = 10.0  # prefill placed this long ago hardly weighs on today's steps
 ALPHA = 0.2
-MAX_UTILISATION = 0.95  # beyond this the formula's blow-up is all the answer there is
+# A stream whose ledger charge was under this share of its decode time had steps of its
+# own, mostly: its time per token says what a step without prefill costs.
+CLEAN_SHARE = 0.25
 
 
-class PrefillLoad:
-    """Per engine: the uncached prompt tokens placed there, as a decaying rate."""
+class Streams:
+    """Per engine: the prefill placed there and the allowance each stream has left."""
 
-    __slots__ = ("_at", "_tokens", "tau0_s")
+    __slots__ = ("_heap", "_live", "charged_s", "tau0_s")
+
+    _order = itertools.count()
 
     def __init__(self) -> None:
-        self._tokens = 0.0
-        self._at = time.monotonic()
-        self.tau0_s: float | None = None  # the step time without prefill, learned
+        self.charged_s = 0.0  # prefill seconds placed on the engine, ever
+        self.tau0_s: float | None = None  # a step without prefill, learned
+        # (charge at which the stream's allowance is spent, its entry): the smallest first;
+        # ended streams leave `_live` at once and the heap when they reach its top.
+        self._heap: list[tuple[float, int]] = []
+        self._live: dict[int, float] = {}  # entry -> charge when it was placed
 
-    def rate(self, now: float) -> float:
-        """Uncached tokens a second placed on the engine lately."""
-        self._decay(now)
-        return self._tokens / WINDOW_S
+    def headroom_s(self) -> float | None:
+        """Prefill seconds the engine can take before some stream there misses its target;
+        None with no stream to protect."""
+        heap = self._heap
+        while heap and heap[0][1] not in self._live:
+            heapq.heappop(heap)
+        return heap[0][0] - self.charged_s if heap else None
 
-    def _decay(self, now: float) -> None:
-        dt = now - self._at
-        if dt > 0:
-            self._tokens *= math.exp(-dt / WINDOW_S)
-            self._at = now
+    def fits(self, stall_s: float) -> bool:
+        room = self.headroom_s()
+        return room is None or stall_s <= room
 
-    def placed(self, tokens: int, now: float) -> None:
-        self._decay(now)
-        self._tokens += tokens
+    def placed(self, stall_s: float, allowance_s: float | None) -> int | None:
+        """A prompt whose prefill takes `stall_s` was placed here; its stream, when it has
+        an allowance, joins the ledger after its own prefill. Returns its entry."""
+        self.charged_s += stall_s
+        if allowance_s is None:
+            return None
+        entry = next(self._order)
+        self._live[entry] = self.charged_s
+        heapq.heappush(self._heap, (self.charged_s + allowance_s, entry))
+        return entry
 
-    def learn(self, tpot_s: float, prefill_tps: float, now: float) -> None:
-        """A stream finished with this mean time per output token."""
-        rho = min(MAX_UTILISATION, self.rate(now) / prefill_tps)
-        sample = tpot_s * (1 - rho)
+    def ended(self, entry: int, output_tokens: int, decode_s: float) -> None:
+        """The stream left; what it measured teaches `tau0`."""
+        joined = self._live.pop(entry, None)
+        if joined is None or output_tokens < 2 or decode_s <= 0:
+            return
+        charge = self.charged_s - joined
+        if charge > CLEAN_SHARE * decode_s:
+            return
+        sample = (decode_s - charge) / (output_tokens - 1)
         self.tau0_s = sample if self.tau0_s is None else (1 - ALPHA) * self.tau0_s + ALPHA * sample
 
-    def projected(self, tokens: int, prefill_tps: float, now: float) -> float | None:
-        """The engine's time per output token once `tokens` more are placed; None until
-        it has been learned."""
-        if self.tau0_s is None:
-            return None
-        rho = (self.rate(now) + tokens / WINDOW_S) / prefill_tps
-        if rho >= MAX_UTILISATION:
-            return math.inf
-        return self.tau0_s / (1 - rho)
+    def __len__(self) -> int:
+        return len(self._live)
