@@ -158,6 +158,14 @@ def sse_frames(text: str) -> list[Any]:
     return out
 
 
+def metric(router: Server, name: str) -> float:
+    """A counter or gauge from the router's /metrics (its first series), 0 when absent."""
+    for line in httpx.get(router.url + "/metrics").text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
 def relayed_streams(router: Server) -> dict[str, float]:
     out = {}
     for line in httpx.get(router.url + "/metrics").text.splitlines():

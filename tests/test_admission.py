@@ -12,7 +12,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.support import Server, start_router
+from tests.support import Server, metric, start_router
 
 pytestmark = pytest.mark.slow
 
@@ -62,13 +62,6 @@ def wait_for(cond: Any, timeout: float = 5) -> None:
     while not cond():
         assert time.monotonic() < end
         time.sleep(0.02)
-
-
-def metric(router: Server, name: str) -> float:
-    for line in httpx.get(router.url + "/metrics").text.splitlines():
-        if line.startswith(name + " ") or line.startswith(name + "{"):
-            return float(line.rsplit(" ", 1)[1])
-    return 0.0
 
 
 def test_prefill_limit_queues_then_the_queue_wait_expires_with_504(router: Server) -> None:

@@ -32,6 +32,7 @@ def setup(
         first_output=lambda lease: heard.append(("first", lease.on.name)),
         finished=lambda lease: heard.append(("finished", lease.on.name)),
         fault=lambda lease, kind, why: heard.append((kind, lease.on.name)),
+        released=lambda lease: heard.append(("released", lease.on.name)),
     )
     pool.watch(events)
     return Admission(pool, 100, queue, wait_s, events), engines, heard
@@ -75,6 +76,7 @@ def test_every_way_out_gives_the_seat_back_once(ending: str) -> None:
     else:
         assert run(go).phase is Phase.DONE
     assert seats(engines) == ZERO
+    assert heard.count(("released", "e0")) == 1  # policies hear the end once, however it came
     assert ("finished", "e0") in heard if ending == "finished" else True
     assert engines[0].strikes == (1 if ending == "fault" else 0)
 
@@ -131,7 +133,7 @@ def test_placed_just_as_the_wait_is_cancelled_gives_the_seat_back() -> None:
 
 @pytest.mark.parametrize("how", ["expires", "cancelled"])
 def test_leaving_the_queue_takes_no_seat(how: str) -> None:
-    adm, engines, _ = setup(n=1, wait_s=0.05 if how == "expires" else 5.0)
+    adm, engines, heard = setup(n=1, wait_s=0.05 if how == "expires" else 5.0)
 
     async def go() -> None:
         hold = asyncio.Event()
@@ -162,6 +164,7 @@ def test_leaving_the_queue_takes_no_seat(how: str) -> None:
 
     run(go)
     assert seats(engines) == [(0, 0, 0)]
+    assert heard == [("released", "e0")]  # the first request's; the one never placed, none
 
 
 def test_an_excluded_engine_is_never_placed_on() -> None:
@@ -206,6 +209,7 @@ def test_faults_against_the_engine_eject_it_after_the_streak() -> None:
                 lease.fault(kind, why)
 
     run(go)
-    assert [k for k, _ in heard] == ["engine_error", "engine_stalled", "engine_disconnected"]
+    faults = [k for k, _ in heard if k != "released"]
+    assert faults == ["engine_error", "engine_stalled", "engine_disconnected"]
     assert not engines[0].healthy  # two strikes (eject_after=2); the error event was none
     assert seats(engines) == [(0, 0, 0)]

@@ -21,6 +21,7 @@ from narwhal.router.lease import Events, Lease
 from narwhal.router.policies import Plan
 from narwhal.router.policies.predictive import PredictivePolicy
 from narwhal.router.policies.prefix_cache import PrefixCache
+from narwhal.router.policies.tpot import Streams
 from narwhal.router.predict import NoEngineKeepsPace, Predictor
 
 RATE = 1000.0  # prefill tokens/s every engine has learned
@@ -259,3 +260,17 @@ def test_a_long_prefill_goes_where_it_stalls_the_fewest_streams() -> None:
     assert f.judge(long).prefer is quiet
     f.policy.tpot_target_s = None
     assert f.judge(long).prefer is busy
+
+
+def test_the_step_without_prefill_is_learned_from_streams_that_had_steps_of_their_own() -> None:
+    ledger = Streams()
+    quiet = ledger.placed(0.0, 1.0)
+    assert quiet is not None
+    ledger.ended(quiet, output_tokens=11, decode_s=0.2)  # nothing placed after it
+    assert ledger.tau0_s == pytest.approx(0.02)
+    busy = ledger.placed(0.0, 1.0)
+    assert busy is not None
+    ledger.placed(2.0, None)  # 2 s of prefill placed after it: its steps were not its own
+    ledger.ended(busy, output_tokens=11, decode_s=2.2)
+    assert ledger.tau0_s == pytest.approx(0.02)
+    assert len(ledger) == 0 and ledger.headroom_s() is None

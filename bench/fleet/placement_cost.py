@@ -4,7 +4,8 @@ of the fleet's caches weighs.
     .venv/bin/python -m bench.fleet.placement_cost [--engines 8,32] [--prompt-words 8000]
 
 Per pool size: the predictive policy's `judge` (hash the prompt's text blocks, ask every
-engine's picture, project TTFT on each, pick) for prompts of `--prompt-words` words that
+engine's picture, project TTFT on each, pick), with a TPOT target and 32 streams in every
+engine's ledger, then without, for prompts of `--prompt-words` words that
 share a system prompt with earlier ones, every engine's picture filled to capacity; then
 the same judge with the picture off (`prefix_cache.tokens_per_engine: 0`), in the same run.
 Memory: one PrefixMap of 32 engines x 100,000 blocks, filled, as the Rust side counts its
@@ -36,13 +37,19 @@ def _request(i: int, words: int) -> intake.Intake:
     return intake.check(intake.CHAT, orjson.dumps(body), "m")
 
 
-def judge_us(engines: int, words: int, cache_on: bool, rounds: int = 400) -> float:
+def judge_us(
+    engines: int, words: int, cache_on: bool, tpot: bool = False, rounds: int = 400
+) -> float:
     pool = [Engine(EngineSpec(f"e{i}"), f"http://e{i}", healthy=True) for i in range(engines)]
     predictor = Predictor(pool)
     for p in predictor.profiles.values():
         p.prefill_tps, p.bytes_per_token = 10_000.0, 4.0
     cache = PrefixCache(pool, 400_000, 512) if cache_on else None
-    policy = PredictivePolicy(predictor, pool, cache)
+    policy = PredictivePolicy(predictor, pool, cache, 0.1 if tpot else None)
+    if tpot:  # 32 streams on every engine, each with an allowance in the ledger
+        for streams in policy.streams.values():
+            for k in range(32):
+                streams.placed(0.01, 2.0 + k / 10)
     reqs = [_request(i, words) for i in range(64)]
     if cache is not None:  # every engine's picture full of other prompts, and this family
         for e in pool:
@@ -75,11 +82,15 @@ def main() -> None:
     ap.add_argument("--engines", default="8,32")
     ap.add_argument("--prompt-words", type=int, default=8000)
     a = ap.parse_args()
-    print("| engines | judge, cache-aware (µs) | judge, no picture (µs) |\n|---|---|---|")
+    print(
+        "| engines | judge, cache-aware + TPOT ledger (µs) | judge, cache-aware (µs) "
+        "| judge, no picture (µs) |\n|---|---|---|---|"
+    )
     for n in (int(x) for x in a.engines.split(",")):
+        paced = judge_us(n, a.prompt_words, True, tpot=True)
         on = judge_us(n, a.prompt_words, True)
         off = judge_us(n, a.prompt_words, False)
-        print(f"| {n} | {on:.1f} | {off:.1f} |")
+        print(f"| {n} | {paced:.1f} | {on:.1f} | {off:.1f} |")
     heap, rss = picture_memory()
     print(
         f"\npicture of 32 engines x 100,000 blocks: {heap:.0f} MiB heap (Rust), {rss:.0f} MiB RSS"

@@ -43,6 +43,7 @@ COMPLETION_ROUTES = (intake.CHAT, intake.COMPLETION, intake.RESPONSES)
 GET_ROUTES = frozenset({"/health", "/ready", "/v1/models", "/engines", "/metrics"})
 # A request that would wait less than this for an engine to keep pace is refused at once.
 MIN_WAIT_S = 0.01
+TTFT_REFUSALS = frozenset({"ttft_budget_exceeded", "prompt_exceeds_ttft_budget"})
 
 
 class Router:
@@ -426,11 +427,13 @@ class Router:
             except NoEngineKeepsPace as e:
                 if e.slack_s <= MIN_WAIT_S:
                     raise e.refusal from None
+                if deferred is None:
+                    self.metrics.paced_waits.inc()
                 deferred = e.refusal
                 await self.policy.room(e.slack_s)
             except ApiError as e:
                 # Waiting used up the budget: the reason is still the pace.
-                if deferred is not None and e.code == "ttft_budget_exceeded":
+                if deferred is not None and e.code in TTFT_REFUSALS:
                     raise deferred from None
                 raise
 

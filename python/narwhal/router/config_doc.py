@@ -49,9 +49,10 @@ MEANINGS = {
     "predictive.drift_min_samples": "scored outcomes before drift counts",
     "predictive.stale_after_s": "an engine's profile older than this is stale",
     "predictive.probe_interval_s": "an idle engine is probed when its profile is this old",
-    "predictive.tpot_target_s": "mean time per output token to keep: placement avoids an engine "
-    "where a new prompt's prefill would push its streams past it, while another engine fits the "
-    "TTFT budget (unset: TTFT alone decides)",
+    "predictive.tpot_target_s": "mean time per output token to keep for every admitted stream: "
+    "a prompt is placed only where its prefill pushes no stream decoding there past it; when no "
+    "engine within the TTFT budget can take it, it waits for a stream to end while the budget "
+    "allows, then 429 tpot_target_exceeded (unset: TTFT alone decides)",
     "prefix_cache": "cache-aware placement: the router's picture of each engine's prefix cache",
     "prefix_cache.tokens_per_engine": "prompt tokens each engine's prefix cache is assumed to "
     "hold (its KV pool); the picture is corrected by the cached tokens engines report; 0 turns "

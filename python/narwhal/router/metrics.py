@@ -54,8 +54,17 @@ class RouterMetrics:
             "engine_busy",
         ):
             self.rejected.labels(reason)
-        for reason in ("prompt_exceeds_ttft_budget", "ttft_budget_exceeded"):
+        for reason in (
+            "prompt_exceeds_ttft_budget",
+            "ttft_budget_exceeded",
+            "tpot_target_exceeded",
+        ):
             self.refused.labels(reason)
+        self.paced_waits = Counter(
+            "narwhal_paced_waits",
+            "Requests that waited in the router for an engine to keep its streams' TPOT target",
+            registry=r,
+        )
         self.finished = Counter(
             "narwhal_finished",
             "Requests by how they ended (completed, stream_fault, "
