@@ -372,6 +372,29 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
     fig.savefig(path, dpi=110)
 
 
+def start_fleet(a: argparse.Namespace) -> tuple[subprocess.Popen[bytes], list[str]]:
+    """The simulated engines on N consecutive ports; another run of ports when one of them
+    was taken (the first free port says nothing of the N - 1 after it)."""
+    for _ in range(5):
+        base = free_port() + 1000
+        sim = subprocess.Popen(
+            [
+                *(sys.executable, "-m", "bench.fleet.server", "--engines", str(a.engines)),
+                *("--port", str(base), "--time-scale", str(a.time_scale), *a.sim_args.split()),
+            ],
+            cwd=ROOT,
+            start_new_session=True,
+        )
+        engines = [f"http://127.0.0.1:{base + i}" for i in range(a.engines)]
+        try:
+            for u in engines:
+                wait_http(u + "/health", sim, 30)
+        except RuntimeError:  # it exited: a port was taken
+            continue
+        return sim, engines
+    raise RuntimeError("no run of free ports for the simulated engines")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--trace", type=Path, required=True)
@@ -400,28 +423,9 @@ def main() -> None:
     trace = read(a.trace)
     if a.requests:
         trace = trace[: a.requests]
-    base = free_port() + 1000
-    sim = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "bench.fleet.server",
-            "--engines",
-            str(a.engines),
-            "--port",
-            str(base),
-            "--time-scale",
-            str(a.time_scale),
-            *a.sim_args.split(),
-        ],
-        cwd=ROOT,
-        start_new_session=True,
-    )
-    engines = [f"http://127.0.0.1:{base + i}" for i in range(a.engines)]
+    sim, engines = start_fleet(a)
     rows = []
     try:
-        for u in engines:
-            wait_http(u + "/health", sim, 30)
         with tempfile.TemporaryDirectory() as tmp:
             for load in [float(x) for x in a.loads.split(",")]:
                 for door in doors(a, engines, Path(tmp)):
