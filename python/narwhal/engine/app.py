@@ -184,11 +184,11 @@ class Engine:
         if self.keys:
             bearer.require(scope, self.keys)
 
-    def _check_fence(self, scope: Scope) -> None:
+    def _check_fence(self, scope: Scope) -> int | None:
         if self.fence is None:
-            return
+            return None
         try:
-            self.fence.check(scope)
+            return self.fence.check(scope)
         except ApiError:
             self.metrics.fenced.inc()
             raise
@@ -232,7 +232,7 @@ class Engine:
         except asgi.BodyTooLarge:
             raise ApiError(413, "request body too large", code="request_too_large") from None
         try:
-            self._check_fence(scope)
+            token = self._check_fence(scope)
             body = json_object(raw)
             # Rendering the template and tokenizing run off the event loop: a template can
             # be slow (bounded in engine.template), and /health must not wait for it.
@@ -240,6 +240,8 @@ class Engine:
         except ApiError as e:
             self.metrics.requests.labels(route, str(e.status)).inc()
             raise
+        if token is not None and self.fence is not None:
+            self.fence.raise_to(token)  # only a request the engine accepts moves the floor
         task = asyncio.current_task()
         assert task is not None
         watcher = asyncio.create_task(asgi.watch_disconnect(receive, task))

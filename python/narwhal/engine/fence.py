@@ -23,6 +23,18 @@ from narwhal.etcd import Etcd, EtcdError
 log = logging.getLogger("lexi.fence")
 
 
+MAX_TOKEN = 2**63 - 1  # etcd revisions are int64
+
+
+def parse(raw: str | None) -> int | None:
+    """A fencing token: ASCII digits only (`str.isdigit` takes `²` and other digits int()
+    refuses), 1 to 2^63-1 (etcd revisions start at 1 and are int64)."""
+    if raw is None or not (0 < len(raw) <= 19 and raw.isascii() and raw.isdigit()):
+        return None
+    token = int(raw)
+    return token if 0 < token <= MAX_TOKEN else None
+
+
 def _fenced(message: str) -> ApiError:
     return ApiError(409, message, type="invalid_request_error", code="fenced")
 
@@ -32,19 +44,22 @@ class Fence:
         self.highest = 0
         self.on_token = on_token or (lambda _: None)
 
-    def check(self, scope: Scope) -> None:
+    def check(self, scope: Scope) -> int:
+        """The request's token, refused (409 `fenced`) when it is missing, not a token, or
+        older than the highest accepted. It does not raise the floor: `raise_to` does, once
+        the request is otherwise accepted (a garbage body must not fence the leader)."""
         raw = asgi.header(scope, b"x-narwhal-fence")
-        if raw is None or not raw.isdigit() or len(raw) > 19:
+        token = parse(raw)
+        if token is None:
             raise _fenced(
-                "this engine serves only the leading router (--fence): the request "
-                "carries no fencing token (x-narwhal-fence)"
+                "this engine serves only the leading router (--fence): the request carries "
+                "no fencing token (x-narwhal-fence: ASCII digits, 1 to 2^63-1)"
             )
-        token = int(raw)
         if token < self.highest:
             raise _fenced(
                 f"fencing token {token} is older than {self.highest}: another router leads now"
             )
-        self.raise_to(token)
+        return token
 
     def raise_to(self, token: int) -> None:
         if token > self.highest:
