@@ -113,7 +113,15 @@ class Engine:
         self.decoder = DecodeLoop(model, config.parallel, config.prefill_chunk, config.threads)
         self.decoder.on_step = self.metrics.batch.observe  # prometheus metrics are thread-safe
         self.keys = tuple(k.encode() for k in config.api_keys)
-        self.fence = Fence(self.metrics.fencing_token.set) if config.fence else None
+        self.fence = (
+            Fence(
+                self.metrics.fencing_token.set,
+                config.fence_state,
+                wait_for_etcd=config.fence_etcd is not None,
+            )
+            if config.fence
+            else None
+        )
         self.background = Background(self.metrics.background_errors)
 
     # -- ASGI ---------------------------------------------------------------------------
@@ -142,6 +150,8 @@ class Engine:
             failing = self.background.failing()
             if failing:
                 health["background_failing"] = failing
+            if self.fence is not None and self.fence.unsure is not None:
+                health["fence"] = self.fence.unsure
             await asgi.send_json(send, 200, health)
             return
         self._authorize(scope)
