@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 
 import pytest
@@ -31,6 +32,45 @@ def test_a_stalled_endpoint_is_an_etcd_error_on_every_python() -> None:
         try:
             with pytest.raises(EtcdError, match="TimeoutError"):
                 await etcd.get(b"/k")
+        finally:
+            await etcd.close()
+            server.close()
+
+    asyncio.run(main())
+
+
+async def _answering(body: bytes) -> tuple[asyncio.AbstractServer, str]:
+    """An endpoint that answers every call 200 with `body` (a proxy, a different service)."""
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(
+            b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+            + f"content-length: {len(body)}\r\nconnection: close\r\n\r\n".encode()
+            + body
+        )
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(answer, "127.0.0.1", 0, family=socket.AF_INET)
+    port = server.sockets[0].getsockname()[1]
+    return server, f"http://127.0.0.1:{port}"
+
+
+@pytest.mark.parametrize(
+    "body",
+    [b"{}", b'{"ID": "not a number"}', b"[]", b'{"kvs": [{"value": "@@@"}]}', b'{"kvs": 7}'],
+)
+def test_an_answer_that_is_not_etcd_s_is_an_etcd_error(body: bytes) -> None:
+    # A KeyError or ValueError here used to escape `except EtcdError` and end the loop that
+    # called (leadership, the wave follower, the engine's fence follower).
+    async def main() -> None:
+        server, url = await _answering(body)
+        etcd = Etcd([url], timeout_s=2)
+        try:
+            for call in (etcd.grant(5), etcd.get(b"/k"), etcd.create(b"/k", b"v", 1)):
+                with contextlib.suppress(EtcdError):  # and nothing else
+                    await call
         finally:
             await etcd.close()
             server.close()

@@ -369,3 +369,78 @@ def test_fence_etcd_refuses_a_deposed_token_before_the_new_leader_sends_anything
         assert status(first) == 409  # nobody holding `second` has sent it anything
     finally:
         s.stop()
+
+
+def test_only_a_well_formed_token_on_an_accepted_request_moves_the_engine_s_floor(
+    model_path: str,
+) -> None:
+    s = start_engine(model_path, "--fence")
+
+    def post(token: bytes, body: object) -> httpx.Response:
+        return httpx.post(
+            s.url + "/v1/completions",
+            json=body,
+            headers={"x-narwhal-fence": token},
+            timeout=30,
+        )
+
+    ok = {"prompt": "Hi", "max_tokens": 1}
+    try:
+        # Not tokens: a digit int() refuses (a 500 before), 0, beyond int64, not digits.
+        for bad in (b"\xb2", b"0", str(2**63).encode(), b"12a", b"+7"):
+            r = post(bad, ok)
+            assert r.status_code == 409 and r.json()["error"]["code"] == "fenced", bad
+        # A token far ahead on a body the engine refuses leaves the floor where it was...
+        assert post(str(2**63 - 1).encode(), {"prompt": 7}).status_code == 400
+        assert engine_token(s) == 0
+        assert post(b"5", ok).status_code == 200  # ... so the leader is not fenced out
+        assert engine_token(s) == 5
+        assert post(b"4", ok).status_code == 409
+    finally:
+        s.stop()
+
+
+def test_an_engine_restarted_with_fence_state_remembers_its_floor(
+    model_path: str, tmp_path: Path
+) -> None:
+    state = tmp_path / "fence"
+    ok = {"prompt": "Hi", "max_tokens": 1}
+
+    def post(s: Server, token: int) -> int:
+        return httpx.post(
+            s.url + "/v1/completions",
+            json=ok,
+            headers={"x-narwhal-fence": str(token)},
+            timeout=30,
+        ).status_code
+
+    s = start_engine(model_path, "--fence", "--fence-state", str(state))
+    try:
+        assert post(s, 7) == 200  # the new leader's token
+    finally:
+        s.stop()
+    # Restarted after a failover: the old leader's token is still refused.
+    s = start_engine(model_path, "--fence", "--fence-state", str(state))
+    try:
+        assert engine_token(s) == 7
+        assert post(s, 5) == 409
+        assert post(s, 7) == 200
+    finally:
+        s.stop()
+
+
+def test_with_fence_etcd_nothing_is_served_until_the_token_was_read(model_path: str) -> None:
+    # etcd unreachable: the engine cannot know the floor, so it serves no fenced work.
+    s = start_engine(model_path, "--fence", "--fence-etcd", "http://127.0.0.1:9")
+    try:
+        r = httpx.post(
+            s.url + "/v1/completions",
+            json={"prompt": "Hi", "max_tokens": 1},
+            headers={"x-narwhal-fence": "3"},
+            timeout=30,
+        )
+        assert r.status_code == 503 and r.headers["retry-after"] == "1"
+        assert r.json()["error"]["code"] == "fence_unknown"
+        assert "etcd" in httpx.get(s.url + "/health").json()["fence"]
+    finally:
+        s.stop()

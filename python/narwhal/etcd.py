@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import asyncio
 import base64
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import aiohttp
 import orjson
+
+T = TypeVar("T")
 
 
 class EtcdError(Exception):
@@ -71,14 +74,26 @@ class Etcd:
                 failure = f"{e}: {type(exc).__name__}: {exc}"
         raise EtcdError(failure)
 
+    async def _answer(self, path: str, body: dict[str, Any], parse: Callable[[Any], T]) -> T:
+        """`_call`, then `parse` of its answer: an answer that is not what etcd sends (a
+        proxy's page, a field of the wrong type) is an EtcdError like no answer at all, so
+        a caller's one `except EtcdError` covers every way etcd can fail it."""
+        r = await self._call(path, body)
+        try:
+            return parse(r)
+        except (KeyError, IndexError, TypeError, ValueError, AttributeError) as e:
+            raise EtcdError(f"malformed answer to {path}: {type(e).__name__}: {e}") from None
+
     async def grant(self, ttl_s: int) -> int:
-        r = await self._call("/v3/lease/grant", {"TTL": ttl_s})
-        return int(r["ID"])
+        return await self._answer("/v3/lease/grant", {"TTL": ttl_s}, lambda r: int(r["ID"]))
 
     async def keep_alive(self, lease: int) -> int:
         """The lease's TTL after the renewal; 0 when the lease is gone."""
-        r = await self._call("/v3/lease/keepalive", {"ID": str(lease)})
-        return int(r.get("result", {}).get("TTL", 0))
+        return await self._answer(
+            "/v3/lease/keepalive",
+            {"ID": str(lease)},
+            lambda r: int(r.get("result", {}).get("TTL", 0)),
+        )
 
     async def revoke(self, lease: int) -> None:
         await self._call("/v3/lease/revoke", {"ID": str(lease)})
@@ -86,7 +101,15 @@ class Etcd:
     async def create(self, key: bytes, value: bytes, lease: int) -> tuple[bool, KeyValue | None]:
         """Put `key` only if it does not exist: (whether we created it, the key as it is)."""
         k = _b64(key)
-        r = await self._call(
+
+        def parse(r: Any) -> tuple[bool, KeyValue | None]:
+            if r.get("succeeded"):
+                rev = int(r["header"]["revision"])
+                return True, KeyValue(value, rev, rev, lease)
+            kvs = r.get("responses", [{}])[0].get("response_range", {}).get("kvs", [])
+            return False, _kv(kvs[0]) if kvs else None
+
+        return await self._answer(
             "/v3/kv/txn",
             {
                 "compare": [
@@ -95,17 +118,15 @@ class Etcd:
                 "success": [{"request_put": {"key": k, "value": _b64(value), "lease": str(lease)}}],
                 "failure": [{"request_range": {"key": k}}],
             },
+            parse,
         )
-        if r.get("succeeded"):
-            rev = int(r["header"]["revision"])
-            return True, KeyValue(value, rev, rev, lease)
-        kvs = r.get("responses", [{}])[0].get("response_range", {}).get("kvs", [])
-        return False, _kv(kvs[0]) if kvs else None
 
     async def get(self, key: bytes) -> KeyValue | None:
-        r = await self._call("/v3/kv/range", {"key": _b64(key)})
-        kvs = r.get("kvs", [])
-        return _kv(kvs[0]) if kvs else None
+        def parse(r: Any) -> KeyValue | None:
+            kvs = r.get("kvs", [])
+            return _kv(kvs[0]) if kvs else None
+
+        return await self._answer("/v3/kv/range", {"key": _b64(key)}, parse)
 
     async def put(self, key: bytes, value: bytes) -> None:
         await self._call("/v3/kv/put", {"key": _b64(key), "value": _b64(value)})

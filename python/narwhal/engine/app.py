@@ -21,6 +21,7 @@ from prometheus_client import (
 
 from narwhal import asgi, bearer, logs, silent
 from narwhal.asgi import Receive, Scope, Send
+from narwhal.background import Background
 from narwhal.engine import protocol
 from narwhal.engine.batch import DecodeLoop
 from narwhal.engine.config import EngineConfig
@@ -95,6 +96,12 @@ class Metrics:
             "Client connections closed for sending nothing within --header-timeout",
             registry=r,
         )
+        self.background_errors = Counter(
+            "lexi_background_errors",
+            "Failures of a background loop (each logged with its stack and started again)",
+            ["task"],
+            registry=r,
+        )
 
 
 class Engine:
@@ -106,8 +113,16 @@ class Engine:
         self.decoder = DecodeLoop(model, config.parallel, config.prefill_chunk, config.threads)
         self.decoder.on_step = self.metrics.batch.observe  # prometheus metrics are thread-safe
         self.keys = tuple(k.encode() for k in config.api_keys)
-        self.fence = Fence(self.metrics.fencing_token.set) if config.fence else None
-        self._tasks: list[asyncio.Task[None]] = []
+        self.fence = (
+            Fence(
+                self.metrics.fencing_token.set,
+                config.fence_state,
+                wait_for_etcd=config.fence_etcd is not None,
+            )
+            if config.fence
+            else None
+        )
+        self.background = Background(self.metrics.background_errors)
 
     # -- ASGI ---------------------------------------------------------------------------
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -131,7 +146,13 @@ class Engine:
         self, path: str, method: str, scope: Scope, receive: Receive, send: Send
     ) -> None:
         if path == "/health" and method == "GET":
-            await asgi.send_json(send, 200, {"status": "ok"})
+            health: dict[str, object] = {"status": "ok"}
+            failing = self.background.failing()
+            if failing:
+                health["background_failing"] = failing
+            if self.fence is not None and self.fence.unsure is not None:
+                health["fence"] = self.fence.unsure
+            await asgi.send_json(send, 200, health)
             return
         self._authorize(scope)
         model_id = path[len("/v1/models/") :] if path.startswith("/v1/models/") else None
@@ -154,32 +175,30 @@ class Engine:
             raise ApiError(404, f"no route {method} {path}", code="not_found")
 
     async def _startup(self) -> None:
-        c = self.config
-        self._tasks.append(
-            asyncio.create_task(
-                silent.close_silent_forever(c.header_timeout_s, self.metrics.silent_closed.inc)
-            )
+        c, m = self.config, self.metrics
+        self.background.start(
+            "silent_reaper",
+            lambda: silent.close_silent_forever(c.header_timeout_s, m.silent_closed.inc),
         )
         if self.fence is not None and c.fence_etcd is not None:
-            etcd = Etcd([c.fence_etcd])
-            self._tasks.append(
-                asyncio.create_task(self.fence.follow_etcd_forever(etcd, c.fence_key))
+            fence, etcd = self.fence, Etcd([c.fence_etcd])
+            self.background.start(
+                "fence_follower", lambda: fence.follow_etcd_forever(etcd, c.fence_key)
             )
 
     async def _shutdown(self) -> None:
-        for t in self._tasks:
-            t.cancel()
+        await self.background.stop()
         await asyncio.to_thread(self.decoder.stop)
 
     def _authorize(self, scope: Scope) -> None:
         if self.keys:
             bearer.require(scope, self.keys)
 
-    def _check_fence(self, scope: Scope) -> None:
+    def _check_fence(self, scope: Scope) -> int | None:
         if self.fence is None:
-            return
+            return None
         try:
-            self.fence.check(scope)
+            return self.fence.check(scope)
         except ApiError:
             self.metrics.fenced.inc()
             raise
@@ -223,7 +242,7 @@ class Engine:
         except asgi.BodyTooLarge:
             raise ApiError(413, "request body too large", code="request_too_large") from None
         try:
-            self._check_fence(scope)
+            token = self._check_fence(scope)
             body = json_object(raw)
             # Rendering the template and tokenizing run off the event loop: a template can
             # be slow (bounded in engine.template), and /health must not wait for it.
@@ -231,6 +250,8 @@ class Engine:
         except ApiError as e:
             self.metrics.requests.labels(route, str(e.status)).inc()
             raise
+        if token is not None and self.fence is not None:
+            self.fence.raise_to(token)  # only a request the engine accepts moves the floor
         task = asyncio.current_task()
         assert task is not None
         watcher = asyncio.create_task(asgi.watch_disconnect(receive, task))

@@ -56,6 +56,7 @@ class EngineConfig:
     fence: bool = False  # refuse requests without the current router's fencing token
     fence_etcd: str | None = None  # read the leader key's token from this etcd as well
     fence_key: str = "/narwhal/main/leader"
+    fence_state: str | None = None  # keep the floor in this file across restarts
 
     def to_json(self) -> bytes:
         return orjson.dumps(dataclasses.asdict(self))
@@ -204,6 +205,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="the routers' leader key in etcd (default %(default)s; the routers' ha.key)",
     )
     p.add_argument(
+        "--fence-state",
+        metavar="PATH",
+        help="with --fence, keep the highest accepted token in this file (written before "
+        "it is acted on), so a restarted engine does not take a deposed leader's token again",
+    )
+    p.add_argument(
         "--max-connections",
         type=int,
         default=_default("max_connections"),
@@ -338,8 +345,11 @@ def from_args(ns: argparse.Namespace) -> EngineConfig:
             raise ConfigError(flag, "must be between 0 and 3600 seconds")
     if ns.max_connections < 1:
         raise ConfigError("--max-connections", "must be at least 1")
-    if ns.fence_etcd is not None and not ns.fence:
-        raise ConfigError("--fence-etcd", "needs --fence")
+    for flag, v in (("--fence-etcd", ns.fence_etcd), ("--fence-state", ns.fence_state)):
+        if v is not None and not ns.fence:
+            raise ConfigError(flag, "needs --fence")
+    if ns.fence_state is not None:
+        _check_fence_state(ns.fence_state)
     if ns.fence_etcd is not None and not ns.fence_etcd.startswith(("http://", "https://")):
         raise ConfigError("--fence-etcd", "must be an http(s):// URL of an etcd endpoint")
     if not (0 < ns.shutdown_grace <= 3600):
@@ -375,4 +385,24 @@ def from_args(ns: argparse.Namespace) -> EngineConfig:
         fence=ns.fence,
         fence_etcd=ns.fence_etcd,
         fence_key=ns.fence_key,
+        fence_state=ns.fence_state,
     )
+
+
+def _check_fence_state(path: str) -> None:
+    """The floor file must be readable as a token if it is there, and writable where it is
+    to be: an engine that cannot keep its floor must not start as if it could."""
+    from narwhal.engine.fence import parse
+
+    p = Path(path)
+    if p.exists():
+        try:
+            raw = p.read_text().strip()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError("--fence-state", f"cannot be read: {e}") from None
+        if parse(raw) is None:
+            raise ConfigError("--fence-state", f"holds no fencing token: {raw[:40]!r}")
+    elif not p.parent.is_dir() or not os.access(p.parent, os.W_OK):
+        raise ConfigError(
+            "--fence-state", f"cannot be written: {p.parent} is not a writable folder"
+        )

@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from collections.abc import Callable
+from pathlib import Path
 
 from narwhal import asgi
 from narwhal.asgi import Scope
@@ -23,32 +25,92 @@ from narwhal.etcd import Etcd, EtcdError
 log = logging.getLogger("lexi.fence")
 
 
+MAX_TOKEN = 2**63 - 1  # etcd revisions are int64
+
+
+def parse(raw: str | None) -> int | None:
+    """A fencing token: ASCII digits only (`str.isdigit` takes `²` and other digits int()
+    refuses), 1 to 2^63-1 (etcd revisions start at 1 and are int64)."""
+    if raw is None or not (0 < len(raw) <= 19 and raw.isascii() and raw.isdigit()):
+        return None
+    token = int(raw)
+    return token if 0 < token <= MAX_TOKEN else None
+
+
+def _read_state(path: Path) -> int:
+    """The floor a previous run kept; 0 when there is none yet. A file that is there but
+    unreadable stops the engine: serving with a forgotten floor is what it exists to avoid."""
+    try:
+        raw = path.read_text().strip()
+    except FileNotFoundError:
+        return 0
+    token = parse(raw)
+    if token is None:
+        raise ValueError(f"--fence-state {path}: not a fencing token: {raw[:40]!r}")
+    return token
+
+
+def _write_state(path: Path, token: int) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(f"{token}\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
 def _fenced(message: str) -> ApiError:
     return ApiError(409, message, type="invalid_request_error", code="fenced")
 
 
 class Fence:
-    def __init__(self, on_token: Callable[[int], None] | None = None) -> None:
-        self.highest = 0
+    def __init__(
+        self,
+        on_token: Callable[[int], None] | None = None,
+        state: str | None = None,
+        wait_for_etcd: bool = False,
+    ) -> None:
         self.on_token = on_token or (lambda _: None)
+        self.state = Path(state) if state else None
+        self.highest = _read_state(self.state) if self.state else 0
+        if self.highest:
+            self.on_token(self.highest)
+        # With --fence-etcd, the floor is unknown until etcd has been read once: fenced
+        # work waits (503) rather than be judged against a floor a restart forgot.
+        self.unsure: str | None = (
+            "the leader's token has not been read from etcd yet" if (wait_for_etcd) else None
+        )
 
-    def check(self, scope: Scope) -> None:
-        raw = asgi.header(scope, b"x-narwhal-fence")
-        if raw is None or not raw.isdigit() or len(raw) > 19:
-            raise _fenced(
-                "this engine serves only the leading router (--fence): the request "
-                "carries no fencing token (x-narwhal-fence)"
+    def check(self, scope: Scope) -> int:
+        """The request's token, refused (409 `fenced`) when it is missing, not a token, or
+        older than the highest accepted. It does not raise the floor: `raise_to` does, once
+        the request is otherwise accepted (a garbage body must not fence the leader)."""
+        if self.unsure is not None:
+            raise ApiError(
+                503,
+                f"this engine cannot judge fencing tokens yet: {self.unsure}",
+                type="server_error",
+                code="fence_unknown",
+                headers={"retry-after": "1"},
             )
-        token = int(raw)
+        raw = asgi.header(scope, b"x-narwhal-fence")
+        token = parse(raw)
+        if token is None:
+            raise _fenced(
+                "this engine serves only the leading router (--fence): the request carries "
+                "no fencing token (x-narwhal-fence: ASCII digits, 1 to 2^63-1)"
+            )
         if token < self.highest:
             raise _fenced(
                 f"fencing token {token} is older than {self.highest}: another router leads now"
             )
-        self.raise_to(token)
+        return token
 
     def raise_to(self, token: int) -> None:
         if token > self.highest:
             log.info("fence: accepting fencing token %d and above (was %d)", token, self.highest)
+            if self.state is not None:
+                _write_state(self.state, token)  # on disk before any request is judged by it
             self.highest = token
             self.on_token(token)
 
@@ -60,6 +122,7 @@ class Fence:
                     kv = await etcd.get(key.encode())
                     if kv is not None:
                         self.raise_to(kv.create_revision)
+                    self.unsure = None
                 except EtcdError as e:
                     log.debug("fence: etcd not read: %s", e)
                 await asyncio.sleep(interval_s)

@@ -16,6 +16,7 @@ from prometheus_client import generate_latest
 
 from narwhal import asgi, bearer, logs, silent
 from narwhal.asgi import Receive, Scope, Send
+from narwhal.background import Background
 from narwhal.errors import ApiError
 from narwhal.etcd import EtcdError
 from narwhal.router import admin as admin_api
@@ -96,7 +97,7 @@ class Router:
 
         self.metrics.info.labels(config.model, __version__).set(1)
         self._queue_time = self.metrics.queue_time.labels(config.model)
-        self._tasks: list[asyncio.Task[None]] = []
+        self.background = Background(self.metrics.background_errors)
         self.session: aiohttp.ClientSession | None = None
 
     # -- lifecycle ----------------------------------------------------------------------
@@ -105,22 +106,20 @@ class Router:
         self.session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
         for me in self.managed:
             await me.start()
-        c = self.config
-        self._tasks.append(
-            asyncio.create_task(
-                self.pool.probe_forever(self.session, c.health_interval_s, c.health_timeout_s)
-            )
+        c, bg, session = self.config, self.background, self.session
+        bg.start(
+            "health_probes",
+            lambda: self.pool.probe_forever(session, c.health_interval_s, c.health_timeout_s),
         )
-        self._tasks.append(asyncio.create_task(self.admission.drain_forever()))
-        self._tasks.append(asyncio.create_task(self.leadership.run_forever()))
-        self._tasks.append(asyncio.create_task(self.maintenance.follow_forever()))
+        bg.start("queue_drain", self.admission.drain_forever)
+        bg.start("leadership", self.leadership.run_forever)
+        bg.start("maintenance_follower", self.maintenance.follow_forever)
         if c.ha is not None and self.predictor is not None:
-            self._tasks.append(asyncio.create_task(self._share_profiles_forever()))
+            bg.start("profile_sharing", self._share_profiles_forever)
         _on_stop_signal(lambda: asyncio.ensure_future(self.leadership.resign()))
-        self._tasks.append(
-            asyncio.create_task(
-                silent.close_silent_forever(c.header_timeout_s, self.metrics.silent_closed.inc)
-            )
+        bg.start(
+            "silent_reaper",
+            lambda: silent.close_silent_forever(c.header_timeout_s, self.metrics.silent_closed.inc),
         )
         if self.predictor is not None:
             profiler = Profiler(
@@ -133,15 +132,11 @@ class Router:
                 self._degraded,
                 self.leadership,
             )
-            self._tasks.append(asyncio.create_task(profiler.run_forever()))
+            bg.start("profiling", profiler.run_forever)
 
     async def shutdown(self) -> None:
         await self.leadership.resign()
-        for t in self._tasks:
-            t.cancel()
-        for t in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await t
+        await self.background.stop()
         await asyncio.gather(*(me.stop() for me in self.managed))
         self.relayer.close()
         await self.leadership.close()
@@ -235,6 +230,9 @@ class Router:
         body["ready"] = reason is None
         if reason is not None:
             body["reason"] = reason
+        failing = self.background.failing()
+        if failing:
+            body["background_failing"] = failing
         await asgi.send_json(send, 200 if reason is None else 503, body)
 
     def _unavailable(self) -> tuple[str, str] | None:

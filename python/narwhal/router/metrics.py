@@ -60,6 +60,12 @@ class RouterMetrics:
             "tpot_target_exceeded",
         ):
             self.refused.labels(reason)
+        self.background_errors = Counter(
+            "narwhal_background_errors",
+            "Failures of a background loop (each logged with its stack and started again)",
+            ["task"],
+            registry=r,
+        )
         self.paced_waits = Counter(
             "narwhal_paced_waits",
             "Requests that waited in the router for an engine to keep its streams' TPOT target",
