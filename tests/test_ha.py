@@ -444,3 +444,31 @@ def test_with_fence_etcd_nothing_is_served_until_the_token_was_read(model_path: 
         assert "etcd" in httpx.get(s.url + "/health").json()["fence"]
     finally:
         s.stop()
+
+
+def test_fence_etcd_takes_no_token_etcd_did_not_issue(etcd: EtcdServer, model_path: str) -> None:
+    import base64
+
+    key = f"/t{next(_keys)}/leader"
+    k = base64.b64encode(key.encode()).decode()
+    httpx.post(etcd.url + "/v3/kv/put", json={"key": k, "value": "cjE="})
+    leader = int(
+        httpx.post(etcd.url + "/v3/kv/range", json={"key": k}).json()["kvs"][0]["create_revision"]
+    )
+    s = start_engine(model_path, "--fence", "--fence-etcd", etcd.url, "--fence-key", key)
+
+    def status(token: int) -> int:
+        return httpx.post(
+            s.url + "/v1/completions",
+            json={"prompt": "Hi", "max_tokens": 1},
+            headers={"x-narwhal-fence": str(token)},
+            timeout=30,
+        ).status_code
+
+    try:
+        wait_until(lambda: engine_token(s) == leader, within=5)
+        assert status(leader + 1000) == 409  # ahead of every election etcd has held
+        assert engine_token(s) == leader  # and the floor did not move
+        assert status(leader) == 200  # so the leader is still served
+    finally:
+        s.stop()

@@ -53,8 +53,10 @@ class Etcd:
         self._session: aiohttp.ClientSession | None = None
 
     async def close(self) -> None:
+        """Closes its connections; a later call opens new ones."""
         if self._session is not None:
-            await self._session.close()
+            session, self._session = self._session, None
+            await session.close()
 
     async def _call(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         if self._session is None:

@@ -117,7 +117,8 @@ class Engine:
             Fence(
                 self.metrics.fencing_token.set,
                 config.fence_state,
-                wait_for_etcd=config.fence_etcd is not None,
+                Etcd([config.fence_etcd]) if config.fence_etcd else None,
+                config.fence_key,
             )
             if config.fence
             else None
@@ -181,10 +182,7 @@ class Engine:
             lambda: silent.close_silent_forever(c.header_timeout_s, m.silent_closed.inc),
         )
         if self.fence is not None and c.fence_etcd is not None:
-            fence, etcd = self.fence, Etcd([c.fence_etcd])
-            self.background.start(
-                "fence_follower", lambda: fence.follow_etcd_forever(etcd, c.fence_key)
-            )
+            self.background.start("fence_follower", self.fence.follow_etcd_forever)
 
     async def _shutdown(self) -> None:
         await self.background.stop()
@@ -251,6 +249,12 @@ class Engine:
             self.metrics.requests.labels(route, str(e.status)).inc()
             raise
         if token is not None and self.fence is not None:
+            try:
+                await self.fence.confirm(token)
+            except ApiError as e:
+                self.metrics.fenced.inc()
+                self.metrics.requests.labels(route, str(e.status)).inc()
+                raise
             self.fence.raise_to(token)  # only a request the engine accepts moves the floor
         task = asyncio.current_task()
         assert task is not None

@@ -68,7 +68,8 @@ class Fence:
         self,
         on_token: Callable[[int], None] | None = None,
         state: str | None = None,
-        wait_for_etcd: bool = False,
+        etcd: Etcd | None = None,
+        key: str = "",
     ) -> None:
         self.on_token = on_token or (lambda _: None)
         self.state = Path(state) if state else None
@@ -78,8 +79,10 @@ class Fence:
         # With --fence-etcd, the floor is unknown until etcd has been read once: fenced
         # work waits (503) rather than be judged against a floor a restart forgot.
         self.unsure: str | None = (
-            "the leader's token has not been read from etcd yet" if (wait_for_etcd) else None
+            "the leader's token has not been read from etcd yet" if etcd is not None else None
         )
+        self._etcd = etcd
+        self._key = key.encode()
 
     def check(self, scope: Scope) -> int:
         """The request's token, refused (409 `fenced`) when it is missing, not a token, or
@@ -106,6 +109,27 @@ class Fence:
             )
         return token
 
+    async def confirm(self, token: int) -> None:
+        """With --fence-etcd, a token above the floor counts only once etcd says it is the
+        leader key's (a newer election than the follower has seen): a token nobody was
+        issued is refused and raises nothing. Then `raise_to`."""
+        if self._etcd is None or token <= self.highest:
+            return
+        try:
+            kv = await self._etcd.get(self._key)
+        except EtcdError as e:
+            raise ApiError(
+                503,
+                f"fencing token {token} could not be checked against etcd: {e}",
+                type="server_error",
+                code="fence_unknown",
+                headers={"retry-after": "1"},
+            ) from None
+        current = kv.create_revision if kv is not None else 0
+        self.raise_to(current)
+        if token != current:
+            raise _fenced(f"fencing token {token} is not the leader's in etcd ({current})")
+
     def raise_to(self, token: int) -> None:
         if token > self.highest:
             log.info("fence: accepting fencing token %d and above (was %d)", token, self.highest)
@@ -114,12 +138,15 @@ class Fence:
             self.highest = token
             self.on_token(token)
 
-    async def follow_etcd_forever(self, etcd: Etcd, key: str, interval_s: float = 0.5) -> None:
+    async def follow_etcd_forever(self, interval_s: float = 0.5) -> None:
         """The current leader key's token from etcd, as the floor."""
+        etcd = self._etcd
+        if etcd is None:
+            return
         try:
             while True:
                 try:
-                    kv = await etcd.get(key.encode())
+                    kv = await etcd.get(self._key)
                     if kv is not None:
                         self.raise_to(kv.create_revision)
                     self.unsure = None
