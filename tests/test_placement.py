@@ -274,3 +274,14 @@ def test_the_step_without_prefill_is_learned_from_streams_that_had_steps_of_thei
     ledger.ended(busy, output_tokens=11, decode_s=2.2)
     assert ledger.tau0_s == pytest.approx(0.02)
     assert len(ledger) == 0 and ledger.headroom_s() is None
+
+
+def test_the_ledger_stays_the_size_of_the_streams_in_it() -> None:
+    ledger = Streams()
+    stuck = ledger.placed(0.0, 0.5)  # the tightest allowance, and it never ends
+    for _ in range(10_000):
+        entry = ledger.placed(0.0, 10.0)
+        assert entry is not None
+        ledger.ended(entry, 0, 0.0)
+    assert stuck is not None and len(ledger) == 1
+    assert len(ledger._heap) <= 4 * len(ledger) + 65

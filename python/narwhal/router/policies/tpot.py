@@ -71,6 +71,11 @@ class Streams:
     def ended(self, entry: int, output_tokens: int, decode_s: float) -> None:
         """The stream left; what it measured teaches `tau0`."""
         joined = self._live.pop(entry, None)
+        if len(self._heap) > 4 * len(self._live) + 64:
+            # Ended entries leave the heap when they reach its top; one long-lived stream
+            # at the top would let the rest pile up behind it.
+            self._heap = [x for x in self._heap if x[1] in self._live]
+            heapq.heapify(self._heap)
         if joined is None or output_tokens < 2 or decode_s <= 0:
             return
         charge = self.charged_s - joined
