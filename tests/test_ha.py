@@ -3,6 +3,7 @@ LexiEngine checks; maintenance waves; the admin API. Real processes throughout."
 
 from __future__ import annotations
 
+import base64
 import os
 import signal
 import threading
@@ -81,6 +82,26 @@ def token(r: Server) -> int:
     t = ready(r).json()["leadership"]["fencing_token"]
     assert isinstance(t, int)
     return t
+
+
+def elect(etcd: EtcdServer, key: str) -> int:
+    """A leader key as a router would create it (anew); its creation revision is the token."""
+    k = base64.b64encode(key.encode()).decode()
+    httpx.post(etcd.url + "/v3/kv/deleterange", json={"key": k})
+    httpx.post(etcd.url + "/v3/kv/put", json={"key": k, "value": "cjE="})
+    kv = httpx.post(etcd.url + "/v3/kv/range", json={"key": k}).json()["kvs"][0]
+    return int(kv["create_revision"])
+
+
+def fenced(engine: Server, token: int | bytes, body: object = None) -> httpx.Response:
+    """A one-token completion carrying `token` as `x-narwhal-fence` (bytes as they are)."""
+    raw = token if isinstance(token, bytes) else str(token).encode()
+    return httpx.post(
+        engine.url + "/v1/completions",
+        json=body if body is not None else {"prompt": "Hi", "max_tokens": 1},
+        headers={"x-narwhal-fence": raw},
+        timeout=30,
+    )
 
 
 def engine_token(engine: Server) -> float:
@@ -266,8 +287,6 @@ def test_a_new_leader_admits_with_the_profiles_the_last_one_learned(
         return ready(r).json()["engines"][0]["profile"]["prefill_tokens_per_s"]
 
     def stored() -> Any:
-        import base64
-
         import orjson
 
         k = base64.b64encode(key.replace("/leader", "/profiles").encode()).decode()
@@ -338,35 +357,15 @@ def test_a_router_without_ha_before_a_fencing_engine_is_told_not_latched(
 def test_fence_etcd_refuses_a_deposed_token_before_the_new_leader_sends_anything(
     etcd: EtcdServer, model_path: str
 ) -> None:
-    import base64
-
     key = f"/t{next(_keys)}/leader"
-    k = base64.b64encode(key.encode()).decode()
-
-    def elect() -> int:
-        """A leader key as a router would create it; its creation revision is the token."""
-        httpx.post(etcd.url + "/v3/kv/deleterange", json={"key": k})
-        httpx.post(etcd.url + "/v3/kv/put", json={"key": k, "value": "cjE="})
-        kv = httpx.post(etcd.url + "/v3/kv/range", json={"key": k}).json()["kvs"][0]
-        return int(kv["create_revision"])
-
-    first = elect()
+    first = elect(etcd, key)
     s = start_engine(model_path, "--fence", "--fence-etcd", etcd.url, "--fence-key", key)
-
-    def status(token: int) -> int:
-        return httpx.post(
-            s.url + "/v1/completions",
-            json={"prompt": "Hi", "max_tokens": 1},
-            headers={"x-narwhal-fence": str(token)},
-            timeout=30,
-        ).status_code
-
     try:
         wait_until(lambda: engine_token(s) == first, within=5)  # read from etcd, not sent
-        assert status(first) == 200
-        second = elect()
+        assert fenced(s, first).status_code == 200
+        second = elect(etcd, key)
         wait_until(lambda: engine_token(s) == second, within=5)
-        assert status(first) == 409  # nobody holding `second` has sent it anything
+        assert fenced(s, first).status_code == 409  # nobody holding `second` sent anything
     finally:
         s.stop()
 
@@ -375,27 +374,17 @@ def test_only_a_well_formed_token_on_an_accepted_request_moves_the_engine_s_floo
     model_path: str,
 ) -> None:
     s = start_engine(model_path, "--fence")
-
-    def post(token: bytes, body: object) -> httpx.Response:
-        return httpx.post(
-            s.url + "/v1/completions",
-            json=body,
-            headers={"x-narwhal-fence": token},
-            timeout=30,
-        )
-
-    ok = {"prompt": "Hi", "max_tokens": 1}
     try:
         # Not tokens: a digit int() refuses (a 500 before), 0, beyond int64, not digits.
         for bad in (b"\xb2", b"0", str(2**63).encode(), b"12a", b"+7"):
-            r = post(bad, ok)
+            r = fenced(s, bad)
             assert r.status_code == 409 and r.json()["error"]["code"] == "fenced", bad
         # A token far ahead on a body the engine refuses leaves the floor where it was...
-        assert post(str(2**63 - 1).encode(), {"prompt": 7}).status_code == 400
+        assert fenced(s, 2**63 - 1, {"prompt": 7}).status_code == 400
         assert engine_token(s) == 0
-        assert post(b"5", ok).status_code == 200  # ... so the leader is not fenced out
+        assert fenced(s, 5).status_code == 200  # ... so the leader is not fenced out
         assert engine_token(s) == 5
-        assert post(b"4", ok).status_code == 409
+        assert fenced(s, 4).status_code == 409
     finally:
         s.stop()
 
@@ -404,27 +393,17 @@ def test_an_engine_restarted_with_fence_state_remembers_its_floor(
     model_path: str, tmp_path: Path
 ) -> None:
     state = tmp_path / "fence"
-    ok = {"prompt": "Hi", "max_tokens": 1}
-
-    def post(s: Server, token: int) -> int:
-        return httpx.post(
-            s.url + "/v1/completions",
-            json=ok,
-            headers={"x-narwhal-fence": str(token)},
-            timeout=30,
-        ).status_code
-
     s = start_engine(model_path, "--fence", "--fence-state", str(state))
     try:
-        assert post(s, 7) == 200  # the new leader's token
+        assert fenced(s, 7).status_code == 200  # the new leader's token
     finally:
         s.stop()
     # Restarted after a failover: the old leader's token is still refused.
     s = start_engine(model_path, "--fence", "--fence-state", str(state))
     try:
         assert engine_token(s) == 7
-        assert post(s, 5) == 409
-        assert post(s, 7) == 200
+        assert fenced(s, 5).status_code == 409
+        assert fenced(s, 7).status_code == 200
     finally:
         s.stop()
 
@@ -433,12 +412,7 @@ def test_with_fence_etcd_nothing_is_served_until_the_token_was_read(model_path: 
     # etcd unreachable: the engine cannot know the floor, so it serves no fenced work.
     s = start_engine(model_path, "--fence", "--fence-etcd", "http://127.0.0.1:9")
     try:
-        r = httpx.post(
-            s.url + "/v1/completions",
-            json={"prompt": "Hi", "max_tokens": 1},
-            headers={"x-narwhal-fence": "3"},
-            timeout=30,
-        )
+        r = fenced(s, 3)
         assert r.status_code == 503 and r.headers["retry-after"] == "1"
         assert r.json()["error"]["code"] == "fence_unknown"
         assert "etcd" in httpx.get(s.url + "/health").json()["fence"]
@@ -447,28 +421,13 @@ def test_with_fence_etcd_nothing_is_served_until_the_token_was_read(model_path: 
 
 
 def test_fence_etcd_takes_no_token_etcd_did_not_issue(etcd: EtcdServer, model_path: str) -> None:
-    import base64
-
     key = f"/t{next(_keys)}/leader"
-    k = base64.b64encode(key.encode()).decode()
-    httpx.post(etcd.url + "/v3/kv/put", json={"key": k, "value": "cjE="})
-    leader = int(
-        httpx.post(etcd.url + "/v3/kv/range", json={"key": k}).json()["kvs"][0]["create_revision"]
-    )
+    leader = elect(etcd, key)
     s = start_engine(model_path, "--fence", "--fence-etcd", etcd.url, "--fence-key", key)
-
-    def status(token: int) -> int:
-        return httpx.post(
-            s.url + "/v1/completions",
-            json={"prompt": "Hi", "max_tokens": 1},
-            headers={"x-narwhal-fence": str(token)},
-            timeout=30,
-        ).status_code
-
     try:
         wait_until(lambda: engine_token(s) == leader, within=5)
-        assert status(leader + 1000) == 409  # ahead of every election etcd has held
+        assert fenced(s, leader + 1000).status_code == 409  # ahead of every election held
         assert engine_token(s) == leader  # and the floor did not move
-        assert status(leader) == 200  # so the leader is still served
+        assert fenced(s, leader).status_code == 200  # so the leader is still served
     finally:
         s.stop()

@@ -197,9 +197,21 @@ class Engine:
             return None
         try:
             return self.fence.check(scope)
-        except ApiError:
-            self.metrics.fenced.inc()
+        except ApiError as e:
+            self._count_fenced(e)
             raise
+
+    async def _take_fence(self, token: int) -> None:
+        assert self.fence is not None
+        try:
+            await self.fence.take(token)
+        except ApiError as e:
+            self._count_fenced(e)
+            raise
+
+    def _count_fenced(self, e: ApiError) -> None:
+        if e.status == 409:  # a 503 fence_unknown is not a refused token
+            self.metrics.fenced.inc()
 
     def _models(self) -> dict[str, Any]:
         created = int(os.path.getmtime(self.config.model))
@@ -245,17 +257,11 @@ class Engine:
             # Rendering the template and tokenizing run off the event loop: a template can
             # be slow (bounded in engine.template), and /health must not wait for it.
             job = await asyncio.to_thread(ROUTES[path], body, self.config, self.model)
+            if token is not None:
+                await self._take_fence(token)  # only a request it accepts moves the floor
         except ApiError as e:
             self.metrics.requests.labels(route, str(e.status)).inc()
             raise
-        if token is not None and self.fence is not None:
-            try:
-                await self.fence.confirm(token)
-            except ApiError as e:
-                self.metrics.fenced.inc()
-                self.metrics.requests.labels(route, str(e.status)).inc()
-                raise
-            self.fence.raise_to(token)  # only a request the engine accepts moves the floor
         task = asyncio.current_task()
         assert task is not None
         watcher = asyncio.create_task(asgi.watch_disconnect(receive, task))

@@ -63,6 +63,13 @@ def _fenced(message: str) -> ApiError:
     return ApiError(409, message, type="invalid_request_error", code="fenced")
 
 
+def _unknown(message: str) -> ApiError:
+    """The engine cannot judge the token now (etcd not read): retry, not a refusal."""
+    return ApiError(
+        503, message, type="server_error", code="fence_unknown", headers={"retry-after": "1"}
+    )
+
+
 class Fence:
     def __init__(
         self,
@@ -89,13 +96,7 @@ class Fence:
         older than the highest accepted. It does not raise the floor: `raise_to` does, once
         the request is otherwise accepted (a garbage body must not fence the leader)."""
         if self.unsure is not None:
-            raise ApiError(
-                503,
-                f"this engine cannot judge fencing tokens yet: {self.unsure}",
-                type="server_error",
-                code="fence_unknown",
-                headers={"retry-after": "1"},
-            )
+            raise _unknown(f"this engine cannot judge fencing tokens yet: {self.unsure}")
         raw = asgi.header(scope, b"x-narwhal-fence")
         token = parse(raw)
         if token is None:
@@ -109,26 +110,22 @@ class Fence:
             )
         return token
 
-    async def confirm(self, token: int) -> None:
-        """With --fence-etcd, a token above the floor counts only once etcd says it is the
-        leader key's (a newer election than the follower has seen): a token nobody was
-        issued is refused and raises nothing. Then `raise_to`."""
-        if self._etcd is None or token <= self.highest:
-            return
-        try:
-            kv = await self._etcd.get(self._key)
-        except EtcdError as e:
-            raise ApiError(
-                503,
-                f"fencing token {token} could not be checked against etcd: {e}",
-                type="server_error",
-                code="fence_unknown",
-                headers={"retry-after": "1"},
-            ) from None
-        current = kv.create_revision if kv is not None else 0
-        self.raise_to(current)
-        if token != current:
-            raise _fenced(f"fencing token {token} is not the leader's in etcd ({current})")
+    async def take(self, token: int) -> None:
+        """The floor rises to `token`, for a request the engine has accepted. With
+        --fence-etcd, a token above the floor counts only once etcd says it is the leader
+        key's (a newer election than the follower has seen): a token nobody was issued is
+        refused and raises nothing."""
+        if self._etcd is not None and token > self.highest:
+            try:
+                kv = await self._etcd.get(self._key)
+            except EtcdError as e:
+                why = f"fencing token {token} could not be checked against etcd: {e}"
+                raise _unknown(why) from None
+            current = kv.create_revision if kv is not None else 0
+            self.raise_to(current)
+            if token != current:
+                raise _fenced(f"fencing token {token} is not the leader's in etcd ({current})")
+        self.raise_to(token)
 
     def raise_to(self, token: int) -> None:
         if token > self.highest:

@@ -171,9 +171,10 @@ class Lease:
             hook(self, kind, against_engine)
 
     def release(self) -> None:
-        if self.phase in (Phase.PREFILL, Phase.DECODE):
+        placed = self.phase in (Phase.PREFILL, Phase.DECODE)
+        if placed:
             self._seats.release(self)
-            self.phase = Phase.DONE
+        self.phase = Phase.DONE
+        if placed:
             for hook in self._events.released:
                 hook(self)
-        self.phase = Phase.DONE
