@@ -233,6 +233,8 @@ engines:
         (desc,) = httpx.get(r.url + "/ready").json()["engines"]
         assert desc["process"]["last_exit"].startswith("was killed by SIGSEGV")
         assert desc["process"]["restarts"] == 1
+        # out of placement from the moment the process ended, not from the next probe
+        assert desc["healthy"] is False and "killed by SIGSEGV" in desc["reason"]
         while httpx.get(r.url + "/ready").status_code != 200:  # restarted, serving again
             assert time.monotonic() < end, "the engine did not come back"
             time.sleep(0.2)

@@ -55,8 +55,7 @@ class Router:
         engines = []
         for spec in config.engines:
             if spec.launch is not None:
-                restarts = self.metrics.engine_restarts.labels(spec.name)
-                me = ManagedEngine(spec, config.model, on_exit=_counting(restarts), on_fatal=_fatal)
+                me = ManagedEngine(spec, config.model, on_fatal=_fatal)
                 self.managed.append(me)
                 engines.append(Engine(spec, me.url, managed=me))
             else:
@@ -66,6 +65,10 @@ class Router:
         self.pool = Pool(
             engines, config.prefill_concurrency, config.decode_concurrency, config.eject_after
         )
+        for e in engines:
+            if e.managed is not None:
+                restarts = self.metrics.engine_restarts.labels(e.name)
+                e.managed.on_exit = _exited(self.pool, e, restarts)
         # What happens to each lease reaches these three, subscribed here once.
         events = Events()
         self.admission = Admission(
@@ -600,11 +603,15 @@ def _on_stop_signal(callback: Callable[[], object]) -> None:
         asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, callback)
 
 
-def _counting(counter: Any) -> Callable[[str], None]:
-    def count(_: str) -> None:
-        counter.inc()
+def _exited(pool: Pool, engine: Engine, restarts: Any) -> Callable[[str], None]:
+    """A managed engine's process ended: counted, and out of placement at once rather than
+    at the next health probe (until then /ready would call a dead engine ready)."""
 
-    return count
+    def exited(_: str) -> None:
+        restarts.inc()
+        pool.process_exited(engine)
+
+    return exited
 
 
 def _fatal(report: str) -> None:

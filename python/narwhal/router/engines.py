@@ -135,6 +135,14 @@ class Pool:
             log.info("engine %s is %s (%s)", e.name, "healthy" if ok else "unhealthy", e.reason)
             self.notify()
 
+    def process_exited(self, e: Engine) -> None:
+        """The engine's process is gone; a probe brings it back once the restart answers."""
+        e.reason = "restarting"  # describe() adds how the process ended
+        if e.healthy:
+            log.info("engine %s is unhealthy (%s)", e.name, e.reason)
+            e.healthy = False
+            self.notify()
+
     def watch(self, events: Events) -> None:
         """Health from what requests see: a full answer ends a fault streak, a fault held
         against the engine adds to it."""

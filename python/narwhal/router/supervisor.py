@@ -67,7 +67,6 @@ class ManagedEngine:
         self,
         spec: EngineSpec,
         model_name: str,
-        on_exit: Callable[[str], None] | None = None,
         on_fatal: Callable[[str], None] | None = None,
     ) -> None:
         assert spec.launch is not None
@@ -79,7 +78,7 @@ class ManagedEngine:
         self.restarts = 0
         self.last_exit: str | None = None  # "was killed by SIGSEGV", for /ready
         self.ever_healthy = False
-        self._on_exit = on_exit  # the exit's description, once per unexpected exit
+        self.on_exit: Callable[[str], None] | None = None  # once per unexpected exit
         self._on_fatal = on_fatal  # the report of a launch that can never work
         self._tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
         self._stopping = False
@@ -153,8 +152,8 @@ class ManagedEngine:
             if healthy_at is not None and time.monotonic() - healthy_at >= STABLE_S:
                 backoff = BACKOFF_FIRST_S
             self.restarts += 1
-            if self._on_exit is not None:
-                self._on_exit(what)
+            if self.on_exit is not None:
+                self.on_exit(what)
             log.error(
                 "engine %s %s%s; restarting in %.1fs (restart %d)",
                 self.spec.name,
