@@ -73,7 +73,12 @@ class Fleet:
     def judge(self, req: intake.Intake) -> Plan:
         return self.policy.judge(req, self.engines, BUDGET)
 
-    def serve(self, req: intake.Intake, cached_tokens: int | None = None) -> str:
+    def serve(
+        self,
+        req: intake.Intake,
+        cached_tokens: int | None = None,
+        prompt_tokens: int | None = None,
+    ) -> str:
         """Judge, place and finish one request as the app does; the engine it went to."""
         plan = self.judge(req)
 
@@ -85,6 +90,7 @@ class Fleet:
                 lease.plan = plan
                 self.policy.placed(lease)
                 lease.cached_tokens = cached_tokens
+                lease.prompt_tokens = prompt_tokens
                 lease.finished(0)
                 return lease.on.name
 
@@ -169,6 +175,27 @@ def test_a_full_report_keeps_the_picture() -> None:
     expected = f.judge(request(system + " q2")).expected[home].tokens
     f.serve(request(system + " q2"), cached_tokens=expected)
     assert f.judge(request(system + " q3")).expected[home].tokens >= 0.9 * expected
+
+
+def test_a_cached_history_leaves_its_new_turn_to_prefill_when_sizing_runs_low() -> None:
+    f = Fleet()
+    history = words("h", 2000)
+    home = f.serve(request(history))
+    # The engine counts a fifth more tokens than the router sizes (its words are shorter
+    # than the router's learned bytes per token says), and reports its cache in that count.
+    for k in range(8):
+        history += " " + words(f"t{k}", 100)
+        plan = f.judge(request(history))
+        held = plan.expected[home]
+        f.serve(
+            request(history), cached_tokens=held.tokens * 6 // 5, prompt_tokens=held.sized * 6 // 5
+        )
+    new = " " + words("new", 300)
+    turn = f.judge(request(history + new))
+    # The sizing's error is not the cache's: the new turn is still to prefill.
+    assert turn.prefer is not None and turn.prefer.name == home
+    tail = f.predictor.size(len(new), turn.prefer)
+    assert tail <= turn.tokens < 2 * tail
 
 
 def test_a_conversation_stays_on_its_engine_while_it_fits() -> None:
@@ -273,7 +300,24 @@ def test_the_step_without_prefill_is_learned_from_streams_that_had_steps_of_thei
     ledger.placed(2.0, None)  # 2 s of prefill placed after it: its steps were not its own
     ledger.ended(busy, output_tokens=11, decode_s=2.2)
     assert ledger.tau0_s == pytest.approx(0.02)
-    assert len(ledger) == 0 and ledger.headroom_s() is None
+    assert len(ledger) == 0 and ledger.headroom_s(now=0.0) is None
+
+
+def test_a_stream_that_outlives_its_expected_length_no_longer_holds_its_engine_to_it() -> None:
+    ledger = Streams()
+    # Expected to answer in a few tokens: 0.1 s of prefill beside it would break its target.
+    short = ledger.placed(0.0, 0.1, slope=0.5)
+    assert short is not None
+    assert not ledger.fits(1.0, now=100.0)
+    ledger.decoding(short, since=100.0)
+    # Within target, a stream decoding for d seconds has made d / target tokens at least:
+    # its allowance is half of d here (tau0 is half the target).
+    assert not ledger.fits(1.0, now=101.0)
+    assert ledger.fits(1.0, now=103.0)
+    ledger.placed(1.0, None)  # spent: 0.5 s of it left at 103 s
+    assert ledger.headroom_s(now=103.0) == pytest.approx(0.5, abs=0.011)
+    assert not ledger.fits(1.0, now=103.0)
+    assert ledger.fits(1.0, now=105.0)
 
 
 def test_the_ledger_stays_the_size_of_the_streams_in_it() -> None:

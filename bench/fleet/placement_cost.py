@@ -46,10 +46,12 @@ def judge_us(
         p.prefill_tps, p.bytes_per_token = 10_000.0, 4.0
     cache = PrefixCache(pool, 400_000, 512) if cache_on else None
     policy = PredictivePolicy(predictor, pool, cache, 0.1 if tpot else None)
-    if tpot:  # 32 streams on every engine, each with an allowance in the ledger
+    if tpot:  # 32 streams on every engine, each with an allowance in the ledger, decoding
         for streams in policy.streams.values():
             for k in range(32):
-                streams.placed(0.01, 2.0 + k / 10)
+                entry = streams.placed(0.01, 2.0 + k / 10, slope=0.8)
+                assert entry is not None
+                streams.decoding(entry, time.monotonic())
     reqs = [_request(i, words) for i in range(64)]
     if cache is not None:  # every engine's picture full of other prompts, and this family
         for e in pool:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 
 from narwhal.router.engines import Engine
 from narwhal.router.intake import Intake
@@ -40,21 +41,21 @@ class PredictivePolicy:
         self._entries: dict[Lease, int] = {}  # placed streams in the ledger, until released
         self._ended: asyncio.Future[None] | None = None  # resolved when a stream ends
         self._engines = {e.name: e for e in engines}
+        self._pool = list(engines)  # in the picture's order
         self._profiles = [predictor.profiles[e.name] for e in engines]
 
     def judge(self, req: Intake, engines: list[Engine], budget_s: float) -> Plan:
         blocks = None
         expected: dict[str, Expectation] = {}
         if self.cache is not None:
-            blocks = self.cache.blocks(req.prefix_text())
+            text = req.prefix_text()
+            blocks = self.cache.blocks(text)
             if len(blocks):
                 bpt = [p.bytes_per_token for p in self._profiles]
+                sized = [self.predictor.size(req.prompt_bytes, e) for e in self._pool]
+                held = self.cache.expect(blocks, len(text), sized, bpt)
                 expected = {
-                    name: x
-                    for name, x in zip(
-                        self.cache.names, self.cache.expect(blocks, bpt), strict=True
-                    )
-                    if x.blocks
+                    name: x for name, x in zip(self.cache.names, held, strict=True) if x.blocks
                 }
         cached = {name: x.tokens for name, x in expected.items()}
         home = self.sessions.engine(req.session)
@@ -73,7 +74,7 @@ class PredictivePolicy:
     def _keeps_pace(self, p: Projection) -> bool:
         """Placing there leaves every stream on the engine within the TPOT target."""
         rate = self._rate(p.engine.name)
-        return rate is None or self.streams[p.engine.name].fits(p.tokens / rate)
+        return rate is None or self.streams[p.engine.name].fits(p.tokens / rate, time.monotonic())
 
     def _stall(self, p: Projection) -> float:
         """Stream-seconds of decode this prompt's prefill holds up on its engine: each
@@ -111,15 +112,24 @@ class PredictivePolicy:
             typical = max(2, round(prof.output_tokens))
             n = typical if n is None else min(n, typical)
         allowance = None
+        slope = 0.0
         if tau0 is not None and n is not None and n > 1:
             allowance = max(0.0, self.tpot_target_s - tau0) * (n - 1)
-        entry = ledger.placed(lease.tokens / rate, allowance)
+            slope = max(0.0, 1.0 - tau0 / self.tpot_target_s)
+        entry = ledger.placed(lease.tokens / rate, allowance, slope)
         if entry is not None:
             self._entries[lease] = entry
 
     def watch(self, events: Events) -> None:
         self.predictor.watch(events)
-        events.subscribe(finished=self._finished, released=self._released)
+        events.subscribe(
+            first_output=self._decoding, finished=self._finished, released=self._released
+        )
+
+    def _decoding(self, lease: Lease) -> None:
+        entry = self._entries.get(lease)
+        if entry is not None:
+            self.streams[lease.on.name].decoding(entry, lease.first_at)
 
     def _finished(self, lease: Lease) -> None:
         if self.cache is not None:
@@ -152,4 +162,4 @@ class PredictivePolicy:
         name = lease.on.name
         exp = plan.expected.get(name)
         if exp is not None:
-            self.cache.reported(name, plan.blocks, exp, lease.cached_tokens)
+            self.cache.reported(name, plan.blocks, exp, lease.cached_tokens, lease.prompt_tokens)

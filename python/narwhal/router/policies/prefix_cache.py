@@ -7,12 +7,17 @@ dialect and without a tokenizer. Per engine a bounded LRU (`narwhal._native.Pref
 keeps the blocks placed there; the leading run of a new prompt's blocks an engine holds is
 the text it is expected to have cached.
 
-Text blocks become tokens through the engine's learned bytes per token. Engines cache in
-blocks of their own (vLLM 16 tokens, SGLang 1, the bench's simulator 512), evict what they
-must, and count the last token as computed: how much of the expected text they really
-serve is learned per engine from the `cached_tokens` they report (`realised`, an EWMA of
-reported / expected), and a report of fewer cached tokens than expected drops the rest of
-that prompt's blocks from the picture. The LRU holds `tokens_per_engine` worth of text
+Text blocks become tokens as a share of the prompt: the held run's share of the prompt's text
+applied to the prompt's sized tokens. Sizing by bytes per token is off by 10-20 % from one
+prompt to the next (words differ); the share is exact, so what is left to prefill keeps the
+sizing's relative error and never collapses to nothing when a long history is cached and
+its sizing runs low. Engines cache in blocks of their own (vLLM 16 tokens, SGLang 1, the
+bench's simulator 512), evict what they must, and count the last token as computed: how
+much of the expected share they really serve is learned per engine from the `cached_tokens`
+they report against the prompt tokens they count (`realised`, an EWMA, at most 1: an
+engine holding more than the picture knows is not a reason to expect more of the next
+prompt), and a report of far fewer cached tokens than expected drops the rest of that
+prompt's blocks from the picture. The LRU holds `tokens_per_engine` worth of text
 blocks (resized as bytes per token is learned): what a KV pool of that many tokens keeps.
 """
 
@@ -34,6 +39,8 @@ class Expectation:
 
     blocks: int  # leading text blocks it holds
     tokens: int  # those in tokens, as it is expected to count them
+    share: float = 0.0  # of the prompt's text, what those blocks hold
+    sized: int = 0  # the prompt's tokens as sized for that engine
 
 
 _NOTHING = Expectation(0, 0)
@@ -58,17 +65,24 @@ class PrefixCache:
         return PromptBlocks(text, self.block_bytes, self._seed)
 
     def expect(
-        self, blocks: PromptBlocks, bytes_per_token: list[float | None]
+        self,
+        blocks: PromptBlocks,
+        text_bytes: int,
+        sized: list[int],
+        bytes_per_token: list[float | None],
     ) -> list[Expectation]:
-        """Per engine (in the pool's order), what it is expected to have cached; the learned
+        """Per engine (in the pool's order), what it is expected to have cached of a prompt
+        of `text_bytes` bytes of text, sized `sized` tokens for each engine; the learned
         bytes per token come in that order too (None: not learned yet)."""
         out = []
         for i, n in enumerate(self.map.matched(blocks)):
             if not n:
                 out.append(_NOTHING)
                 continue
-            bpt = self._bytes_per_token(i, bytes_per_token[i])
-            out.append(Expectation(n, int(n * self.block_bytes / bpt * self.realised[i])))
+            self._bytes_per_token(i, bytes_per_token[i])
+            share = min(1.0, n * self.block_bytes / max(1, text_bytes))
+            tokens = int(sized[i] * share * self.realised[i])
+            out.append(Expectation(n, tokens, share, sized[i]))
         return out
 
     def _bytes_per_token(self, i: int, learned: float | None) -> float:
@@ -83,18 +97,24 @@ class PrefixCache:
         self.map.record(self.index[engine], blocks)
 
     def reported(
-        self, engine: str, blocks: PromptBlocks, expected: Expectation, cached_tokens: int
+        self,
+        engine: str,
+        blocks: PromptBlocks,
+        expected: Expectation,
+        cached_tokens: int,
+        prompt_tokens: int | None,
     ) -> None:
-        """The engine said it served `cached_tokens` of the prompt from its cache."""
+        """The engine said it served `cached_tokens` of the `prompt_tokens` it counted
+        (None: it did not say) from its cache."""
         i = self.index[engine]
-        if expected.blocks:
-            raw = expected.tokens / self.realised[i]
-            if raw > 0:
-                sample = min(1.5, cached_tokens / raw)
-                self.realised[i] = min(
-                    1.2, max(0.05, (1 - ALPHA) * self.realised[i] + ALPHA * sample)
-                )
+        # Against the engine's own count of the prompt, so that the sizing's error is not
+        # learned as the cache's.
+        held = (prompt_tokens or expected.sized) * expected.share
+        if held <= 0:
+            return
+        ratio = cached_tokens / held
+        self.realised[i] = min(1.0, max(0.05, (1 - ALPHA) * self.realised[i] + ALPHA * ratio))
         if cached_tokens < 0.5 * expected.tokens:
             # It no longer holds what the picture says: keep only what it reported.
-            keep = int(cached_tokens * self._bpt[i] / self.block_bytes)
+            keep = int(expected.blocks * min(1.0, ratio))
             self.map.forget_after(i, blocks, keep)

@@ -16,6 +16,12 @@ among the streams there: a short stream, nearly spent, is exactly the one a long
 breaks. Counting prefill placed after a stream as if it all ran during its decode is
 conservative: a stream that ends early leaves the ledger then.
 
+`n` is a guess, and a stream that outlives it must not hold its engine to the guess: once
+decoding, a stream within target has made at least one token every `target` seconds, so
+after `d` seconds its allowance is at least `(1 - tau0 / target) x d`, whatever `n` was.
+Allowances only grow, so the heap keeps a lower bound of each and the top is brought up to
+date when it is read.
+
 `tau0` is learned per engine from streams that shared few steps with prefill.
 """
 
@@ -28,6 +34,9 @@ ALPHA = 0.2
 # A stream whose ledger charge was under this share of its decode time had steps of its
 # own, mostly: its time per token says what a step without prefill costs.
 CLEAN_SHARE = 0.25
+# The top of the heap is brought up to date when its allowance has grown by more than this
+# (seconds of prefill); what is read may understate the headroom by as much, never overstate.
+REFRESH_S = 0.01
 
 
 class Streams:
@@ -43,42 +52,58 @@ class Streams:
         # (charge at which the stream's allowance is spent, its entry): the smallest first;
         # ended streams leave `_live` at once and the heap when they reach its top.
         self._heap: list[tuple[float, int]] = []
-        self._live: dict[int, float] = {}  # entry -> charge when it was placed
+        self._live: dict[int, _Stream] = {}
 
-    def headroom_s(self) -> float | None:
+    def headroom_s(self, now: float) -> float | None:
         """Prefill seconds the engine can take before some stream there misses its target;
         None with no stream to protect."""
-        heap = self._heap
-        while heap and heap[0][1] not in self._live:
-            heapq.heappop(heap)
-        return heap[0][0] - self.charged_s if heap else None
+        heap, live = self._heap, self._live
+        while heap:
+            spent_at, entry = heap[0]
+            stream = live.get(entry)
+            if stream is None:
+                heapq.heappop(heap)
+                continue
+            grown = stream.spent_at(now)
+            if grown <= spent_at + REFRESH_S:
+                return spent_at - self.charged_s
+            heapq.heapreplace(heap, (grown, entry))
+        return None
 
-    def fits(self, stall_s: float) -> bool:
-        room = self.headroom_s()
+    def fits(self, stall_s: float, now: float) -> bool:
+        room = self.headroom_s(now)
         return room is None or stall_s <= room
 
-    def placed(self, stall_s: float, allowance_s: float | None) -> int | None:
+    def placed(self, stall_s: float, allowance_s: float | None, slope: float = 0.0) -> int | None:
         """A prompt whose prefill takes `stall_s` was placed here; its stream, when it has
-        an allowance, joins the ledger after its own prefill. Returns its entry."""
+        an allowance, joins the ledger after its own prefill. `slope` is what a second of
+        its decoding adds to its allowance, `1 - tau0 / target`. Returns its entry."""
         self.charged_s += stall_s
         if allowance_s is None:
             return None
         entry = next(self._order)
-        self._live[entry] = self.charged_s
-        heapq.heappush(self._heap, (self.charged_s + allowance_s, entry))
+        stream = _Stream(self.charged_s, allowance_s, slope)
+        self._live[entry] = stream
+        heapq.heappush(self._heap, (stream.spent_at(0.0), entry))
         return entry
+
+    def decoding(self, entry: int, since: float) -> None:
+        """The stream's first token arrived at `since`: its allowance grows from then."""
+        stream = self._live.get(entry)
+        if stream is not None:
+            stream.since = since
 
     def ended(self, entry: int, output_tokens: int, decode_s: float) -> None:
         """The stream left; what it measured teaches `tau0`."""
-        joined = self._live.pop(entry, None)
+        stream = self._live.pop(entry, None)
         if len(self._heap) > 4 * len(self._live) + 64:
             # Ended entries leave the heap when they reach its top; one long-lived stream
             # at the top would let the rest pile up behind it.
             self._heap = [x for x in self._heap if x[1] in self._live]
             heapq.heapify(self._heap)
-        if joined is None or output_tokens < 2 or decode_s <= 0:
+        if stream is None or output_tokens < 2 or decode_s <= 0:
             return
-        charge = self.charged_s - joined
+        charge = self.charged_s - stream.joined
         if charge > CLEAN_SHARE * decode_s:
             return
         sample = (decode_s - charge) / (output_tokens - 1)
@@ -86,3 +111,18 @@ class Streams:
 
     def __len__(self) -> int:
         return len(self._live)
+
+
+class _Stream:
+    __slots__ = ("allowance", "joined", "since", "slope")
+
+    def __init__(self, joined: float, allowance: float, slope: float) -> None:
+        self.joined = joined  # the engine's charge when the stream joined
+        self.allowance = allowance  # from the length it was expected to run to
+        self.slope = slope
+        self.since: float | None = None  # when it started decoding
+
+    def spent_at(self, now: float) -> float:
+        """The engine's charge at which this stream's allowance is spent, as of `now`."""
+        grown = 0.0 if self.since is None else self.slope * (now - self.since)
+        return self.joined + max(self.allowance, grown)
