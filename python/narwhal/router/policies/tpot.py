@@ -19,6 +19,8 @@ conservative: a stream that ends early leaves the ledger then.
 `n` is a guess, and a stream that outlives it must not hold its engine to the guess: once
 decoding, a stream within target has made at least one token every `target` seconds, so
 after `d` seconds its allowance is at least `(1 - tau0 / target) x d`, whatever `n` was.
+(A stream already over its target has made fewer and is credited too much; its target is
+lost unless later steps run faster than the target, which a ledger cannot promise anyway.)
 Allowances only grow, so the heap keeps a lower bound of each and the top is brought up to
 date when it is read.
 
