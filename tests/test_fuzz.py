@@ -172,7 +172,7 @@ def _refusal_or_nothing(call: Any) -> None:
     body=st.one_of(CHAT_BODIES, COMPLETION_BODIES, RESPONSES_BODIES, JSON),
 )
 def test_router_intake_never_raises_anything_but_a_4xx(route: str, body: Any) -> None:
-    from narwhal.router import intake
+    from narwhal.router.pipeline import intake
 
     raw = json.dumps(body).encode()
     _refusal_or_nothing(lambda: intake.check(route, raw, "main"))
@@ -183,7 +183,7 @@ def test_router_intake_never_raises_anything_but_a_4xx(route: str, body: Any) ->
     raw=st.binary(max_size=200), route=st.sampled_from(["/v1/chat/completions", "/v1/responses"])
 )
 def test_router_intake_takes_any_bytes(raw: bytes, route: str) -> None:
-    from narwhal.router import intake
+    from narwhal.router.pipeline import intake
 
     _refusal_or_nothing(lambda: intake.check(route, raw, "main"))
 
@@ -203,10 +203,10 @@ def test_any_request_id_is_kept_or_replaced_by_a_safe_one(value: Any) -> None:
 @settings(max_examples=200, deadline=None)
 @given(value=st.one_of(st.text(max_size=500), st.from_regex(r"-?[0-9]{1,600}", fullmatch=True)))
 def test_millisecond_headers_are_a_number_or_a_400(value: str) -> None:
-    from narwhal.router.app import _ms_header
+    from narwhal.router.pipeline.read import ms_header
 
     scope = {"headers": [(b"x-narwhal-timeout-ms", value.encode("utf-8", "replace"))]}
-    _refusal_or_nothing(lambda: _ms_header(scope, b"x-narwhal-timeout-ms"))
+    _refusal_or_nothing(lambda: ms_header(scope, b"x-narwhal-timeout-ms"))
 
 
 @pytest.fixture(scope="module")

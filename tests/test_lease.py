@@ -10,11 +10,11 @@ from typing import Any
 import orjson
 import pytest
 
-from narwhal.router import intake
 from narwhal.router.admission import Admission, Expired
 from narwhal.router.config import EngineSpec
 from narwhal.router.engines import Engine, Pool
 from narwhal.router.lease import Events, Lease, Phase
+from narwhal.router.pipeline import intake
 
 REQ = intake.check(
     intake.CHAT, orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]}), "m"

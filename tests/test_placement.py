@@ -13,11 +13,11 @@ import orjson
 import pytest
 
 from narwhal.errors import ApiError
-from narwhal.router import intake
 from narwhal.router.admission import Admission
 from narwhal.router.config import EngineSpec
 from narwhal.router.engines import Engine, Pool
 from narwhal.router.lease import Events, Lease
+from narwhal.router.pipeline import intake
 from narwhal.router.policies import Plan
 from narwhal.router.policies.predictive import PredictivePolicy
 from narwhal.router.policies.prefix_cache import PrefixCache

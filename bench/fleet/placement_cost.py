@@ -22,9 +22,9 @@ import time
 import orjson
 
 from narwhal._native import PrefixMap, PromptBlocks
-from narwhal.router import intake
 from narwhal.router.config import EngineSpec
 from narwhal.router.engines import Engine
+from narwhal.router.pipeline import intake
 from narwhal.router.policies.predictive import PredictivePolicy
 from narwhal.router.policies.prefix_cache import PrefixCache
 from narwhal.router.predict import Predictor

@@ -14,7 +14,7 @@ from narwhal import asgi, bearer
 from narwhal.asgi import Receive, Scope, Send
 from narwhal.errors import ApiError, invalid
 from narwhal.etcd import EtcdError
-from narwhal.router.maintenance import Maintenance
+from narwhal.router.ha.maintenance import Maintenance
 
 ROUTES = frozenset({"/admin/maintenance"})
 

@@ -16,8 +16,8 @@ from collections.abc import AsyncIterator
 
 from narwhal.errors import ApiError
 from narwhal.router.engines import Engine, Pool
-from narwhal.router.intake import Intake
 from narwhal.router.lease import Events, Lease, Phase
+from narwhal.router.pipeline.intake import Intake
 
 
 def retry_after(

@@ -18,23 +18,27 @@ from narwhal import asgi, bearer, logs, silent
 from narwhal.asgi import Receive, Scope, Send
 from narwhal.background import Background
 from narwhal.errors import ApiError
-from narwhal.etcd import EtcdError
 from narwhal.router import admin as admin_api
-from narwhal.router import intake
-from narwhal.router.admission import Admission, Expired
+from narwhal.router.admission import Admission
 from narwhal.router.config import RouterConfig
 from narwhal.router.engines import Engine, Pool
-from narwhal.router.leadership import Leadership
-from narwhal.router.lease import Events, Lease
-from narwhal.router.maintenance import Maintenance
+from narwhal.router.ha.leadership import Leadership
+from narwhal.router.ha.maintenance import Maintenance
+from narwhal.router.ha.profiles import SharedProfiles
+from narwhal.router.lease import Events
 from narwhal.router.metrics import RouterMetrics
-from narwhal.router.policies import OPEN_PLAN, Plan, Policy
+from narwhal.router.pipeline import Ending, intake
+from narwhal.router.pipeline.gate import Gate
+from narwhal.router.pipeline.judge import Judge
+from narwhal.router.pipeline.place import Placer
+from narwhal.router.pipeline.read import read
+from narwhal.router.policies import Policy
 from narwhal.router.policies.open import OpenPolicy
 from narwhal.router.policies.predictive import PredictivePolicy
 from narwhal.router.policies.prefix_cache import PrefixCache
-from narwhal.router.predict import NoEngineKeepsPace, Predictor
+from narwhal.router.predict import Predictor
 from narwhal.router.profiling import Profiler
-from narwhal.router.relay import EngineBusy, EngineFailed, EngineFenced, Relayer
+from narwhal.router.relay import Relayer
 from narwhal.router.supervisor import ManagedEngine
 
 log = logging.getLogger("narwhal.router")
@@ -42,9 +46,6 @@ access_log = logging.getLogger("narwhal.access")
 
 COMPLETION_ROUTES = (intake.CHAT, intake.COMPLETION, intake.RESPONSES)
 GET_ROUTES = frozenset({"/health", "/ready", "/v1/models", "/engines", "/metrics"})
-# A request that would wait less than this for an engine to keep pace is refused at once.
-MIN_WAIT_S = 0.01
-TTFT_REFUSALS = frozenset({"ttft_budget_exceeded", "prompt_exceeds_ttft_budget"})
 
 
 class Router:
@@ -88,18 +89,32 @@ class Router:
             config.stream_idle_timeout_s, config.native_relay, lambda path: paths[path].inc()
         )
         ha = config.ha
-        shared = ha is not None and self.predictor is not None
-        self.leadership = Leadership(ha, on_lead=self._take_over_profiles if shared else None)
+        self.leadership = Leadership(ha)
         self.maintenance = Maintenance(
             self.pool, self.leadership.etcd, ha.sibling("maintenance") if ha else None
         )
+        self.profiles: SharedProfiles | None = None
+        if ha is not None and self.predictor is not None:
+            self.profiles = SharedProfiles(ha, self.leadership, self.predictor)
+            self.leadership.on_lead = self.profiles.take_over
+        self.gate = Gate(self.leadership, self.maintenance, self.pool, self.policy)
+        self.judge = Judge(self.policy, self.pool, self.metrics.paced_waits.inc)
         token = os.environ.get(config.admin_token_env, "") if config.admin_token_env else ""
         self.admin = admin_api.Admin(token, self.maintenance) if token else None
         self.client_keys = tuple(k.encode() for k in client_keys(config))
         from narwhal import __version__
 
         self.metrics.info.labels(config.model, __version__).set(1)
-        self._queue_time = self.metrics.queue_time.labels(config.model)
+        self.placer = Placer(
+            self.admission,
+            self.pool,
+            self.gate,
+            self.leadership,
+            self.policy,
+            self.relayer,
+            self.metrics,
+            self.metrics.queue_time.labels(config.model),
+        )
         self.background = Background(self.metrics.background_errors)
         self.session: aiohttp.ClientSession | None = None
 
@@ -117,8 +132,8 @@ class Router:
         bg.start("queue_drain", self.admission.drain_forever)
         bg.start("leadership", self.leadership.run_forever)
         bg.start("maintenance_follower", self.maintenance.follow_forever)
-        if c.ha is not None and self.predictor is not None:
-            bg.start("profile_sharing", self._share_profiles_forever)
+        if self.profiles is not None:
+            bg.start("profile_sharing", self.profiles.publish_forever)
         _on_stop_signal(lambda: asyncio.ensure_future(self.leadership.resign()))
         bg.start(
             "silent_reaper",
@@ -132,7 +147,7 @@ class Router:
                 self.predictor,
                 self.relayer,
                 c.probe_interval_s,
-                self._degraded,
+                self.gate.degraded,
                 self.leadership,
             )
             bg.start("profiling", profiler.run_forever)
@@ -223,7 +238,7 @@ class Router:
             "maintenance": sorted(self.maintenance.wave),
             "engines": engines,
         }
-        down = self._unavailable()
+        down = self.gate.unavailable()
         reason = down[1] if down else None
         if reason is None and not self.pool.eligible():
             reason = "no placement-eligible engine"
@@ -237,50 +252,6 @@ class Router:
         if failing:
             body["background_failing"] = failing
         await asgi.send_json(send, 200 if reason is None else 503, body)
-
-    def _unavailable(self) -> tuple[str, str] | None:
-        """Why this router takes no completion request now: (code, reason), or None. The
-        spec's last refusal row: standby, fenced, whole-wave maintenance, monitoring-degraded
-        are each a retryable 503."""
-        why = self.leadership.serving()
-        if why is not None:
-            return self.leadership.role.value, why
-        if self.maintenance.whole:
-            return "maintenance", "whole-wave maintenance: every engine is in the wave"
-        degraded = self._degraded()
-        if degraded is not None:
-            return "monitoring_degraded", "monitoring-degraded: " + degraded
-        return None
-
-    async def _share_profiles_forever(self, every_s: float = 2.0) -> None:
-        """The leader publishes what its predictor learned, so the next one admits as
-        sharply on its first request as this one does now."""
-        assert self.predictor is not None and self.config.ha is not None
-        etcd, key = self.leadership.etcd, self.config.ha.sibling("profiles").encode()
-        assert etcd is not None
-        while True:
-            await asyncio.sleep(every_s)
-            if self.leadership.serving() is None:
-                with contextlib.suppress(EtcdError):
-                    await etcd.put(key, self.predictor.export())
-
-    async def _take_over_profiles(self) -> None:
-        assert self.predictor is not None and self.config.ha is not None
-        etcd = self.leadership.etcd
-        assert etcd is not None
-        try:
-            kv = await etcd.get(self.config.ha.sibling("profiles").encode())
-        except EtcdError as e:
-            log.warning("the last leader's predictor profiles could not be read: %s", e)
-            return
-        if kv is not None:
-            n = self.predictor.load(kv.value)
-            log.info("took over the last leader's predictor profiles (%d engines)", n)
-
-    def _degraded(self) -> str | None:
-        if self.predictor is None or not self.pool.eligible():
-            return None
-        return self.predictor.degraded(self.pool.eligible())
 
     def _refresh_gauges(self) -> None:
         m = self.metrics
@@ -296,16 +267,7 @@ class Router:
                 m.prediction_drift.labels(e.name).set(prof.drift or 0.0)
                 m.sizing_error.labels(e.name).set(prof.sizing_error or 0.0)
 
-    # -- a completion request's way through --------------------------------------------
-    def _budget(self, scope: Scope) -> float:
-        ms = _ms_header(scope, b"x-narwhal-ttft-target-ms")
-        return self.config.ttft_budget_s if ms is None else ms / 1000
-
-    def _deadline(self, scope: Scope, arrived: float) -> float:
-        ms = _ms_header(scope, b"x-narwhal-timeout-ms")
-        timeout = self.config.request_timeout_s
-        return arrived + (timeout if ms is None else min(timeout, ms / 1000))
-
+    # -- a completion request's way through (pipeline/) ----------------------------------
     async def _completion(self, path: str, scope: Scope, receive: Receive, send: Send) -> None:
         m = self.metrics
         arrived = time.monotonic()
@@ -319,7 +281,10 @@ class Router:
                 end.outcome = "rejected"
                 raise
             try:
-                await self._intake_and_serve(path, scope, receive, send, arrived, end)
+                req, deadline, budget = await read(
+                    path, scope, receive, self.config, m, arrived, end
+                )
+                await self._serve(req, receive, send, arrived, deadline, budget, end)
             finally:
                 self.admission.release_retention()
         finally:
@@ -327,40 +292,6 @@ class Router:
             rec = asgi.current.get()
             if rec is not None:
                 rec.fields["outcome"] = end.outcome
-
-    async def _intake_and_serve(
-        self, path: str, scope: Scope, receive: Receive, send: Send, arrived: float, end: Ending
-    ) -> None:
-        m = self.metrics
-        end.outcome = "invalid"  # until the body is read and checked
-        try:
-            raw = await asgi.read_body(
-                receive, self.config.max_request_bytes, self.config.body_timeout_s
-            )
-        except asgi.BodyTooLarge:
-            m.invalid_requests.inc()
-            raise ApiError(
-                413,
-                f"request body exceeds {self.config.max_request_bytes} bytes",
-                code="request_too_large",
-            ) from None
-        except asgi.ClientGone:
-            m.unsized_offered.inc()
-            end.outcome = "client_gone"
-            raise
-        try:
-            deadline = self._deadline(scope, arrived)
-            budget = self._budget(scope)
-            req = intake.check(path, raw, self.config.model)
-            session = asgi.header(scope, b"x-session-id")
-            if session:
-                req.session = session[:256]
-        except ApiError as e:
-            if e.status == 400:
-                m.invalid_requests.inc()
-            raise
-        end.outcome = "client_gone"  # until the request is refused or answered
-        await self._serve(req, receive, send, arrived, deadline, budget, end)
 
     async def _serve(
         self,
@@ -377,166 +308,29 @@ class Router:
         watcher = asyncio.create_task(asgi.watch_disconnect(receive, task))
         try:
             try:
-                self._refuse_if_unavailable()
+                self.gate.check()
             except ApiError as e:
                 self.metrics.rejected.labels(e.code or "unavailable").inc()
                 end.outcome = "rejected"
                 raise
-            plan = OPEN_PLAN
-            if self.pool.eligible():
-                try:
-                    plan = await self._judge(req, arrived, budget)
-                except ApiError as e:
-                    self.metrics.refused.labels(e.code or "predictive").inc()
-                    end.outcome = "refused"
-                    raise
-            # Engines not to place on: those that cannot serve the route, then those that
-            # answered this request 429.
             try:
-                busy = self._cannot_serve(req)
+                plan = await self.judge.plan(req, arrived, budget)
+            except ApiError as e:
+                self.metrics.refused.labels(e.code or "predictive").inc()
+                end.outcome = "refused"
+                raise
+            try:
+                busy = self.gate.cannot_serve(req)
             except ApiError:
                 end.outcome = "invalid"
                 raise
-            while True:
-                try:
-                    end.outcome = await self._place_and_relay(
-                        req, send, arrived, deadline, plan, busy, end
-                    )
-                    return
-                except EngineBusy as e:
-                    busy = busy | {e.engine}
-                    if not self._may_retry(busy, deadline):
-                        self.metrics.rejected.labels("engine_busy").inc()
-                        end.outcome = "rejected"
-                        await e.refusal.send(send)
-                        return
+            await self.placer.serve(req, send, arrived, deadline, plan, busy, end)
         except asyncio.CancelledError:
             end.outcome = "client_gone"
             if not watcher.done():
                 raise  # not the client's doing: shutting down
         finally:
             watcher.cancel()
-
-    async def _judge(self, req: intake.Intake, arrived: float, budget: float) -> Plan:
-        """The policy's plan; a request no engine can take without breaking others' time
-        per output token waits for a stream to end while its TTFT budget allows."""
-        deferred: ApiError | None = None
-        while True:
-            left = budget - (time.monotonic() - arrived)
-            try:
-                return self.policy.judge(req, self.pool.eligible(), left)
-            except NoEngineKeepsPace as e:
-                if e.slack_s <= MIN_WAIT_S:
-                    raise e.refusal from None
-                if deferred is None:
-                    self.metrics.paced_waits.inc()
-                deferred = e.refusal
-                await self.policy.room(e.slack_s)
-            except ApiError as e:
-                # Waiting used up the budget: the reason is still the pace.
-                if deferred is not None and e.code in TTFT_REFUSALS:
-                    raise deferred from None
-                raise
-
-    def _refuse_unless_leading(self) -> None:
-        why = self.leadership.serving()
-        if why is not None:
-            raise _unavailable_error(self.leadership.role.value, why)
-
-    def _refuse_if_unavailable(self) -> None:
-        down = self._unavailable()
-        if down is not None:
-            raise _unavailable_error(*down)
-
-    def _cannot_serve(self, req: intake.Intake) -> frozenset[str]:
-        if req.route != intake.RESPONSES:
-            return frozenset()
-        names = frozenset(
-            e.name for e in self.pool.engines if e.spec.dialect not in intake.RESPONSES_DIALECTS
-        )
-        if len(names) == len(self.pool.engines):
-            raise ApiError(
-                404,
-                f"no engine behind this router serves {req.route} (dialects that do: "
-                + ", ".join(sorted(intake.RESPONSES_DIALECTS))
-                + ")",
-                code="unsupported",
-            )
-        return names
-
-    def _may_retry(self, busy: frozenset[str], deadline: float) -> bool:
-        """Another engine may take a request that engines in `busy` refused with 429, while
-        its deadline has time left."""
-        return time.monotonic() < deadline and any(e.name not in busy for e in self.pool.eligible())
-
-    async def _place_and_relay(
-        self,
-        req: intake.Intake,
-        send: Send,
-        arrived: float,
-        deadline: float,
-        plan: Plan,
-        busy: frozenset[str],
-        end: Ending,
-    ) -> str:
-        placed = False
-        try:
-            async with self.admission.place(
-                req,
-                arrived,
-                deadline,
-                prefer=plan.prefer,
-                tokens=plan.tokens,
-                predicted_s=plan.predicted_s,
-                exclude=busy,
-            ) as lease:
-                # Again once placed (the queue may have waited), but only leadership: the
-                # token the request carries must be one this router still holds. (The engine
-                # it got is out of the wave; a degraded predictor has already admitted it.)
-                self._refuse_unless_leading()
-                lease.fence = self.leadership.token
-                lease.plan = plan
-                self.policy.placed(lease)
-                placed = True
-                self._queue_time.observe(time.monotonic() - arrived)
-                try:
-                    return await self.relayer.run(lease, send)
-                except EngineFailed as e:
-                    raise ApiError(
-                        502,
-                        f"engine {lease.on.name} failed: {e}",
-                        type="server_error",
-                        code="engine_failed",
-                    ) from None
-                finally:
-                    _note(lease)
-        except EngineFenced as e:
-            self.leadership.fence(str(e))
-            self.metrics.rejected.labels("fenced").inc()
-            end.outcome = "rejected"
-            raise ApiError(
-                503,
-                f"this router was fenced ({e}); retry shortly",
-                type="server_error",
-                code="fenced",
-                headers={"retry-after": "1"},
-            ) from None
-        except Expired:
-            self.metrics.rejected.labels("wait_expired").inc()
-            end.outcome = "rejected"
-            raise ApiError(
-                504,
-                "no engine had room before the wait or deadline ran out",
-                type="timeout_error",
-                code="admission_timeout",
-            ) from None
-        except ApiError as e:
-            if placed:
-                end.outcome = "deadline" if e.status == 504 else "engine_failed"
-            else:  # admission refused it
-                self.metrics.rejected.labels(e.code or "capacity").inc()
-                end.outcome = "rejected"
-            raise
 
 
 def _policy(config: RouterConfig, engines: list[Engine], predictor: Predictor | None) -> Policy:
@@ -549,41 +343,6 @@ def _policy(config: RouterConfig, engines: list[Engine], predictor: Predictor | 
         else None
     )
     return PredictivePolicy(predictor, engines, cache, config.tpot_target_s)
-
-
-class Ending:
-    """How one request ended: exactly one outcome each, so `narwhal_finished_total` adds
-    up to `narwhal_offered_total`."""
-
-    __slots__ = ("outcome",)
-
-    def __init__(self) -> None:
-        self.outcome = "client_gone"
-
-
-def _unavailable_error(code: str, reason: str) -> ApiError:
-    return ApiError(
-        503,
-        f"this router takes no requests now ({reason}); retry shortly",
-        type="server_error",
-        code=code,
-        headers={"retry-after": "1"},
-    )
-
-
-def _note(lease: Lease) -> None:
-    """What the access log line says of the engine's part."""
-    rec = asgi.current.get()
-    if rec is None:
-        return
-    rec.fields.update(
-        engine=lease.on.name,
-        ttfb_ms=round((lease.first_byte_at - lease.arrived) * 1000, 1)
-        if lease.first_byte_at
-        else None,
-        tokens_in=lease.prompt_tokens,
-        tokens_out=lease.output_tokens,
-    )
 
 
 def client_keys(config: RouterConfig) -> list[str]:
@@ -623,25 +382,6 @@ def _fatal(report: str) -> None:
 
 
 FATAL_EXIT = 3
-
-
-def _ms_header(scope: Scope, name: bytes) -> int | None:
-    """A positive integer of milliseconds from a request header, or a 400."""
-    raw = asgi.header(scope, name)
-    if raw is None:
-        return None
-    try:
-        ms = int(raw) if len(raw) <= 18 else (1 << 62 if raw.isdigit() else 0)
-    except ValueError:
-        ms = 0
-    if ms <= 0:
-        raise ApiError(
-            400, f"{name.decode()} must be a positive integer of milliseconds", param=name.decode()
-        )
-    return min(ms, _MAX_MS)
-
-
-_MAX_MS = 10**9  # 11.6 days: more than any timeout, and a float without overflow
 
 
 CONFIG_ENV = "NARWHAL_ROUTER_CONFIG_FILE"

@@ -181,7 +181,7 @@ class EngineSpec:
 
 @dataclass(frozen=True)
 class HA:
-    """Several routers: leadership on an etcd lease (router/leadership.py)."""
+    """Several routers: leadership on an etcd lease (router/ha/leadership.py)."""
 
     etcd: tuple[str, ...]
     key: str = "/narwhal/main/leader"

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from narwhal.router.engines import Engine
-    from narwhal.router.intake import Intake
+    from narwhal.router.pipeline.intake import Intake
     from narwhal.router.policies import Plan
 
 

@@ -17,10 +17,10 @@ from typing import Any
 import orjson
 
 from narwhal.errors import ApiError
-from narwhal.router import intake
 from narwhal.router.admission import Admission
 from narwhal.router.engines import Engine, Pool
-from narwhal.router.leadership import Leadership
+from narwhal.router.ha.leadership import Leadership
+from narwhal.router.pipeline import intake
 from narwhal.router.predict import Predictor
 from narwhal.router.relay import EngineBusy, EngineFailed, EngineFenced, Relayer
 

@@ -24,8 +24,8 @@ from narwhal._native import Assembler, AssemblyError, RelayChunk, StreamRelay
 from narwhal.asgi import Send
 from narwhal.errors import ApiError
 from narwhal.router.engines import Engine
-from narwhal.router.intake import upstream_body
 from narwhal.router.lease import Lease
+from narwhal.router.pipeline.intake import upstream_body
 from narwhal.router.upstream import Exchange, Upstream, UpstreamError
 
 log = logging.getLogger("narwhal.relay")

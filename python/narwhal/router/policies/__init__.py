@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING, Protocol
 if TYPE_CHECKING:
     from narwhal._native import PromptBlocks
     from narwhal.router.engines import Engine
-    from narwhal.router.intake import Intake
     from narwhal.router.lease import Events, Lease
+    from narwhal.router.pipeline.intake import Intake
     from narwhal.router.policies.prefix_cache import Expectation
 
 
@@ -53,3 +53,6 @@ class Policy(Protocol):
     def placed(self, lease: Lease) -> None: ...
 
     def watch(self, events: Events) -> None: ...
+
+    def degraded(self, engines: list[Engine]) -> str | None:
+        """Why the policy's predictions for these engines cannot be trusted now, or None."""

@@ -5,8 +5,8 @@ from __future__ import annotations
 import asyncio
 
 from narwhal.router.engines import Engine
-from narwhal.router.intake import Intake
 from narwhal.router.lease import Events, Lease
+from narwhal.router.pipeline.intake import Intake
 from narwhal.router.policies import OPEN_PLAN, Plan
 
 
@@ -22,3 +22,6 @@ class OpenPolicy:
 
     def watch(self, events: Events) -> None:
         pass
+
+    def degraded(self, engines: list[Engine]) -> str | None:
+        return None  # it predicts nothing

@@ -15,8 +15,8 @@ import contextlib
 import time
 
 from narwhal.router.engines import Engine
-from narwhal.router.intake import Intake
 from narwhal.router.lease import Events, Lease
+from narwhal.router.pipeline.intake import Intake
 from narwhal.router.policies import Plan
 from narwhal.router.policies.prefix_cache import Expectation, PrefixCache
 from narwhal.router.policies.sessions import Sessions
@@ -132,6 +132,9 @@ class PredictivePolicy:
         events.subscribe(
             first_output=self._decoding, finished=self._finished, released=self._released
         )
+
+    def degraded(self, engines: list[Engine]) -> str | None:
+        return self.predictor.degraded(engines)
 
     def _decoding(self, lease: Lease) -> None:
         entry = self._entries.get(lease)

@@ -1,0 +1,25 @@
+"""A completion request's way through the router, one stage a module, in this order:
+
+- `intake`: the body read within its limits, checked and sized (the refusal rows that need
+  no engine), with its TTFT budget and deadline;
+- `gate`: whether this router takes work now (leadership, whole-wave maintenance,
+  monitoring-degraded) and which engines can serve the route;
+- `judge`: the admission policy's plan (`policies/`), waiting while the budget allows when
+  no engine keeps its streams' pace;
+- `place`: a seat on an engine through the lease (`admission`), the relay (`relay`), and
+  another engine when one answers 429.
+
+Each stage that ends a request says how, in its `Ending`.
+"""
+
+from __future__ import annotations
+
+
+class Ending:
+    """How one request ended: exactly one outcome each, so `narwhal_finished_total` adds
+    up to `narwhal_offered_total`."""
+
+    __slots__ = ("outcome",)
+
+    def __init__(self) -> None:
+        self.outcome = "client_gone"

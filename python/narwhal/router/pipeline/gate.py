@@ -1,0 +1,80 @@
+"""The gate: whether this router takes a completion request now, and where it may go.
+
+The spec's last refusal row: standby, fenced, whole-wave maintenance and monitoring-degraded
+are each a retryable 503. Leadership is checked again once a request is placed (the queue
+may have waited): the fencing token it carries must be one this router still holds.
+"""
+
+from __future__ import annotations
+
+from narwhal.errors import ApiError
+from narwhal.router.engines import Pool
+from narwhal.router.ha.leadership import Leadership
+from narwhal.router.ha.maintenance import Maintenance
+from narwhal.router.pipeline import intake
+from narwhal.router.policies import Policy
+
+
+class Gate:
+    def __init__(
+        self, leadership: Leadership, maintenance: Maintenance, pool: Pool, policy: Policy
+    ) -> None:
+        self.leadership = leadership
+        self.maintenance = maintenance
+        self.pool = pool
+        self.policy = policy
+
+    def degraded(self) -> str | None:
+        """Why the policy's predictions cannot be trusted now, or None."""
+        eligible = self.pool.eligible()
+        return self.policy.degraded(eligible) if eligible else None
+
+    def unavailable(self) -> tuple[str, str] | None:
+        """Why this router takes no completion request now: (code, reason), or None."""
+        why = self.leadership.serving()
+        if why is not None:
+            return self.leadership.role.value, why
+        if self.maintenance.whole:
+            return "maintenance", "whole-wave maintenance: every engine is in the wave"
+        degraded = self.degraded()
+        if degraded is not None:
+            return "monitoring_degraded", "monitoring-degraded: " + degraded
+        return None
+
+    def check(self) -> None:
+        down = self.unavailable()
+        if down is not None:
+            raise unavailable_error(*down)
+
+    def check_leading(self) -> None:
+        why = self.leadership.serving()
+        if why is not None:
+            raise unavailable_error(self.leadership.role.value, why)
+
+    def cannot_serve(self, req: intake.Intake) -> frozenset[str]:
+        """The engines whose dialect cannot serve the request's route (a 404 when none can)."""
+        if req.route != intake.RESPONSES:
+            return frozenset()
+        engines = self.pool.engines
+        names = frozenset(
+            e.name for e in engines if e.spec.dialect not in intake.RESPONSES_DIALECTS
+        )
+        if len(names) == len(engines):
+            raise ApiError(
+                404,
+                f"no engine behind this router serves {req.route} (dialects that do: "
+                + ", ".join(sorted(intake.RESPONSES_DIALECTS))
+                + ")",
+                code="unsupported",
+            )
+        return names
+
+
+def unavailable_error(code: str, reason: str) -> ApiError:
+    return ApiError(
+        503,
+        f"this router takes no requests now ({reason}); retry shortly",
+        type="server_error",
+        code=code,
+        headers={"retry-after": "1"},
+    )

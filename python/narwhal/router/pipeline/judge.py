@@ -1,0 +1,51 @@
+"""The judge: the admission policy's plan for a request, before it is placed.
+
+A request no engine can take without breaking the time per output token of streams
+decoding there waits in the router for one to end, while its TTFT budget allows, and is
+refused with 429 `tpot_target_exceeded` when none has.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from narwhal.errors import ApiError
+from narwhal.router.engines import Pool
+from narwhal.router.pipeline.intake import Intake
+from narwhal.router.policies import OPEN_PLAN, Plan, Policy
+from narwhal.router.predict import NoEngineKeepsPace
+
+# A request that would wait less than this for an engine to keep pace is refused at once.
+MIN_WAIT_S = 0.01
+TTFT_REFUSALS = frozenset({"ttft_budget_exceeded", "prompt_exceeds_ttft_budget"})
+
+
+class Judge:
+    def __init__(self, policy: Policy, pool: Pool, on_paced_wait: Callable[[], None]) -> None:
+        self.policy = policy
+        self.pool = pool
+        self.on_paced_wait = on_paced_wait  # once per request that waited for pace
+
+    async def plan(self, req: Intake, arrived: float, budget: float) -> Plan:
+        """The policy's plan, or its refusal (an ApiError)."""
+        deferred: ApiError | None = None
+        while True:
+            engines = self.pool.eligible()
+            if not engines:
+                return OPEN_PLAN  # placement answers 503: nothing to judge against
+            left = budget - (time.monotonic() - arrived)
+            try:
+                return self.policy.judge(req, engines, left)
+            except NoEngineKeepsPace as e:
+                if e.slack_s <= MIN_WAIT_S:
+                    raise e.refusal from None
+                if deferred is None:
+                    self.on_paced_wait()
+                deferred = e.refusal
+                await self.policy.room(e.slack_s)
+            except ApiError as e:
+                # Waiting used up the budget: the reason is still the pace.
+                if deferred is not None and e.code in TTFT_REFUSALS:
+                    raise deferred from None
+                raise

@@ -1,0 +1,159 @@
+"""Placement: a seat on an engine through a lease, the relay, and another engine when one
+answers 429 (while the deadline leaves time and an engine that did not is eligible).
+
+The lease carries the leader's fencing token to the engine; the policy hears where the
+request went (`placed`) before the relay starts.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from narwhal import asgi
+from narwhal.asgi import Send
+from narwhal.errors import ApiError
+from narwhal.router.admission import Admission, Expired
+from narwhal.router.engines import Pool
+from narwhal.router.ha.leadership import Leadership
+from narwhal.router.lease import Lease
+from narwhal.router.metrics import RouterMetrics
+from narwhal.router.pipeline import Ending
+from narwhal.router.pipeline.gate import Gate
+from narwhal.router.pipeline.intake import Intake
+from narwhal.router.policies import Plan, Policy
+from narwhal.router.relay import EngineBusy, EngineFailed, EngineFenced, Relayer
+
+
+class Placer:
+    def __init__(
+        self,
+        admission: Admission,
+        pool: Pool,
+        gate: Gate,
+        leadership: Leadership,
+        policy: Policy,
+        relayer: Relayer,
+        metrics: RouterMetrics,
+        queue_time: Any,
+    ) -> None:
+        self.admission = admission
+        self.pool = pool
+        self.gate = gate
+        self.leadership = leadership
+        self.policy = policy
+        self.relayer = relayer
+        self.metrics = metrics
+        self.queue_time = queue_time  # the model's queue-time histogram child
+
+    async def serve(
+        self,
+        req: Intake,
+        send: Send,
+        arrived: float,
+        deadline: float,
+        plan: Plan,
+        busy: frozenset[str],
+        end: Ending,
+    ) -> None:
+        """Placed and relayed; `busy` names the engines not to place on."""
+        while True:
+            try:
+                end.outcome = await self._once(req, send, arrived, deadline, plan, busy, end)
+                return
+            except EngineBusy as e:
+                busy = busy | {e.engine}
+                if not self._may_retry(busy, deadline):
+                    self.metrics.rejected.labels("engine_busy").inc()
+                    end.outcome = "rejected"
+                    await e.refusal.send(send)
+                    return
+
+    def _may_retry(self, busy: frozenset[str], deadline: float) -> bool:
+        """Another engine may take a request that engines in `busy` refused with 429, while
+        its deadline has time left."""
+        return time.monotonic() < deadline and any(e.name not in busy for e in self.pool.eligible())
+
+    async def _once(
+        self,
+        req: Intake,
+        send: Send,
+        arrived: float,
+        deadline: float,
+        plan: Plan,
+        busy: frozenset[str],
+        end: Ending,
+    ) -> str:
+        placed = False
+        try:
+            async with self.admission.place(
+                req,
+                arrived,
+                deadline,
+                prefer=plan.prefer,
+                tokens=plan.tokens,
+                predicted_s=plan.predicted_s,
+                exclude=busy,
+            ) as lease:
+                # Again once placed (the queue may have waited), but only leadership: the
+                # token the request carries must be one this router still holds. (The engine
+                # it got is out of the wave; a degraded predictor has already admitted it.)
+                self.gate.check_leading()
+                lease.fence = self.leadership.token
+                lease.plan = plan
+                self.policy.placed(lease)
+                placed = True
+                self.queue_time.observe(time.monotonic() - arrived)
+                try:
+                    return await self.relayer.run(lease, send)
+                except EngineFailed as e:
+                    raise ApiError(
+                        502,
+                        f"engine {lease.on.name} failed: {e}",
+                        type="server_error",
+                        code="engine_failed",
+                    ) from None
+                finally:
+                    _note(lease)
+        except EngineFenced as e:
+            self.leadership.fence(str(e))
+            self.metrics.rejected.labels("fenced").inc()
+            end.outcome = "rejected"
+            raise ApiError(
+                503,
+                f"this router was fenced ({e}); retry shortly",
+                type="server_error",
+                code="fenced",
+                headers={"retry-after": "1"},
+            ) from None
+        except Expired:
+            self.metrics.rejected.labels("wait_expired").inc()
+            end.outcome = "rejected"
+            raise ApiError(
+                504,
+                "no engine had room before the wait or deadline ran out",
+                type="timeout_error",
+                code="admission_timeout",
+            ) from None
+        except ApiError as e:
+            if placed:
+                end.outcome = "deadline" if e.status == 504 else "engine_failed"
+            else:  # admission refused it
+                self.metrics.rejected.labels(e.code or "capacity").inc()
+                end.outcome = "rejected"
+            raise
+
+
+def _note(lease: Lease) -> None:
+    """What the access log line says of the engine's part."""
+    rec = asgi.current.get()
+    if rec is None:
+        return
+    rec.fields.update(
+        engine=lease.on.name,
+        ttfb_ms=round((lease.first_byte_at - lease.arrived) * 1000, 1)
+        if lease.first_byte_at
+        else None,
+        tokens_in=lease.prompt_tokens,
+        tokens_out=lease.output_tokens,
+    )

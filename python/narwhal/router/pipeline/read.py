@@ -1,0 +1,71 @@
+"""The first stage: the body read within its limits and handed to `intake.check`, with the
+request's TTFT budget (`x-narwhal-ttft-target-ms`) and deadline (`x-narwhal-timeout-ms`)."""
+
+from __future__ import annotations
+
+from narwhal import asgi
+from narwhal.asgi import Receive, Scope
+from narwhal.errors import ApiError
+from narwhal.router.config import RouterConfig
+from narwhal.router.metrics import RouterMetrics
+from narwhal.router.pipeline import Ending, intake
+
+_MAX_MS = 10**9  # 11.6 days: more than any timeout, and a float without overflow
+
+
+async def read(
+    path: str,
+    scope: Scope,
+    receive: Receive,
+    config: RouterConfig,
+    metrics: RouterMetrics,
+    arrived: float,
+    end: Ending,
+) -> tuple[intake.Intake, float, float]:
+    """The checked request, its deadline (monotonic) and its TTFT budget (seconds)."""
+    end.outcome = "invalid"  # until the body is read and checked
+    try:
+        raw = await asgi.read_body(receive, config.max_request_bytes, config.body_timeout_s)
+    except asgi.BodyTooLarge:
+        metrics.invalid_requests.inc()
+        raise ApiError(
+            413,
+            f"request body exceeds {config.max_request_bytes} bytes",
+            code="request_too_large",
+        ) from None
+    except asgi.ClientGone:
+        metrics.unsized_offered.inc()
+        end.outcome = "client_gone"
+        raise
+    try:
+        ms = ms_header(scope, b"x-narwhal-timeout-ms")
+        timeout = config.request_timeout_s
+        deadline = arrived + (timeout if ms is None else min(timeout, ms / 1000))
+        ms = ms_header(scope, b"x-narwhal-ttft-target-ms")
+        budget = config.ttft_budget_s if ms is None else ms / 1000
+        req = intake.check(path, raw, config.model)
+        session = asgi.header(scope, b"x-session-id")
+        if session:
+            req.session = session[:256]
+    except ApiError as e:
+        if e.status == 400:
+            metrics.invalid_requests.inc()
+        raise
+    end.outcome = "client_gone"  # until the request is refused or answered
+    return req, deadline, budget
+
+
+def ms_header(scope: Scope, name: bytes) -> int | None:
+    """A positive integer of milliseconds from a request header, or a 400."""
+    raw = asgi.header(scope, name)
+    if raw is None:
+        return None
+    try:
+        ms = int(raw) if len(raw) <= 18 else (1 << 62 if raw.isdigit() else 0)
+    except ValueError:
+        ms = 0
+    if ms <= 0:
+        raise ApiError(
+            400, f"{name.decode()} must be a positive integer of milliseconds", param=name.decode()
+        )
+    return min(ms, _MAX_MS)
