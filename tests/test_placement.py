@@ -18,6 +18,7 @@ from narwhal.router.config import EngineSpec
 from narwhal.router.engines import Engine, Pool
 from narwhal.router.lease import Events, Lease
 from narwhal.router.pipeline import intake
+from narwhal.router.pipeline.judge import Judge
 from narwhal.router.policies import Plan
 from narwhal.router.policies.predictive import PredictivePolicy
 from narwhal.router.policies.prefix_cache import PrefixCache
@@ -254,6 +255,27 @@ def test_a_prefill_no_engine_can_take_waits_for_a_stream_to_end() -> None:
 
     plan = f.loop.run_until_complete(wait_then_judge())
     assert plan.prefer is f.engines[1]
+
+
+def test_a_request_waiting_for_pace_whose_engines_went_away_is_left_to_placement() -> None:
+    f = Fleet(n=1, tpot_target_s=0.05)
+    f.learn_tau0(0.02)
+    short = f.open(request(words("s", 10), max_tokens=5), on="e0")
+    short.first_output()
+    waits: list[int] = []
+    judge = Judge(f.policy, f.pool, lambda: waits.append(1))
+
+    async def wait_while_the_engine_goes() -> Plan:
+        waiting = asyncio.create_task(judge.plan(request(words("L", 1000)), time.monotonic(), 5))
+        await asyncio.sleep(0)
+        f.engines[0].healthy = False  # its health probe failed meanwhile
+        short.finished(5)
+        short.release()
+        return await asyncio.wait_for(waiting, 10)
+
+    plan = f.loop.run_until_complete(wait_while_the_engine_goes())
+    assert plan.prefer is None  # placement answers it (503), not a judge of no engine
+    assert waits == [1]
 
 
 def test_a_stream_that_ended_no_longer_holds_its_engine_back() -> None:
