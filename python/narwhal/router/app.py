@@ -38,7 +38,7 @@ from narwhal.router.policies.predictive import PredictivePolicy
 from narwhal.router.policies.prefix_cache import PrefixCache
 from narwhal.router.predict import Predictor
 from narwhal.router.profiling import Profiler
-from narwhal.router.relay import Relayer
+from narwhal.router.relay.relayer import Relayer
 from narwhal.router.supervisor import ManagedEngine
 
 log = logging.getLogger("narwhal.router")

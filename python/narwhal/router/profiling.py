@@ -22,7 +22,8 @@ from narwhal.router.engines import Engine, Pool
 from narwhal.router.ha.leadership import Leadership
 from narwhal.router.pipeline import intake
 from narwhal.router.predict import Predictor
-from narwhal.router.relay import EngineBusy, EngineFailed, EngineFenced, Relayer
+from narwhal.router.relay.errors import EngineBusy, EngineFailed, EngineFenced
+from narwhal.router.relay.relayer import Relayer
 
 log = logging.getLogger("narwhal.profiling")
 

@@ -22,7 +22,8 @@ from narwhal.router.pipeline import Ending
 from narwhal.router.pipeline.gate import Gate
 from narwhal.router.pipeline.intake import Intake
 from narwhal.router.policies import Plan, Policy
-from narwhal.router.relay import EngineBusy, EngineFailed, EngineFenced, Relayer
+from narwhal.router.relay.errors import EngineBusy, EngineFailed, EngineFenced
+from narwhal.router.relay.relayer import Relayer
 
 
 class Placer:

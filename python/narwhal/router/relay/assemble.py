@@ -1,0 +1,57 @@
+"""Assembly: a non-streaming client's answer, built from the engine's stream."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from narwhal import asgi
+from narwhal._native import Assembler, AssemblyError
+from narwhal.asgi import Send
+from narwhal.errors import ApiError
+from narwhal.router.lease import Lease
+from narwhal.router.relay.errors import EngineFailed, engine_refusal
+from narwhal.router.upstream import Exchange
+
+if TYPE_CHECKING:
+    from narwhal.router.relay.relayer import Relayer
+
+
+async def assemble(rl: Relayer, lease: Lease, resp: Exchange, send: Send) -> str:
+    """A non-streaming answer: the engine's stream assembled into one response (Rust)."""
+    e = lease.on
+    asm = Assembler(
+        lease.intake.kind,
+        keep_token_ids=lease.intake.wants_token_ids,
+        require_token_ids=e.spec.token_ids,
+    )
+    chunk = b""
+    try:
+        while not asm.done:
+            chunk = await rl.read(lease, resp)
+            if not chunk:
+                lease.fault("engine_disconnected", "stream ended early")
+                raise EngineFailed("the engine stream ended before [DONE]")
+            if asm.feed(chunk):
+                lease.first_output()
+        body = asm.finish(lease.intake.estimated_prompt_tokens())
+        # Only the engine's own count: the estimate must not be learned from itself.
+        lease.prompt_tokens = asm.reported_prompt_tokens
+        lease.cached_tokens = asm.reported_cached_tokens
+    except AssemblyError as exc:
+        refusal = engine_refusal(chunk) if exc.field == "error" else None
+        if refusal is not None:  # the engine's own error, in its stream: its answer
+            lease.fault("engine_error")
+            await asgi.send_bytes(send, *refusal)
+            return "engine_error"
+        lease.fault("assembly")
+        raise ApiError(
+            502,
+            f"the engine's output cannot be assembled: {exc}",
+            type="server_error",
+            param=getattr(exc, "field", None),
+            code="bad_engine_output",
+        ) from None
+    lease.first_byte()
+    await asgi.send_bytes(send, 200, body)
+    lease.finished(asm.measured_output_tokens)
+    return "completed"

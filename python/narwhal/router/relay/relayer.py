@@ -1,0 +1,150 @@
+"""The relayer: one placed request's upstream call, and its answer relayed by mode.
+
+Streamed (`stream`, and `push` once the first bytes are out), assembled for a
+non-streaming client (`assemble`), or passed through as the engine sends it
+(`passthrough`). It holds the upstream connection pools and no admission or policy
+state: what it sees goes to the lease.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+
+from narwhal import asgi
+from narwhal.asgi import Send
+from narwhal.router.engines import Engine
+from narwhal.router.lease import Lease
+from narwhal.router.pipeline.intake import upstream_body
+from narwhal.router.relay.assemble import assemble
+from narwhal.router.relay.errors import (
+    EngineBusy,
+    EngineFailed,
+    EngineFenced,
+    Refusal,
+    deadline_passed,
+    error_event,
+    past,
+)
+from narwhal.router.relay.passthrough import passthrough
+from narwhal.router.relay.stream import stream
+from narwhal.router.upstream import Exchange, Upstream, UpstreamError
+
+log = logging.getLogger("narwhal.relay")
+
+
+class Relayer:
+    """Runs a lease's upstream call and relays the answer; what it sees goes to the lease."""
+
+    def __init__(
+        self,
+        idle_s: float = 120.0,
+        native: bool = True,
+        count_path: Callable[[str], None] | None = None,
+    ) -> None:
+        self.idle_s = idle_s  # an engine silent this long in the middle of an answer stalled
+        self.native = native  # streams relayed from the read callback where `send` allows
+        self.count_path = count_path or (lambda _: None)
+        self.warned = False
+        self.upstreams: dict[str, Upstream] = {}
+
+    def upstream(self, e: Engine) -> Upstream:
+        up = self.upstreams.get(e.url)
+        if up is None:
+            up = self.upstreams[e.url] = Upstream(e.url, api_key=e.api_key)
+        return up
+
+    def close(self) -> None:
+        for up in self.upstreams.values():
+            up.close()
+
+    async def run(self, lease: Lease, send: Send) -> str:
+        """Relay the lease's answer to `send`; how it ended: "completed", "stream_fault"
+        (the stream ended with an error event) or "engine_error" (the engine's own non-200
+        answer, passed through). Raises EngineBusy (a 429, nothing sent), EngineFailed or a
+        504 before anything was sent."""
+        e = lease.on
+        body = upstream_body(lease.intake, e.spec.token_ids)
+        lease.sent_at = time.monotonic()
+        headers = "" if lease.fence is None else f"x-narwhal-fence: {lease.fence}\r\n"
+        rec = asgi.current.get()
+        if rec is not None:  # the ID is printable ASCII without spaces (asgi.begin)
+            headers += f"x-request-id: {rec.id}\r\n"
+        try:
+            resp = await self.upstream(e).request(lease.intake.route, body, lease.deadline, headers)
+        except asyncio.TimeoutError:
+            raise deadline_passed() from None
+        except OSError as exc:
+            lease.fault("connect", f"request failed: {exc}")
+            raise EngineFailed(str(exc)) from exc
+        done = False
+        try:
+            if resp.status != 200:
+                # The engine's own refusal (a bad grammar, say) reaches the client as it is.
+                try:
+                    data = await resp.read_all()
+                except UpstreamError:
+                    data = b""  # the status is the engine's word; a cut body adds nothing
+                done = True
+                refusal = Refusal(
+                    resp.status,
+                    data,
+                    (resp.content_type or "application/json").encode(),
+                    resp.retry_after,
+                )
+                if resp.status == 429:
+                    raise EngineBusy(e.name, refusal)
+                if resp.status == 409 and b'"fenced"' in data:
+                    raise EngineFenced(e.name, lease.fence)
+                await refusal.send(send)
+                return "engine_error"
+            if lease.intake.passthrough:
+                done = await passthrough(self, lease, resp, send)
+                return "completed" if done else "stream_fault"
+            if lease.intake.stream:
+                done = await stream(self, lease, resp, send)
+                return "completed" if done else "stream_fault"
+            outcome = await assemble(self, lease, resp, send)
+            done = outcome == "completed"
+            return outcome
+        finally:
+            # Anything but a stream seen to its end (a fault, a timeout, a client that went
+            # away) closes the connection: that is how the engine learns to stop.
+            resp.release(done)
+
+    async def read(self, lease: Lease, resp: Exchange) -> bytes:
+        """Next body bytes (b"" if the engine broke off), for as long as nothing has gone
+        to the client: the deadline bounds the wait, and so does the idle gap."""
+        loop = asyncio.get_running_loop()
+        try:
+            return await resp.read(min(lease.deadline, loop.time() + self.idle_s))
+        except asyncio.TimeoutError:
+            if not past(lease.deadline):
+                raise self.stalled(lease) from None
+            raise deadline_passed() from None
+        except UpstreamError:
+            return b""
+
+    def stalled(self, lease: Lease) -> EngineFailed:
+        lease.fault("engine_stalled", f"sent nothing for {self.idle_s:g}s mid-answer")
+        return EngineFailed(f"the engine sent nothing for {self.idle_s:g}s")
+
+    def timed_out(self, lease: Lease) -> bytes:
+        """The error event that ends a stream that ran out of time (its deadline, or the
+        engine's idle gap), reported."""
+        if past(lease.deadline):
+            lease.fault("deadline_exceeded")
+            return error_event("the request deadline passed", "deadline_exceeded")
+        self.stalled(lease)
+        return error_event(f"the engine sent nothing for {self.idle_s:g}s", "engine_stalled")
+
+    def warn_not_native(self) -> None:
+        if not self.warned:
+            self.warned = True
+            log.warning(
+                "serving.native_relay is on, but this server's ASGI send must be "
+                "awaited: streams are relayed from Python (slower; see "
+                "narwhal_relayed_streams_total{path})"
+            )
