@@ -256,10 +256,10 @@ def lexi(model_path: str) -> Any:
 )
 @given(body=st.one_of(CHAT_BODIES, TOOL_BODIES))
 def test_engine_chat_intake_never_raises_anything_but_a_4xx(lexi: Any, body: Any) -> None:
-    from narwhal.engine import protocol
+    from narwhal.engine import routes
 
     config, model = lexi
-    _refusal_or_nothing(lambda: protocol.chat_job(body, config, model))
+    _refusal_or_nothing(lambda: routes.JOBS["/v1/chat/completions"](body, config, model))
 
 
 @pytest.mark.slow
@@ -268,10 +268,10 @@ def test_engine_chat_intake_never_raises_anything_but_a_4xx(lexi: Any, body: Any
 )
 @given(body=st.one_of(COMPLETION_BODIES, RESPONSES_BODIES), which=st.booleans())
 def test_engine_completion_and_responses_intake(lexi: Any, body: Any, which: bool) -> None:
-    from narwhal.engine import protocol
+    from narwhal.engine import routes
 
     config, model = lexi
-    job = protocol.completion_job if which else protocol.responses_job
+    job = routes.JOBS["/v1/completions" if which else "/v1/responses"]
     _refusal_or_nothing(lambda: job(body, config, model))
 
 

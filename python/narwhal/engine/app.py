@@ -22,13 +22,14 @@ from prometheus_client import (
 from narwhal import asgi, bearer, logs, silent
 from narwhal.asgi import Receive, Scope, Send
 from narwhal.background import Background
-from narwhal.engine import protocol
 from narwhal.engine.batch import DecodeLoop
 from narwhal.engine.config import EngineConfig
 from narwhal.engine.fence import Fence
 from narwhal.engine.generation import Finish, Piece, Request
 from narwhal.engine.model import Model, ModelLoadError
-from narwhal.engine.render import Output, ToolCallFailed, writer_for
+from narwhal.engine.protocol import Job
+from narwhal.engine.render import Output, ToolCallFailed
+from narwhal.engine.routes import JOBS, writer_for
 from narwhal.engine.slots import Busy, Slots
 from narwhal.errors import ApiError, json_object
 from narwhal.etcd import Etcd
@@ -37,11 +38,6 @@ log = logging.getLogger("lexi_engine")
 access_log = logging.getLogger("lexi.access")
 
 MAX_BODY = 16 * 1024 * 1024
-ROUTES = {
-    "/v1/chat/completions": protocol.chat_job,
-    "/v1/completions": protocol.completion_job,
-    "/v1/responses": protocol.responses_job,
-}
 
 
 # No `*_created` series: they double a scrape and nobody reads them.
@@ -140,7 +136,7 @@ class Engine:
                 send, self._route(path, method, scope, receive, send), log, f"{method} {path}"
             )
         finally:
-            if path in ROUTES or rec.status >= 400:
+            if path in JOBS or rec.status >= 400:
                 logs.access(access_log, method, path, rec, started)
 
     async def _route(
@@ -168,7 +164,7 @@ class Engine:
             await asgi.send_bytes(
                 send, 200, generate_latest(self.metrics.registry), b"text/plain; version=0.0.4"
             )
-        elif path in ROUTES:
+        elif path in JOBS:
             if method != "POST":
                 raise asgi.method_not_allowed(method, path, "POST")
             await self._generate(path, scope, receive, send)
@@ -256,7 +252,7 @@ class Engine:
             body = json_object(raw)
             # Rendering the template and tokenizing run off the event loop: a template can
             # be slow (bounded in engine.template), and /health must not wait for it.
-            job = await asyncio.to_thread(ROUTES[path], body, self.config, self.model)
+            job = await asyncio.to_thread(JOBS[path], body, self.config, self.model)
             if token is not None:
                 await self._take_fence(token)  # only a request it accepts moves the floor
         except ApiError as e:
@@ -303,7 +299,7 @@ class Engine:
             watcher.cancel()
             self.metrics.requests.labels(route, str(status)).inc()
 
-    async def _run(self, job: protocol.Job, gen: Request, send: Send) -> None:
+    async def _run(self, job: Job, gen: Request, send: Send) -> None:
         out = Output(job)
         writer = writer_for(job, self.model.id)
         self.metrics.prompt_tokens.inc(len(job.prompt_ids))
