@@ -100,7 +100,7 @@ class Metrics:
         )
 
 
-class Engine:
+class LexiEngine:
     def __init__(self, config: EngineConfig, model: Model) -> None:
         self.config = config
         self.model = model
@@ -378,7 +378,7 @@ async def _settled(gen: Request) -> None:
     await asyncio.shield(gen.done)
 
 
-def create_app() -> Engine:
+def create_app() -> LexiEngine:
     """Granian factory: reads the validated config the CLI handed off (service.hand_off)."""
     from narwhal import service
     from narwhal.engine.cli import CONFIG_ENV
@@ -401,4 +401,4 @@ def create_app() -> Engine:
         config.parallel,
         model.n_ctx,
     )
-    return Engine(config, model)
+    return LexiEngine(config, model)

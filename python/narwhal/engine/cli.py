@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from narwhal import __version__, logs, service
-from narwhal.engine.config import ConfigError, add_arguments, defaults_from_env, from_args
+from narwhal.engine.config import EngineConfigError, add_arguments, defaults_from_env, from_args
 
 CONFIG_ENV = "LEXI_ENGINE_CONFIG_FILE"
 
@@ -35,7 +35,7 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     try:
         parser = _parser()
-    except ConfigError as e:
+    except EngineConfigError as e:
         print(f"lexi-engine: error: {e}", file=sys.stderr)
         return 2
     args = parser.parse_args(argv)
@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
         config = from_args(args)
         addr = service.resolve(config.host, config.port)
         service.check_free(addr)
-    except ConfigError as e:
+    except EngineConfigError as e:
         print(f"lexi-engine: error: {e}", file=sys.stderr)
         return 2
     except service.StartError as e:

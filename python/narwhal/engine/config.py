@@ -25,7 +25,7 @@ RANGES: dict[str, tuple[float, float]] = {
 }
 
 
-class ConfigError(ValueError):
+class EngineConfigError(ValueError):
     def __init__(self, flag: str, reason: str) -> None:
         super().__init__(f"{flag}: {reason}")
         self.flag = flag
@@ -246,7 +246,7 @@ def defaults_from_env(p: argparse.ArgumentParser) -> None:
         if isinstance(action, (argparse._StoreTrueAction, argparse.BooleanOptionalAction)):
             low = raw.strip().lower()
             if low not in _TRUE + _FALSE:
-                raise ConfigError(name, f"must be one of {', '.join(_TRUE + _FALSE)}")
+                raise EngineConfigError(name, f"must be one of {', '.join(_TRUE + _FALSE)}")
             action.default = low in _TRUE
         elif isinstance(action, argparse._AppendAction):
             action.default = [v.strip() for v in raw.split(",") if v.strip()]
@@ -254,7 +254,7 @@ def defaults_from_env(p: argparse.ArgumentParser) -> None:
             try:
                 action.default = action.type(raw) if callable(action.type) else raw
             except ValueError:
-                raise ConfigError(name, f"{raw[:40]!r} is not a valid value") from None
+                raise EngineConfigError(name, f"{raw[:40]!r} is not a valid value") from None
             action.required = False
 
 
@@ -265,22 +265,22 @@ def _read_keys(values: list[str]) -> tuple[str, ...]:
             try:
                 text = Path(v[1:]).read_text()
             except OSError as e:
-                raise ConfigError("--api-key", f"cannot read {v[1:]}: {e.strerror}") from e
+                raise EngineConfigError("--api-key", f"cannot read {v[1:]}: {e.strerror}") from e
             keys.extend(line.strip() for line in text.splitlines() if line.strip())
         elif v:
             keys.append(v)
         else:
-            raise ConfigError("--api-key", "empty key")
+            raise EngineConfigError("--api-key", "empty key")
     return tuple(keys)
 
 
 def from_args(ns: argparse.Namespace) -> EngineConfig:
     model = Path(ns.model)
     if not model.is_file() or not os.access(model, os.R_OK):
-        raise ConfigError("--model", f"{model} is not a readable file")
+        raise EngineConfigError("--model", f"{model} is not a readable file")
     with model.open("rb") as f:
         if f.read(4) != b"GGUF":
-            raise ConfigError("--model", f"{model} is not a GGUF file")
+            raise EngineConfigError("--model", f"{model} is not a GGUF file")
 
     sampling = dict(DEFAULT_SAMPLING)
     for name, (lo, hi) in RANGES.items():
@@ -289,32 +289,32 @@ def from_args(ns: argparse.Namespace) -> EngineConfig:
             continue
         if not (lo <= value <= hi) or value != value:
             flag = "--" + name.replace("_", "-")
-            raise ConfigError(flag, f"must be between {lo:g} and {hi:g} (got {value:g})")
+            raise EngineConfigError(flag, f"must be between {lo:g} and {hi:g} (got {value:g})")
         sampling[name] = value
 
     if ns.reasoning_format not in REASONING_FORMATS:
-        raise ConfigError("--reasoning-format", "must be auto or none")
+        raise EngineConfigError("--reasoning-format", "must be auto or none")
 
     kwargs: dict[str, Any] = {}
     if ns.chat_template_kwargs is not None:
         try:
             kwargs = orjson.loads(ns.chat_template_kwargs)
         except orjson.JSONDecodeError as e:
-            raise ConfigError("--chat-template-kwargs", f"malformed JSON: {e}") from e
+            raise EngineConfigError("--chat-template-kwargs", f"malformed JSON: {e}") from e
         if not isinstance(kwargs, dict):
-            raise ConfigError("--chat-template-kwargs", "must be a JSON object")
+            raise EngineConfigError("--chat-template-kwargs", "must be a JSON object")
         from narwhal.engine.template import RESERVED
 
         for k in kwargs:
             if k in RESERVED:
-                raise ConfigError("--chat-template-kwargs", f"'{k}' is reserved")
+                raise EngineConfigError("--chat-template-kwargs", f"'{k}' is reserved")
 
     template: str | None = None
     if ns.chat_template_file is not None:
         try:
             raw = Path(ns.chat_template_file).read_bytes()
         except OSError as e:
-            raise ConfigError("--chat-template-file", f"cannot read: {e.strerror}") from e
+            raise EngineConfigError("--chat-template-file", f"cannot read: {e.strerror}") from e
         # Imported here: the flags (and --help) must work before the engine extra's jinja2
         # is known to be there (engine/deps.py says how to get it).
         from narwhal.engine.template import TemplateError, validate_source
@@ -322,44 +322,44 @@ def from_args(ns: argparse.Namespace) -> EngineConfig:
         try:
             template = validate_source(raw, ns.chat_template_file)
         except TemplateError as e:
-            raise ConfigError("--chat-template-file", str(e)) from e
+            raise EngineConfigError("--chat-template-file", str(e)) from e
 
     if ns.queue_wait < 0 or ns.queue_wait != ns.queue_wait:
-        raise ConfigError("--queue-wait", "must be >= 0")
+        raise EngineConfigError("--queue-wait", "must be >= 0")
     if not (0 <= ns.port <= 65535):
-        raise ConfigError("--port", "must be between 0 and 65535")
+        raise EngineConfigError("--port", "must be between 0 and 65535")
     if ns.ctx_size < 16:
-        raise ConfigError("--ctx-size", "must be at least 16")
+        raise EngineConfigError("--ctx-size", "must be at least 16")
     if not (1 <= ns.parallel <= 256):
-        raise ConfigError("--parallel", "must be between 1 and 256")
+        raise EngineConfigError("--parallel", "must be between 1 and 256")
     if ns.ctx_size // ns.parallel < 16:
-        raise ConfigError(
+        raise EngineConfigError(
             "--ctx-size",
             f"gives each of the {ns.parallel} slots fewer than 16 "
             "tokens (the context is split evenly over --parallel)",
         )
     if not (1 <= ns.prefill_chunk <= 8192):
-        raise ConfigError("--prefill-chunk", "must be between 1 and 8192")
+        raise EngineConfigError("--prefill-chunk", "must be between 1 and 8192")
     for flag, v in (("--header-timeout", ns.header_timeout), ("--body-timeout", ns.body_timeout)):
         if not (0 < v <= 3600):
-            raise ConfigError(flag, "must be between 0 and 3600 seconds")
+            raise EngineConfigError(flag, "must be between 0 and 3600 seconds")
     if ns.max_connections < 1:
-        raise ConfigError("--max-connections", "must be at least 1")
+        raise EngineConfigError("--max-connections", "must be at least 1")
     for flag, v in (("--fence-etcd", ns.fence_etcd), ("--fence-state", ns.fence_state)):
         if v is not None and not ns.fence:
-            raise ConfigError(flag, "needs --fence")
+            raise EngineConfigError(flag, "needs --fence")
     if ns.fence_state is not None:
         _check_fence_state(ns.fence_state)
     if ns.fence_etcd is not None and not ns.fence_etcd.startswith(("http://", "https://")):
-        raise ConfigError("--fence-etcd", "must be an http(s):// URL of an etcd endpoint")
+        raise EngineConfigError("--fence-etcd", "must be an http(s):// URL of an etcd endpoint")
     if not (0 < ns.shutdown_grace <= 3600):
-        raise ConfigError("--shutdown-grace", "must be between 0 and 3600 seconds")
+        raise EngineConfigError("--shutdown-grace", "must be between 0 and 3600 seconds")
     if ns.threads is not None and ns.threads < 1:
-        raise ConfigError("--threads", "must be at least 1")
+        raise EngineConfigError("--threads", "must be at least 1")
     aliases = tuple(ns.alias)
     for a in aliases:
         if not a.strip():
-            raise ConfigError("--alias", "empty name")
+            raise EngineConfigError("--alias", "empty name")
 
     return EngineConfig(
         model=str(model.resolve()),
@@ -399,10 +399,10 @@ def _check_fence_state(path: str) -> None:
         try:
             raw = p.read_text().strip()
         except (OSError, UnicodeDecodeError) as e:
-            raise ConfigError("--fence-state", f"cannot be read: {e}") from None
+            raise EngineConfigError("--fence-state", f"cannot be read: {e}") from None
         if parse(raw) is None:
-            raise ConfigError("--fence-state", f"holds no fencing token: {raw[:40]!r}")
+            raise EngineConfigError("--fence-state", f"holds no fencing token: {raw[:40]!r}")
     elif not p.parent.is_dir() or not os.access(p.parent, os.W_OK):
-        raise ConfigError(
+        raise EngineConfigError(
             "--fence-state", f"cannot be written: {p.parent} is not a writable folder"
         )

@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import os
 
-from narwhal.router.config import ConfigError
+from narwhal.router.config import RouterConfigError
 
 # The CPUs the router was started with, for the engines it launches (the router's own
 # worker process and threads inherit the narrower set).
@@ -30,7 +30,7 @@ def choose(setting: str | tuple[int, ...], allowed: set[int]) -> set[int] | None
     wanted = set(setting)
     missing = sorted(wanted - allowed)
     if missing:
-        raise ConfigError(
+        raise RouterConfigError(
             f"serving.cpu_affinity: CPU {missing[0]} is not available to the "
             f"router (it may use {_ranges(allowed)})"
         )
@@ -49,7 +49,7 @@ def pin(setting: str | tuple[int, ...]) -> set[int] | None:
     try:
         os.sched_setaffinity(0, cpus)
     except OSError as e:
-        raise ConfigError(
+        raise RouterConfigError(
             f"serving.cpu_affinity: cannot keep the router to CPU {_ranges(cpus)}: {e.strerror}"
         ) from e
     os.environ[ENGINE_CPUS_ENV] = ",".join(map(str, sorted(allowed)))

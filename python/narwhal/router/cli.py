@@ -7,7 +7,7 @@ import os
 import sys
 
 from narwhal import __version__, logs, service
-from narwhal.router.config import ConfigError, EngineSpec, Launch, RouterConfig, load
+from narwhal.router.config import EngineSpec, Launch, RouterConfig, RouterConfigError, load
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -91,7 +91,7 @@ def _up_config(args: argparse.Namespace) -> RouterConfig:
             else os.cpu_count() or 1
         )
     elif threads < 1:
-        raise ConfigError("--threads: must be at least 1")
+        raise RouterConfigError("--threads: must be at least 1")
     # The context is split over the slots: 8192 (SmolLM2's trained length) gives each of
     # the default 4 slots 2048 tokens instead of lexi-engine's default 4096 / 4.
     extra = ["--ctx-size", str(args.ctx_size), "--threads", str(threads)]
@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         config = load(args.config) if args.command == "serve" else _up_config(args)
-    except ConfigError as e:
+    except RouterConfigError as e:
         print(f"narwhal: config error: {e}", file=sys.stderr)
         return 2
     except service.StartError as e:
@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         cpus = affinity.pin(config.cpu_affinity)
-    except ConfigError as e:
+    except RouterConfigError as e:
         print(f"narwhal: config error: {e}", file=sys.stderr)
         return 2
     service.hand_off(CONFIG_ENV, config.to_json())

@@ -154,7 +154,7 @@ SCHEMA: dict[str, Any] = {
 _VALIDATOR = jsonschema_rs.validator_for(SCHEMA)
 
 
-class ConfigError(ValueError):
+class RouterConfigError(ValueError):
     pass
 
 
@@ -282,14 +282,14 @@ def _path(err: Any) -> str:
 
 def parse(data: Any) -> RouterConfig:
     if not isinstance(data, dict):
-        raise ConfigError("<root>: the config must be a mapping")
+        raise RouterConfigError("<root>: the config must be a mapping")
     errors = sorted(_VALIDATOR.iter_errors(data), key=lambda e: list(map(str, e.instance_path)))
     if errors:
-        raise ConfigError("; ".join(f"{_path(e)}: {_plain(e, data)}" for e in errors))
+        raise RouterConfigError("; ".join(f"{_path(e)}: {_plain(e, data)}" for e in errors))
     names = [e["name"] for e in data["engines"]]
     dupes = {n for n in names if names.count(n) > 1}
     if dupes:
-        raise ConfigError(f"engines: duplicate engine name {sorted(dupes)[0]!r}")
+        raise RouterConfigError(f"engines: duplicate engine name {sorted(dupes)[0]!r}")
     engines = []
     for e in data["engines"]:
         launch = None
@@ -369,12 +369,12 @@ def load(path: str | Path) -> RouterConfig:
     try:
         text = Path(path).read_text()
     except OSError as e:
-        raise ConfigError(f"cannot read {path}: {e.strerror}") from e
+        raise RouterConfigError(f"cannot read {path}: {e.strerror}") from e
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
         problem = getattr(e, "problem", None) or str(e).splitlines()[0]
-        raise ConfigError(f"{where}: not valid YAML: {problem}") from e
+        raise RouterConfigError(f"{where}: not valid YAML: {problem}") from e
     return parse(data)
