@@ -27,11 +27,11 @@ from narwhal.router.ha.maintenance import Maintenance
 from narwhal.router.ha.profiles import SharedProfiles
 from narwhal.router.lease import Events
 from narwhal.router.metrics import RouterMetrics
-from narwhal.router.pipeline import Ending, intake
+from narwhal.router.pipeline import intake
+from narwhal.router.pipeline.flow import Flow
 from narwhal.router.pipeline.gate import Gate
 from narwhal.router.pipeline.judge import Judge
 from narwhal.router.pipeline.place import Placer
-from narwhal.router.pipeline.read import read
 from narwhal.router.policies import Policy
 from narwhal.router.policies.open import OpenPolicy
 from narwhal.router.policies.predictive import PredictivePolicy
@@ -115,6 +115,7 @@ class Router:
             self.metrics,
             self.metrics.queue_time.labels(config.model),
         )
+        self.flow = Flow(config, self.metrics, self.admission, self.gate, self.judge, self.placer)
         self.background = Background(self.metrics.background_errors)
         self.session: aiohttp.ClientSession | None = None
 
@@ -191,7 +192,7 @@ class Router:
         if path in COMPLETION_ROUTES:
             if method != "POST":
                 raise asgi.method_not_allowed(method, path, "POST")
-            await self._completion(path, scope, receive, send)
+            await self.flow(path, scope, receive, send)
         elif path in admin_api.ROUTES and self.admin is not None:
             await self.admin.handle(scope, receive, send)
         elif path.startswith("/v1/models/"):
@@ -211,7 +212,7 @@ class Router:
         elif path == "/engines":
             await asgi.send_json(send, 200, {"engines": [e.describe() for e in self.pool.engines]})
         elif path == "/metrics":
-            self._refresh_gauges()
+            self.metrics.refresh(self.pool, self.admission, self.predictor)
             await asgi.send_bytes(
                 send, 200, generate_latest(self.metrics.registry), b"text/plain; version=0.0.4"
             )
@@ -252,85 +253,6 @@ class Router:
         if failing:
             body["background_failing"] = failing
         await asgi.send_json(send, 200 if reason is None else 503, body)
-
-    def _refresh_gauges(self) -> None:
-        m = self.metrics
-        for e in self.pool.engines:
-            m.engine_healthy.labels(e.name).set(1 if e in self.pool.eligible() else 0)
-        m.retained.set(self.admission.retained)
-        m.queued.set(self.admission.queued)
-        for e in self.pool.engines:
-            m.inflight.labels(e.name, "prefill").set(e.prefill)
-            m.inflight.labels(e.name, "decode").set(e.decode)
-            if self.predictor is not None:
-                prof = self.predictor.profiles[e.name]
-                m.prediction_drift.labels(e.name).set(prof.drift or 0.0)
-                m.sizing_error.labels(e.name).set(prof.sizing_error or 0.0)
-
-    # -- a completion request's way through (pipeline/) ----------------------------------
-    async def _completion(self, path: str, scope: Scope, receive: Receive, send: Send) -> None:
-        m = self.metrics
-        arrived = time.monotonic()
-        m.offered.inc()
-        end = Ending()
-        try:
-            try:
-                self.admission.retain()
-            except ApiError:
-                m.rejected.labels("retention").inc()
-                end.outcome = "rejected"
-                raise
-            try:
-                req, deadline, budget = await read(
-                    path, scope, receive, self.config, m, arrived, end
-                )
-                await self._serve(req, receive, send, arrived, deadline, budget, end)
-            finally:
-                self.admission.release_retention()
-        finally:
-            m.finished.labels(end.outcome).inc()
-            rec = asgi.current.get()
-            if rec is not None:
-                rec.fields["outcome"] = end.outcome
-
-    async def _serve(
-        self,
-        req: intake.Intake,
-        receive: Receive,
-        send: Send,
-        arrived: float,
-        deadline: float,
-        budget: float,
-        end: Ending,
-    ) -> None:
-        task = asyncio.current_task()
-        assert task is not None
-        watcher = asyncio.create_task(asgi.watch_disconnect(receive, task))
-        try:
-            try:
-                self.gate.check()
-            except ApiError as e:
-                self.metrics.rejected.labels(e.code or "unavailable").inc()
-                end.outcome = "rejected"
-                raise
-            try:
-                plan = await self.judge.plan(req, arrived, budget)
-            except ApiError as e:
-                self.metrics.refused.labels(e.code or "predictive").inc()
-                end.outcome = "refused"
-                raise
-            try:
-                busy = self.gate.cannot_serve(req)
-            except ApiError:
-                end.outcome = "invalid"
-                raise
-            await self.placer.serve(req, send, arrived, deadline, plan, busy, end)
-        except asyncio.CancelledError:
-            end.outcome = "client_gone"
-            if not watcher.done():
-                raise  # not the client's doing: shutting down
-        finally:
-            watcher.cancel()
 
 
 def _policy(config: RouterConfig, engines: list[Engine], predictor: Predictor | None) -> Policy:

@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 
 from narwhal.router.lease import Events, Lease
+
+if TYPE_CHECKING:
+    from narwhal.router.admission import Admission
+    from narwhal.router.engines import Pool
+    from narwhal.router.predict import Predictor
 
 # Up to the default request timeout (600 s): a long answer lands in a bucket, not in +Inf.
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
@@ -233,6 +238,21 @@ class RouterMetrics:
         if em is None:
             em = self._per_engine[name] = EngineMetrics(self, name)
         return em
+
+    def refresh(self, pool: Pool, admission: Admission, predictor: Predictor | None) -> None:
+        """The gauges, read from their owners when `/metrics` is scraped."""
+        eligible = pool.eligible()
+        for e in pool.engines:
+            self.engine_healthy.labels(e.name).set(1 if e in eligible else 0)
+        self.retained.set(admission.retained)
+        self.queued.set(admission.queued)
+        for e in pool.engines:
+            self.inflight.labels(e.name, "prefill").set(e.prefill)
+            self.inflight.labels(e.name, "decode").set(e.decode)
+            if predictor is not None:
+                prof = predictor.profiles[e.name]
+                self.prediction_drift.labels(e.name).set(prof.drift or 0.0)
+                self.sizing_error.labels(e.name).set(prof.sizing_error or 0.0)
 
 
 class EngineMetrics:
