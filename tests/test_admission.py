@@ -4,9 +4,12 @@ client that leaves the queue; counters and gauges come back to zero."""
 from __future__ import annotations
 
 import contextlib
+import os
+import signal
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -141,3 +144,45 @@ def test_everything_returns_to_zero(router: Server) -> None:
             and engine_state(router)["decode"] == 0
         )
     )
+
+
+def test_a_stopping_router_turns_its_queue_away_and_finishes_what_it_placed(
+    scripted: Server, tmp_path: Path
+) -> None:
+    r = start_router(
+        tmp_path,
+        f"""
+model: main
+listen: {{port: $PORT}}
+admission: open
+queue: {{size: 4, wait_s: 60}}
+phases: {{prefill_concurrency: 1}}
+health: {{interval_s: 0.2}}
+engines:
+  - {{name: s, url: '{scripted.url}', dialect: lexi}}
+""",
+    )
+    try:
+        placed: list[int] = []
+        first = background(r, "script:slow_first:4000", placed)
+        wait_for(lambda: engine_state(r)["prefill"] == 1)
+        queued: list[httpx.Response] = []
+        waiter = threading.Thread(
+            target=lambda: queued.append(
+                httpx.post(r.url + "/v1/chat/completions", json=chat("hi"), timeout=60)
+            )
+        )
+        waiter.start()
+        wait_for(lambda: metric(r, "narwhal_queued") == 1)
+        os.kill(r.proc.pid, signal.SIGTERM)
+        waiter.join(timeout=60)
+        # Told to retry while the placed request is still being answered, not left to
+        # wait out a queue the shutdown would cut.
+        assert first.is_alive()
+        (refused,) = queued
+        assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
+        assert refused.json()["error"]["code"] == "stopping"
+        first.join()
+        assert placed == [200]
+    finally:
+        r.stop()

@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from narwhal.errors import ApiError
 from narwhal.router.engines import Engine, Pool
@@ -194,6 +194,14 @@ class Admission:
             self._queue.popleft()
             self._take(lease, e)
             fut.set_result(None)
+
+    def turn_away(self, refusal: Callable[[], ApiError]) -> None:
+        """Everyone waiting in the queue is refused now (this router stopped leading: a
+        wait that outlasted the shutdown's grace would end in a reset instead)."""
+        while self._queue:
+            fut, _ = self._queue.popleft()
+            if not fut.done():
+                fut.set_exception(refusal())
 
     async def drain_forever(self) -> None:
         """Place queued requests when an engine recovers (capacity changes without a release)."""

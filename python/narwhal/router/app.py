@@ -29,7 +29,7 @@ from narwhal.router.lease import Events
 from narwhal.router.metrics import RouterMetrics
 from narwhal.router.pipeline import intake
 from narwhal.router.pipeline.flow import Flow
-from narwhal.router.pipeline.gate import Gate
+from narwhal.router.pipeline.gate import Gate, unavailable_error
 from narwhal.router.pipeline.judge import Judge
 from narwhal.router.pipeline.place import Placer
 from narwhal.router.policies import Policy
@@ -135,7 +135,7 @@ class Router:
         bg.start("maintenance_follower", self.maintenance.follow_forever)
         if self.profiles is not None:
             bg.start("profile_sharing", self.profiles.publish_forever)
-        _on_stop_signal(lambda: asyncio.ensure_future(self.leadership.resign()))
+        _on_stop_signal(lambda: asyncio.ensure_future(self._resign()))
         bg.start(
             "silent_reaper",
             lambda: silent.close_silent_forever(c.header_timeout_s, self.metrics.silent_closed.inc),
@@ -153,8 +153,14 @@ class Router:
             )
             bg.start("profiling", profiler.run_forever)
 
-    async def shutdown(self) -> None:
+    async def _resign(self) -> None:
+        """Stop leading at once; those waiting in the queue are told to retry (elsewhere)."""
         await self.leadership.resign()
+        lead = self.leadership
+        self.admission.turn_away(lambda: unavailable_error(lead.role.value, lead.reason))
+
+    async def shutdown(self) -> None:
+        await self._resign()
         await self.background.stop()
         await asyncio.gather(*(me.stop() for me in self.managed))
         self.relayer.close()
