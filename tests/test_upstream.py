@@ -266,3 +266,34 @@ def test_the_retry_goes_to_a_fresh_connection_not_another_idle_one() -> None:
             assert raw.connections == 3
 
     run(scenario)
+
+
+def test_nothing_is_sent_when_the_check_made_once_connected_fails() -> None:
+    async def answer(conn: int, n: int, w: asyncio.StreamWriter) -> bool:
+        w.write(chunked(b"data: ok\n\n"))
+        return True
+
+    class Deposed(Exception):
+        pass
+
+    leading = [True]
+
+    def still_leading() -> None:
+        if not leading[0]:
+            raise Deposed
+
+    async def scenario() -> None:
+        async with serving(answer) as (raw, up):
+            ex = await up.request("/v1/completions", b"{}", before_send=still_leading)
+            await ex.read_all()
+            ex.release(True)
+            leading[0] = False  # lost while the next request was connecting
+            with pytest.raises(Deposed):
+                await up.request("/v1/completions", b"{}", before_send=still_leading)
+            await asyncio.sleep(0.05)
+            assert len(raw.requests) == 1  # the second request's bytes never left
+            leading[0] = True  # the connection it did not use serves the next one
+            assert (await up.request("/v1/completions", b"{}")).status == 200
+            assert raw.connections == 1
+
+    run(scenario)

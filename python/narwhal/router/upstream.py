@@ -356,10 +356,16 @@ class Upstream:
         self._all: set[_Connection] = set()
 
     async def request(
-        self, path: str, body: bytes, deadline: float | None = None, headers: str = ""
+        self,
+        path: str,
+        body: bytes,
+        deadline: float | None = None,
+        headers: str = "",
+        before_send: Callable[[], None] | None = None,
     ) -> Exchange:
         """POST `body` to `path`; returns once the response head arrived. `headers`: more
-        header lines, each ending in CRLF.
+        header lines, each ending in CRLF. `before_send` runs once a connection is ready,
+        just before the request's bytes go (it may raise: nothing is sent).
 
         A reused connection that breaks before any response byte is retried once on a
         fresh one: the engine closed it while idle, so it never saw the request.
@@ -373,6 +379,12 @@ class Upstream:
             reused = conn is not None
             if conn is None:
                 conn = await self._connect(deadline)
+            if before_send is not None:
+                try:
+                    before_send()
+                except BaseException:
+                    self._idle(conn)  # nothing was sent on it: another request may use it
+                    raise
             conn.start(head + body)
             try:
                 while True:

@@ -47,9 +47,10 @@ class Gate:
             raise unavailable_error(*down)
 
     def check_leading(self) -> None:
+        """Raises NotLeading unless this router may still place work."""
         why = self.leadership.serving()
         if why is not None:
-            raise unavailable_error(self.leadership.role.value, why)
+            raise NotLeading(self.leadership.role.value, why)
 
     def cannot_serve(self, req: intake.Intake) -> frozenset[str]:
         """The engines whose dialect cannot serve the request's route (a 404 when none can)."""
@@ -68,6 +69,14 @@ class Gate:
                 code="unsupported",
             )
         return names
+
+
+class NotLeading(ApiError):
+    """This router stopped leading between the gate and the engine: nothing was sent."""
+
+    def __init__(self, code: str, reason: str) -> None:
+        err = unavailable_error(code, reason)
+        super().__init__(err.status, err.message, type=err.type, code=code, headers=err.headers)
 
 
 def unavailable_error(code: str, reason: str) -> ApiError:

@@ -19,7 +19,7 @@ from narwhal.router.ha.leadership import Leadership
 from narwhal.router.lease import Lease
 from narwhal.router.metrics import RouterMetrics
 from narwhal.router.pipeline import Ending
-from narwhal.router.pipeline.gate import Gate
+from narwhal.router.pipeline.gate import Gate, NotLeading
 from narwhal.router.pipeline.intake import Intake
 from narwhal.router.policies import Plan, Policy
 from narwhal.router.relay.errors import EngineBusy, EngineFailed, EngineFenced
@@ -106,7 +106,10 @@ class Placer:
                 placed = True
                 self.queue_time.observe(time.monotonic() - arrived)
                 try:
-                    return await self.relayer.run(lease, send)
+                    # Checked again once a connection is ready, just before the bytes go:
+                    # connecting (a fresh connection, or a retried one) may take longer than
+                    # what is left of this router's leadership.
+                    return await self.relayer.run(lease, send, self.gate.check_leading)
                 except EngineFailed as e:
                     raise ApiError(
                         502,
@@ -127,6 +130,10 @@ class Placer:
                 code="fenced",
                 headers={"retry-after": "1"},
             ) from None
+        except NotLeading as e:
+            self.metrics.rejected.labels(e.code or "unavailable").inc()
+            end.outcome = "rejected"
+            raise
         except Expired:
             self.metrics.rejected.labels("wait_expired").inc()
             end.outcome = "rejected"

@@ -60,11 +60,17 @@ class Relayer:
         for up in self.upstreams.values():
             up.close()
 
-    async def run(self, lease: Lease, send: Send) -> str:
+    async def run(
+        self,
+        lease: Lease,
+        send: Send,
+        before_send: Callable[[], None] | None = None,
+    ) -> str:
         """Relay the lease's answer to `send`; how it ended: "completed", "stream_fault"
         (the stream ended with an error event) or "engine_error" (the engine's own non-200
         answer, passed through). Raises EngineBusy (a 429, nothing sent), EngineFailed or a
-        504 before anything was sent."""
+        504 before anything was sent, or what `before_send` raises (run once the connection
+        is ready, before any byte goes)."""
         e = lease.on
         body = upstream_body(lease.intake, e.spec.token_ids)
         lease.sent_at = time.monotonic()
@@ -73,7 +79,9 @@ class Relayer:
         if rec is not None:  # the ID is printable ASCII without spaces (asgi.begin)
             headers += f"x-request-id: {rec.id}\r\n"
         try:
-            resp = await self.upstream(e).request(lease.intake.route, body, lease.deadline, headers)
+            resp = await self.upstream(e).request(
+                lease.intake.route, body, lease.deadline, headers, before_send
+            )
         except asyncio.TimeoutError:
             raise deadline_passed() from None
         except OSError as exc:
