@@ -76,3 +76,28 @@ def test_an_answer_that_is_not_etcd_s_is_an_etcd_error(body: bytes) -> None:
             server.close()
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"{}",  # acknowledged, then the stream ended
+        b'{"result": {"events": [{"kv": {"value": "@@@"}}]}}\n',
+        b'{"result": {"events": 7}}\n',
+        b'{"result": {"canceled": true, "cancel_reason": "compacted"}}\n',
+        b"not json\n",
+    ],
+)
+def test_a_watch_stream_that_is_not_etcd_s_is_an_etcd_error(body: bytes) -> None:
+    async def main() -> None:
+        server, url = await _answering(body)
+        etcd = Etcd([url], timeout_s=2)
+        try:
+            with pytest.raises(EtcdError):
+                async for _ in etcd.watch(b"/k", 1):
+                    pass
+        finally:
+            await etcd.close()
+            server.close()
+
+    asyncio.run(main())

@@ -223,6 +223,58 @@ def test_sigterm_hands_over_at_once_and_in_flight_streams_finish(
         b.stop()
 
 
+def leadership(r: Server) -> dict[str, Any]:
+    out: dict[str, Any] = ready(r).json()["leadership"]
+    return out
+
+
+def test_a_deleted_leader_key_ends_the_leaders_term_at_once(
+    etcd: EtcdServer, scripted: Server, tmp_path: Path
+) -> None:
+    # Renewals a third of 30 s apart: a leader that noticed only at its next renewal would
+    # place work for seconds beside the standby that took the key.
+    key = f"/t{next(_keys)}/leader"
+    a, b = pair(tmp_path, config(etcd, key, f"  - {{name: s, url: '{scripted.url}'}}\n", ttl=30))
+    try:
+        wait_until(lambda: leadership(b)["role"] == "standby", within=10)
+        old = token(a)
+        k = base64.b64encode(key.encode()).decode()
+        httpx.post(etcd.url + "/v3/kv/deleterange", json={"key": k})  # an operator's doing
+        wait_until(
+            lambda: any((leadership(r)["fencing_token"] or 0) > old for r in (a, b)), within=5
+        )
+        time.sleep(0.3)  # a standby looks every 0.25 s: both have seen the new key by now
+        roles = sorted(leadership(r)["role"] for r in (a, b))
+        assert roles.count("leader") == 1, roles
+        served = [ask(r).status_code for r in (a, b)]
+        assert sorted(served) == [200, 503], served
+    finally:
+        a.stop()
+        b.stop()
+
+
+def test_a_leader_key_put_by_hand_is_named_on_ready(
+    etcd: EtcdServer, scripted: Server, tmp_path: Path
+) -> None:
+    key = f"/t{next(_keys)}/leader"
+    k = base64.b64encode(key.encode()).decode()
+    hand = base64.b64encode(b"ops-debugging").decode()
+    httpx.post(etcd.url + "/v3/kv/put", json={"key": k, "value": hand})  # no lease
+    r = start_router(
+        tmp_path,
+        config(etcd, key, f"  - {{name: s, url: '{scripted.url}'}}\n"),
+        wait_ready=False,
+    )
+    try:
+        wait_until(lambda: "without a lease" in ready(r).json().get("reason", ""), within=10)
+        reason = ready(r).json()["reason"]
+        assert "ops-debugging" in reason and "not a router" in reason
+        assert ask(r).status_code == 503
+    finally:
+        r.stop()
+        httpx.post(etcd.url + "/v3/kv/deleterange", json={"key": k})
+
+
 def test_maintenance_waves_and_the_admin_token(
     etcd: EtcdServer, engine: Server, tmp_path: Path, scripted: Server
 ) -> None:

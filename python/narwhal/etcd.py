@@ -1,9 +1,10 @@
 """A small etcd v3 client over etcd's own JSON gateway (`/v3/...` over HTTP).
 
 Only what leadership, fencing and maintenance waves need: leases (grant, keep alive,
-revoke), a create-if-absent transaction, range, put and delete. The gateway is part of every
-etcd v3 server (3.4+), so this needs no gRPC stack: aiohttp is already here. int64s travel
-as JSON strings, keys and values as base64, and proto3 leaves out fields at their default.
+revoke), a create-if-absent transaction, range, put, delete and a watch of one key. The
+gateway is part of every etcd v3 server (3.4+), so this needs no gRPC stack: aiohttp is
+already here. int64s travel as JSON strings, keys and values as base64, and proto3 leaves
+out fields at their default.
 Every call is bounded by `timeout_s`; endpoints are tried in order until one answers.
 """
 
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -23,6 +24,14 @@ T = TypeVar("T")
 
 class EtcdError(Exception):
     """No endpoint answered, or one answered with an error."""
+
+
+@dataclass(frozen=True)
+class Change:
+    """One event of a watched key: put (with the key as it now is) or deleted."""
+
+    deleted: bool
+    kv: KeyValue
 
 
 @dataclass(frozen=True)
@@ -135,3 +144,48 @@ class Etcd:
 
     async def delete(self, key: bytes) -> None:
         await self._call("/v3/kv/deleterange", {"key": _b64(key)})
+
+    async def watch(self, key: bytes, start_revision: int) -> AsyncIterator[list[Change]]:
+        """The changes to `key` from `start_revision` on, as etcd reports them, for as
+        long as the caller reads (the gateway streams one JSON object a line). Connecting
+        is bounded by `timeout_s`; the wait for changes is not. Raises EtcdError when no
+        endpoint streams, or when the stream breaks."""
+        body = orjson.dumps(
+            {"create_request": {"key": _b64(key), "start_revision": str(start_revision)}}
+        )
+        timeout = aiohttp.ClientTimeout(
+            total=None, connect=self.timeout.total, sock_connect=self.timeout.total
+        )
+        failure = "no etcd endpoint"
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            for e in self.endpoints:
+                try:
+                    async with session.post(e + "/v3/watch", data=body) as r:
+                        if r.status != 200:
+                            failure = f"{e}/v3/watch answered {r.status}"
+                            continue
+                        async for line in r.content:
+                            changes = _changes(line)
+                            if changes:
+                                yield changes
+                        failure = f"{e}/v3/watch: the stream ended"
+                except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+                    failure = f"{e}: {type(exc).__name__}: {exc}"
+        raise EtcdError(failure)
+
+
+def _changes(line: bytes) -> list[Change]:
+    """The events in one line of a watch stream (none for its acknowledgements)."""
+    if not line.strip():
+        return []
+    try:
+        msg = orjson.loads(line)
+        result = msg.get("result") or {}
+        if result.get("canceled"):
+            raise EtcdError(f"the watch was canceled: {result.get('cancel_reason', '')}")
+        return [
+            Change(ev.get("type") == "DELETE", _kv(ev.get("kv") or {}))
+            for ev in result.get("events") or []
+        ]
+    except (orjson.JSONDecodeError, AttributeError, TypeError, ValueError) as exc:
+        raise EtcdError(f"malformed watch event: {type(exc).__name__}: {exc}") from None

@@ -25,7 +25,7 @@ import socket
 import time
 from collections.abc import Awaitable, Callable
 
-from narwhal.etcd import Etcd, EtcdError
+from narwhal.etcd import Etcd, EtcdError, KeyValue
 from narwhal.router.config import HA
 
 log = logging.getLogger("narwhal.leadership")
@@ -58,6 +58,7 @@ class Leadership:
         self.etcd = Etcd(list(ha.etcd)) if ha is not None else None
         self._lease = 0
         self._woken = asyncio.Event()
+        self._watch: asyncio.Task[None] | None = None  # the leader key, while leading
 
     def serving(self) -> str | None:
         """None when this router may place work now; else why not (for 503 and /ready)."""
@@ -145,12 +146,12 @@ class Leadership:
                     self.token = kv.create_revision
                     self._valid_until = lease_until
                     self.role, self.reason = Role.LEADER, ""
+                    self._watch_key(key, kv.create_revision)
                 else:
                     if self.role is Role.LEADER:
                         self.fence("another router holds the leader key")
-                    holder = kv.value.decode(errors="replace") if kv else "nobody"
                     self.token = None
-                    self.role, self.reason = Role.STANDBY, f"standby: {holder} leads"
+                    self.role, self.reason = Role.STANDBY, _standby_reason(ha.key, kv)
             except EtcdError as e:
                 if self.role is Role.STANDBY:
                     self.reason = f"standby: etcd unreachable ({e})"
@@ -162,6 +163,54 @@ class Leadership:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._woken.wait(), wait)
 
+    def _watch_key(self, key: bytes, token: int) -> None:
+        """While leading with `token`, a change to the leader key (an operator deleted it,
+        something put over it) ends this router's leadership at once, not at the next
+        renewal a third of a TTL later, by when a standby has long taken over."""
+        if self._watch is not None and not self._watch.done():
+            if self._watch.get_name() == f"leader-key-{token}":
+                return
+            self._watch.cancel()
+        self._watch = asyncio.create_task(self._watching(key, token), name=f"leader-key-{token}")
+
+    async def _watching(self, key: bytes, token: int) -> None:
+        assert self.etcd is not None
+        while self.role is Role.LEADER and self.token == token:
+            try:
+                async for changes in self.etcd.watch(key, token + 1):
+                    for c in changes:
+                        if c.deleted or c.kv.create_revision != token:
+                            what = "was deleted" if c.deleted else "was put over"
+                            self.fence(f"the leader key {what}")
+                            return
+            except EtcdError as e:
+                log.warning("watching the leader key: %s; reading it instead", e)
+                with contextlib.suppress(EtcdError):
+                    kv = await self.etcd.get(key)
+                    if kv is None or kv.create_revision != token:
+                        self.fence("the leader key changed")
+                        return
+            except Exception:  # a bug: said, and the watch goes on (renewal still checks)
+                log.exception("watching the leader key failed")
+            await asyncio.sleep(0.5)
+
     async def close(self) -> None:
+        if self._watch is not None:
+            self._watch.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._watch
         if self.etcd is not None:
             await self.etcd.close()
+
+
+def _standby_reason(key: str, kv: KeyValue | None) -> str:
+    if kv is None:
+        return "standby: campaigning for leadership"
+    holder = kv.value.decode(errors="replace")[:200]
+    if not kv.lease:
+        # A router always puts it with a lease; this one never goes away by itself.
+        return (
+            f"standby: the leader key {key} is held without a lease by {holder!r}, which "
+            "is not a router: delete it to let a router lead"
+        )
+    return f"standby: {holder} leads"
