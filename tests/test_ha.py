@@ -315,6 +315,47 @@ def test_maintenance_waves_and_the_admin_token(
         b.stop()
 
 
+def test_two_operators_wave_edits_both_land(
+    etcd: EtcdServer, engine: Server, tmp_path: Path, scripted: Server
+) -> None:
+    os.environ["NARWHAL_TEST_ADMIN"] = "s3cret"
+    engines = (
+        lexi(engine)
+        + f"  - {{name: other, url: '{scripted.url}', dialect: openai}}\n"
+        + f"  - {{name: third, url: '{scripted.url}', dialect: openai}}\n"
+    )
+    try:
+        a, b = pair(tmp_path, config(etcd, f"/t{next(_keys)}/leader", engines, admin=True))
+    finally:
+        del os.environ["NARWHAL_TEST_ADMIN"]
+    auth = {"authorization": "Bearer s3cret"}
+    try:
+        # Each operator read the wave, then edits it through a different router.
+        seen = httpx.get(a.url + "/admin/maintenance", headers=auth).json()["revision"]
+        one = httpx.post(a.url + "/admin/maintenance", json={"add": ["lexi"]}, headers=auth)
+        two = httpx.post(b.url + "/admin/maintenance", json={"add": ["other"]}, headers=auth)
+        assert one.status_code == 200 and two.status_code == 200
+        wait_until(lambda: ready(a).json()["maintenance"] == ["lexi", "other"], within=2)
+        # A replace made against the wave as it was before both: refused, not applied.
+        stale = httpx.post(
+            a.url + "/admin/maintenance",
+            json={"engines": ["third"], "revision": seen},
+            headers=auth,
+        )
+        assert stale.status_code == 409 and stale.json()["error"]["code"] == "wave_changed"
+        now = httpx.get(a.url + "/admin/maintenance", headers=auth).json()
+        assert now["engines"] == ["lexi", "other"]
+        done = httpx.post(
+            a.url + "/admin/maintenance",
+            json={"remove": ["lexi"], "revision": now["revision"]},
+            headers=auth,
+        )
+        assert done.status_code == 200 and done.json()["engines"] == ["other"]
+    finally:
+        a.stop()
+        b.stop()
+
+
 def test_no_admin_routes_without_an_admin_token(scripted: Server, tmp_path: Path) -> None:
     r = start_router(
         tmp_path,
@@ -379,7 +420,7 @@ def test_a_wave_without_ha_and_an_oversized_admin_body(scripted: Server, tmp_pat
         )
         assert big.status_code == 413 and big.json()["error"]["code"] == "request_too_large"
         wave = httpx.post(r.url + "/admin/maintenance", headers=auth, json={"engines": ["s"]})
-        assert wave.json() == {"engines": ["s"], "whole_wave": True}
+        assert wave.json() == {"engines": ["s"], "whole_wave": True, "revision": 1}
         assert ask(r).json()["error"]["code"] == "maintenance"
         bad = httpx.post(r.url + "/admin/maintenance", headers=auth, json={"engines": ["x"]})
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "engines"

@@ -132,6 +132,28 @@ class Etcd:
             parse,
         )
 
+    async def put_if(
+        self, key: bytes, value: bytes, guard: bytes, target: str, revision: int
+    ) -> int | None:
+        """Put `key` only if `guard`'s `target` revision ("CREATE" or "MOD") is still
+        `revision` (0: `guard` does not exist); the revision of the put, or None."""
+        field = "create_revision" if target == "CREATE" else "mod_revision"
+        return await self._answer(
+            "/v3/kv/txn",
+            {
+                "compare": [
+                    {
+                        "key": _b64(guard),
+                        "result": "EQUAL",
+                        "target": target,
+                        field: str(revision),
+                    }
+                ],
+                "success": [{"request_put": {"key": _b64(key), "value": _b64(value)}}],
+            },
+            lambda r: int(r["header"]["revision"]) if r.get("succeeded") else None,
+        )
+
     async def get(self, key: bytes) -> KeyValue | None:
         def parse(r: Any) -> KeyValue | None:
             kvs = r.get("kvs", [])

@@ -14,7 +14,7 @@ from narwhal import asgi, bearer
 from narwhal.asgi import Receive, Scope, Send
 from narwhal.errors import ApiError, invalid
 from narwhal.etcd import EtcdError
-from narwhal.router.ha.maintenance import Maintenance
+from narwhal.router.ha.maintenance import Maintenance, WaveChanged
 
 ROUTES = frozenset({"/admin/maintenance"})
 
@@ -33,9 +33,16 @@ class Admin:
         try:
             if method == "POST":
                 raw = await asgi.read_body(receive, 64 * 1024, 10.0)
-                await m.set(self._engines(raw))
+                await m.edit(**self._edit(raw))
             elif method == "DELETE":
-                await m.set(frozenset())
+                await m.edit(replace=frozenset())
+        except WaveChanged as e:
+            raise ApiError(
+                409,
+                f"the wave changed since the revision this edit was made against (it is "
+                f"at {e.revision} now): read it and try again",
+                code="wave_changed",
+            ) from None
         except EtcdError as e:
             raise ApiError(
                 503,
@@ -47,19 +54,47 @@ class Admin:
         await asgi.send_json(send, 200, self.describe())
 
     def describe(self) -> dict[str, Any]:
-        return {"engines": sorted(self.maintenance.wave), "whole_wave": self.maintenance.whole}
+        m = self.maintenance
+        return {"engines": sorted(m.wave), "whole_wave": m.whole, "revision": m.revision}
 
-    def _engines(self, raw: bytes) -> frozenset[str]:
+    def _edit(self, raw: bytes) -> dict[str, Any]:
+        """`{"engines": [...] | "all"}` replaces the wave, `{"add": [...]}` and
+        `{"remove": [...]}` edit it; `"revision"` makes the edit conditional on it."""
         try:
             body = orjson.loads(raw)
         except orjson.JSONDecodeError:
-            raise invalid('the body must be JSON: {"engines": [...] or "all"}', None) from None
-        engines = body.get("engines") if isinstance(body, dict) else None
+            raise invalid(_SHAPE, None) from None
+        if not isinstance(body, dict) or not ({"engines", "add", "remove"} & body.keys()):
+            raise invalid(_SHAPE, None)
+        out: dict[str, Any] = {}
+        if "engines" in body:
+            if "add" in body or "remove" in body:
+                raise invalid("'engines' replaces the wave: no 'add' or 'remove' with it", None)
+            out["replace"] = self._names(body["engines"], "engines")
+        for field in ("add", "remove"):
+            if field in body:
+                out[field] = self._names(body[field], field)
+        rev = body.get("revision")
+        if rev is not None:
+            if not isinstance(rev, int) or isinstance(rev, bool) or rev < 0:
+                raise invalid(
+                    "'revision' must be a revision of the wave (GET shows it)", "revision"
+                )
+            out["revision"] = rev
+        return out
+
+    def _names(self, engines: Any, field: str) -> frozenset[str]:
         if engines == "all":
             return self.maintenance.names
         if not isinstance(engines, list) or not all(isinstance(n, str) for n in engines):
-            raise invalid("'engines' must be a list of engine names or \"all\"", "engines")
+            raise invalid(f"'{field}' must be a list of engine names or \"all\"", field)
         unknown = sorted(set(engines) - self.maintenance.names)
         if unknown:
-            raise invalid(f"no engine named {unknown[0]!r}", "engines")
+            raise invalid(f"no engine named {unknown[0][:100]!r}", field)
         return frozenset(engines)
+
+
+_SHAPE = (
+    'the body must be JSON: {"engines": [...] or "all"} to replace the wave, '
+    '{"add": [...]} or {"remove": [...]} to edit it, with an optional "revision"'
+)

@@ -49,6 +49,7 @@ class Leadership:
         self.on_lead = on_lead  # run before a new leader places its first request
         self.name = name or f"{socket.gethostname()}:{os.getpid()}"
         self.token: int | None = None  # the fencing token while leading
+        self.key = ha.key.encode() if ha is not None else b""
         if ha is None:
             self.role, self.reason = Role.LEADER, ""
             self._valid_until = math.inf

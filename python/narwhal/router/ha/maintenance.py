@@ -19,12 +19,21 @@ from narwhal.router.engines import Pool
 log = logging.getLogger("narwhal.maintenance")
 
 
+class WaveChanged(Exception):
+    """The wave is no longer at the revision an edit was made against."""
+
+    def __init__(self, revision: int) -> None:
+        super().__init__(f"the wave is at revision {revision}")
+        self.revision = revision
+
+
 class Maintenance:
     def __init__(self, pool: Pool, etcd: Etcd | None = None, key: str | None = None) -> None:
         self.pool = pool
         self.etcd = etcd
         self.key = key.encode() if key else b""
         self.names = frozenset(e.name for e in pool.engines)
+        self.revision = 0  # of the wave as last read or written (etcd's mod revision)
 
     @property
     def wave(self) -> frozenset[str]:
@@ -34,11 +43,46 @@ class Maintenance:
     def whole(self) -> bool:
         return bool(self.names) and self.wave >= self.names
 
-    async def set(self, engines: frozenset[str]) -> None:
-        """The wave becomes `engines` (empty: it ends); stored first where it is shared."""
-        if self.etcd is not None:
-            await self.etcd.put(self.key, orjson.dumps(sorted(engines)))
-        self._apply(engines)
+    async def edit(
+        self,
+        replace: frozenset[str] | None = None,
+        add: frozenset[str] = frozenset(),
+        remove: frozenset[str] = frozenset(),
+        revision: int | None = None,
+    ) -> None:
+        """The wave replaced, or engines added to it and removed from it; stored first
+        where it is shared, as a compare-and-set on the wave's revision, so two edits
+        never silently overwrite each other (an addition and a removal both land). With
+        `revision`, the edit is made only against that revision of the wave (else
+        WaveChanged)."""
+        for _ in range(_ATTEMPTS):
+            current, rev = await self._stored()
+            if revision is not None and rev != revision:
+                raise WaveChanged(rev)
+            wave = replace if replace is not None else (current | add) - remove
+            if self.etcd is None:
+                self.revision = rev + 1
+                self._apply(wave)
+                return
+            put = await self.etcd.put_if(self.key, orjson.dumps(sorted(wave)), self.key, "MOD", rev)
+            if put is not None:
+                self.revision = put
+                self._apply(wave)
+                return
+            if revision is not None:
+                raise WaveChanged(rev)
+        raise WaveChanged(rev)
+
+    async def _stored(self) -> tuple[frozenset[str], int]:
+        if self.etcd is None:
+            return self.pool.maintenance, self.revision
+        kv = await self.etcd.get(self.key)
+        if kv is None:
+            return frozenset(), 0
+        try:
+            return _names(kv.value), kv.mod_revision
+        except ValueError:  # not a list of names: an edit starts it afresh
+            return frozenset(), kv.mod_revision
 
     def _apply(self, engines: frozenset[str]) -> None:
         engines = engines & self.names
@@ -54,9 +98,19 @@ class Maintenance:
         while True:
             try:
                 kv = await self.etcd.get(self.key)
-                stored = orjson.loads(kv.value) if kv is not None and kv.value else []
-                if isinstance(stored, list):
-                    self._apply(frozenset(str(n) for n in stored))
-            except (EtcdError, orjson.JSONDecodeError) as e:
+                self.revision = kv.mod_revision if kv is not None else 0
+                self._apply(_names(kv.value) if kv is not None else frozenset())
+            except (EtcdError, ValueError) as e:
                 log.debug("maintenance wave not read: %s", e)
             await asyncio.sleep(interval_s)
+
+
+_ATTEMPTS = 8  # edits racing on one wave: each retry reads the wave another edit left
+
+
+def _names(raw: bytes) -> frozenset[str]:
+    """The engine names a stored wave holds; ValueError when it is not a list."""
+    stored = orjson.loads(raw) if raw else []
+    if not isinstance(stored, list):
+        raise ValueError("the stored wave is not a list")
+    return frozenset(str(n) for n in stored)

@@ -27,9 +27,16 @@ class SharedProfiles:
         """While leading, what the predictor learned goes to etcd every `every_s`."""
         while True:
             await asyncio.sleep(every_s)
-            if self.leadership.serving() is None:
+            token = self.leadership.token
+            if self.leadership.serving() is None and token is not None:
                 with contextlib.suppress(EtcdError):
-                    await self.etcd.put(self.key, self.predictor.export())
+                    # Only while the leader key is still the one this router created: a
+                    # deposed leader's late put must not land over its successor's.
+                    guard = self.leadership.key
+                    if None is await self.etcd.put_if(
+                        self.key, self.predictor.export(), guard, "CREATE", token
+                    ):
+                        self.leadership.fence("the leader key changed (profiles not stored)")
 
     async def take_over(self) -> None:
         """On taking the lead: start from what the last leader published."""
