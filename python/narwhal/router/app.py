@@ -18,6 +18,7 @@ from narwhal import asgi, bearer, logs, silent
 from narwhal.asgi import Receive, Scope, Send
 from narwhal.background import Background
 from narwhal.errors import ApiError
+from narwhal.etcd import EtcdError
 from narwhal.router import admin as admin_api
 from narwhal.router.admission import Admission
 from narwhal.router.config import RouterConfig
@@ -96,7 +97,7 @@ class Router:
         self.profiles: SharedProfiles | None = None
         if ha is not None and self.predictor is not None:
             self.profiles = SharedProfiles(ha, self.leadership, self.predictor)
-            self.leadership.on_lead = self.profiles.take_over
+        self.leadership.on_lead = self._take_over
         self.gate = Gate(self.leadership, self.maintenance, self.pool, self.policy)
         self.judge = Judge(self.policy, self.pool, self.metrics.paced_waits.inc)
         token = os.environ.get(config.admin_token_env, "") if config.admin_token_env else ""
@@ -152,6 +153,16 @@ class Router:
                 self.leadership,
             )
             bg.start("profiling", profiler.run_forever)
+
+    async def _take_over(self) -> None:
+        """Before a new leader's first placement: the wave and the last leader's profiles
+        as they are in etcd now."""
+        try:
+            await self.maintenance.refresh()
+        except (EtcdError, ValueError) as e:
+            log.warning("the maintenance wave could not be read on taking the lead: %s", e)
+        if self.profiles is not None:
+            await self.profiles.take_over()
 
     async def _resign(self) -> None:
         """Stop leading at once; those waiting in the queue are told to retry (elsewhere)."""

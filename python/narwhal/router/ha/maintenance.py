@@ -97,12 +97,18 @@ class Maintenance:
             return
         while True:
             try:
-                kv = await self.etcd.get(self.key)
-                self.revision = kv.mod_revision if kv is not None else 0
-                self._apply(_names(kv.value) if kv is not None else frozenset())
+                await self.refresh()
             except (EtcdError, ValueError) as e:
                 log.debug("maintenance wave not read: %s", e)
             await asyncio.sleep(interval_s)
+
+    async def refresh(self) -> None:
+        """The wave as stored now (a new leader reads it before its first placement)."""
+        if self.etcd is None:
+            return
+        kv = await self.etcd.get(self.key)
+        self.revision = kv.mod_revision if kv is not None else 0
+        self._apply(_names(kv.value) if kv is not None else frozenset())
 
 
 _ATTEMPTS = 8  # edits racing on one wave: each retry reads the wave another edit left
