@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.support import Server, metric, start_router
+from tests.support import Server, chat, metric, start_router
 
 pytestmark = pytest.mark.slow
 
@@ -40,8 +40,8 @@ engines:
     r.stop()
 
 
-def chat(content: str) -> dict[str, Any]:
-    return {"model": "main", "stream": True, "messages": [{"role": "user", "content": content}]}
+def streamed(content: str) -> dict[str, Any]:
+    return chat(content, stream=True)
 
 
 def engine_state(router: Server) -> dict[str, Any]:
@@ -52,7 +52,7 @@ def background(router: Server, content: str, out: list[int]) -> threading.Thread
     t = threading.Thread(
         target=lambda: out.append(
             httpx.post(
-                router.url + "/v1/chat/completions", json=chat(content), timeout=30
+                router.url + "/v1/chat/completions", json=streamed(content), timeout=30
             ).status_code
         )
     )
@@ -72,7 +72,7 @@ def test_prefill_limit_queues_then_the_queue_wait_expires_with_504(router: Serve
     first = background(router, "script:slow_first:1500", results)
     wait_for(lambda: engine_state(router)["prefill"] == 1)
     # The one prefill seat is taken: this request queues, and its 0.5 s wait runs out.
-    r = httpx.post(router.url + "/v1/chat/completions", json=chat("hi"), timeout=30)
+    r = httpx.post(router.url + "/v1/chat/completions", json=streamed("hi"), timeout=30)
     assert r.status_code == 504
     first.join()
     assert results == [200]
@@ -84,7 +84,7 @@ def test_full_queue_is_429_and_a_queued_request_is_placed_when_room_frees(router
     wait_for(lambda: engine_state(router)["prefill"] == 1)
     queued = background(router, "hi", results)
     wait_for(lambda: metric(router, "narwhal_queued") == 1)
-    r = httpx.post(router.url + "/v1/chat/completions", json=chat("hi"), timeout=30)
+    r = httpx.post(router.url + "/v1/chat/completions", json=streamed("hi"), timeout=30)
     assert r.status_code == 429
     assert r.headers["retry-after"] == "1"
     assert r.json()["error"]["code"] == "queue_full"
@@ -99,14 +99,14 @@ def test_a_client_leaving_the_queue_frees_its_place(router: Server, scripted: Se
     first = background(router, "script:slow_first:1000", results)
     wait_for(lambda: engine_state(router)["prefill"] == 1)
     with contextlib.suppress(httpx.TimeoutException):
-        httpx.post(router.url + "/v1/chat/completions", json=chat("hi"), timeout=0.2)
+        httpx.post(router.url + "/v1/chat/completions", json=streamed("hi"), timeout=0.2)
     # It left while the first request still held the prefill seat ...
     wait_for(lambda: metric(router, "narwhal_queued") == 0, timeout=0.5)
     assert engine_state(router)["prefill"] == 1
     first.join()
     # ... and so never reached the engine once the seat freed. A freed seat goes to the
     # queue at once, so by the time a later request is answered it would have been sent.
-    r = httpx.post(router.url + "/v1/chat/completions", json=chat("marker"), timeout=30)
+    r = httpx.post(router.url + "/v1/chat/completions", json=streamed("marker"), timeout=30)
     assert r.status_code == 200
     engine = httpx.get(scripted.url + "/stats").json()
     assert engine["requests"] == seen + 2
@@ -118,8 +118,8 @@ def test_retention_limit_is_429(router: Server) -> None:
     # Two streams in decode and one request in prefill hold all three retention seats.
     with (
         httpx.Client(timeout=30) as c,
-        c.stream("POST", router.url + "/v1/chat/completions", json=chat("script:hang")) as a,
-        c.stream("POST", router.url + "/v1/chat/completions", json=chat("script:hang")) as b,
+        c.stream("POST", router.url + "/v1/chat/completions", json=streamed("script:hang")) as a,
+        c.stream("POST", router.url + "/v1/chat/completions", json=streamed("script:hang")) as b,
     ):
         alive = [s.iter_raw() for s in (a, b)]  # a dropped iterator closes its stream
         for it in alive:
@@ -127,7 +127,7 @@ def test_retention_limit_is_429(router: Server) -> None:
         results: list[int] = []
         slow = background(router, "script:slow_first:800", results)
         wait_for(lambda: engine_state(router)["prefill"] == 1)
-        r = httpx.post(router.url + "/v1/chat/completions", json=chat("hi"), timeout=30)
+        r = httpx.post(router.url + "/v1/chat/completions", json=streamed("hi"), timeout=30)
         assert r.status_code == 429
         assert r.headers["retry-after"] == "1"
         assert r.json()["error"]["code"] == "retention_full"
@@ -169,7 +169,7 @@ engines:
         queued: list[httpx.Response] = []
         waiter = threading.Thread(
             target=lambda: queued.append(
-                httpx.post(r.url + "/v1/chat/completions", json=chat("hi"), timeout=60)
+                httpx.post(r.url + "/v1/chat/completions", json=streamed("hi"), timeout=60)
             )
         )
         waiter.start()

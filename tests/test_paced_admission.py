@@ -13,7 +13,16 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.support import ROOT, Server, free_port, metric, sse_frames, start_router, wait_http
+from tests.support import (
+    ROOT,
+    Server,
+    chat,
+    free_port,
+    metric,
+    sse_frames,
+    start_router,
+    wait_http,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -22,15 +31,6 @@ SIM = [sys.executable, "-m", "bench.fleet.server"]
 
 def words(tag: str, n: int) -> str:
     return " ".join(f"{tag}{i}" for i in range(n))
-
-
-def chat(content: str, max_tokens: int) -> dict[str, object]:
-    return {
-        "model": "main",
-        "stream": True,
-        "max_tokens": max_tokens,
-        "messages": [{"role": "user", "content": content}],
-    }
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +60,9 @@ engines:
             # The router learns the engine's prefill rate and time per output token.
             for i in range(4):
                 got = httpx.post(
-                    r.url + "/v1/chat/completions", json=chat(words(f"w{i}-", 300), 8), timeout=60
+                    r.url + "/v1/chat/completions",
+                    json=chat(words(f"w{i}-", 300), stream=True, max_tokens=8),
+                    timeout=60,
                 )
                 assert got.status_code == 200
             yield r
@@ -78,7 +80,10 @@ def test_a_long_prefill_waits_for_a_short_stream_to_end_then_is_served(router: S
 
     def short() -> None:
         with httpx.stream(
-            "POST", router.url + "/v1/chat/completions", json=chat(words("a", 6000), 6), timeout=60
+            "POST",
+            router.url + "/v1/chat/completions",
+            json=chat(words("a", 6000), stream=True, max_tokens=6),
+            timeout=60,
         ) as resp:
             body = resp.read().decode()
         assert resp.status_code == 200, body
@@ -89,7 +94,9 @@ def test_a_long_prefill_waits_for_a_short_stream_to_end_then_is_served(router: S
     first.start()
     time.sleep(0.5)  # the short one is in its prefill
     second = httpx.post(
-        router.url + "/v1/chat/completions", json=chat(words("b", 6000), 4), timeout=60
+        router.url + "/v1/chat/completions",
+        json=chat(words("b", 6000), stream=True, max_tokens=4),
+        timeout=60,
     )
     first.join(60)
     assert second.status_code == 200, second.text

@@ -14,6 +14,7 @@ import httpx
 import pytest
 
 from tests.support import Server, free_port, start_router
+from tests.support import chat as support_chat
 
 pytestmark = pytest.mark.slow
 
@@ -28,12 +29,7 @@ def prompt(tokens: int) -> str:
 
 
 def chat(content: str, **kw: Any) -> dict[str, Any]:
-    return {
-        "model": "main",
-        "stream": True,
-        "messages": [{"role": "user", "content": content}],
-        **kw,
-    }
+    return support_chat(content, stream=True, **kw)
 
 
 @pytest.fixture(scope="module")

@@ -78,13 +78,13 @@ def engine(model_path: str) -> Iterator[Server]:
     s.stop()
 
 
-def chat(s: Server, **body: Any) -> httpx.Response:
+def with_tools(s: Server, **body: Any) -> httpx.Response:
     return post(s, "/v1/chat/completions", {"messages": ASK, "tools": TOOLS, **body})
 
 
 def streamed(s: Server, **body: Any) -> dict[str, Any]:
     """A streamed answer put back together the way an OpenAI client does it."""
-    fs = [f for f in frames(chat(s, stream=True, **body)) if f != "[DONE]"]
+    fs = [f for f in frames(with_tools(s, stream=True, **body)) if f != "[DONE]"]
     content, calls, finish = "", {}, None
     for f in fs:
         assert "error" not in f, f
@@ -101,7 +101,7 @@ def streamed(s: Server, **body: Any) -> dict[str, Any]:
 
 
 def test_json_form_call_streaming_and_not(engine: Server) -> None:
-    whole = chat(engine, grammar=forced(CALL)).json()["choices"][0]
+    whole = with_tools(engine, grammar=forced(CALL)).json()["choices"][0]
     msg = whole["message"]
     assert msg["content"] == "Let me check. "
     assert [c["function"]["name"] for c in msg["tool_calls"]] == ["get_weather"]
@@ -126,7 +126,7 @@ def test_function_form_values_follow_the_schema_and_several_calls(engine: Server
         "<parameter=count>123</parameter></function></tool_call>\n"
         '<tool_call>{"name": "get_weather", "arguments": {"city": "Rome"}}</tool_call>'
     )
-    msg = chat(engine, grammar=forced(text)).json()["choices"][0]["message"]
+    msg = with_tools(engine, grammar=forced(text)).json()["choices"][0]["message"]
     calls = [
         (c["function"]["name"], orjson.loads(c["function"]["arguments"])) for c in msg["tool_calls"]
     ]
@@ -174,25 +174,27 @@ def test_function_form_text_for_every_way_a_schema_says_string(
     ],
 )
 def test_look_alikes_come_back_as_text(engine: Server, markup: str) -> None:
-    ch = chat(engine, grammar=forced("Hmm " + markup)).json()["choices"][0]
+    ch = with_tools(engine, grammar=forced("Hmm " + markup)).json()["choices"][0]
     assert ch["message"]["content"] == "Hmm " + markup
     assert "tool_calls" not in ch["message"] and ch["finish_reason"] == "stop"
 
 
 def test_required_without_a_valid_call_is_a_clean_error(engine: Server) -> None:
     bad = '<tool_call>{"name": "get_weather", "arguments": {"days": 2}}</tool_call>'
-    r = chat(engine, grammar=forced(bad), tool_choice="required")
+    r = with_tools(engine, grammar=forced(bad), tool_choice="required")
     assert r.status_code == 422
     err = r.json()["error"]
     assert (err["code"], err["param"]) == ("tool_call_invalid", "tool_choice")
-    fs = frames(chat(engine, grammar=forced("no call here"), tool_choice="required", stream=True))
+    fs = frames(
+        with_tools(engine, grammar=forced("no call here"), tool_choice="required", stream=True)
+    )
     assert fs[-1]["error"]["code"] == "tool_call_invalid"
     # The engine is fine afterwards (the slot came back).
-    assert chat(engine, grammar=forced(CALL)).status_code == 200
+    assert with_tools(engine, grammar=forced(CALL)).status_code == 200
 
 
 def test_named_tool_is_constrained_from_the_first_token(engine: Server) -> None:
-    r = chat(
+    r = with_tools(
         engine,
         tool_choice={"type": "function", "function": {"name": "get_weather"}},
         max_tokens=120,
@@ -325,13 +327,15 @@ def test_history_arguments_too_deep_to_write_are_a_400(engine: Server) -> None:
 
 
 def test_tool_choice_none_leaves_calls_as_text(engine: Server) -> None:
-    msg = chat(engine, grammar=forced(CALL), tool_choice="none").json()["choices"][0]["message"]
+    msg = with_tools(engine, grammar=forced(CALL), tool_choice="none").json()["choices"][0][
+        "message"
+    ]
     assert msg["content"] == CALL and "tool_calls" not in msg
 
 
 def test_calls_inside_reasoning_are_reasoning(engine: Server) -> None:
     text = "<think>maybe " + CALL + "</think>Done."
-    msg = chat(engine, grammar=forced(text)).json()["choices"][0]["message"]
+    msg = with_tools(engine, grammar=forced(text)).json()["choices"][0]["message"]
     assert msg["reasoning_content"] == "maybe " + CALL
     assert msg["content"] == "Done." and "tool_calls" not in msg
 
