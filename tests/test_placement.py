@@ -332,14 +332,29 @@ def test_a_stream_that_outlives_its_expected_length_no_longer_holds_its_engine_t
     assert short is not None
     assert not ledger.fits(1.0, now=100.0)
     ledger.decoding(short, since=100.0)
-    # Within target, a stream decoding for d seconds has made d / target tokens at least:
-    # its allowance is half of d here (tau0 is half the target).
+    # Within target, a stream decoding for d seconds, c of them waiting on prefill, has made
+    # (d - c) / target tokens at least: its allowance is half of that here (tau0 is half
+    # the target).
     assert not ledger.fits(1.0, now=101.0)
     assert ledger.fits(1.0, now=103.0)
-    ledger.placed(1.0, None)  # spent: 0.5 s of it left at 103 s
-    assert ledger.headroom_s(now=103.0) == pytest.approx(0.5, abs=0.011)
-    assert not ledger.fits(1.0, now=103.0)
-    assert ledger.fits(1.0, now=105.0)
+    ledger.placed(1.0, None)  # 1 s of prefill it may have waited on: 1 s of allowance, spent
+    assert ledger.headroom_s(now=103.0) == pytest.approx(0.0)
+    assert not ledger.fits(0.5, now=103.0)
+    assert ledger.headroom_s(now=105.0) == pytest.approx(1.0)
+
+
+def test_the_tightest_true_allowance_is_found_below_the_heap_top() -> None:
+    ledger = Streams()
+    old = ledger.placed(0.0, 0.1, slope=0.5)  # expected short, decoding for long
+    young = ledger.placed(0.0, 0.3, slope=0.5)  # expected a little longer, just started
+    roomy = ledger.placed(0.0, 5.0, slope=0.5)
+    assert old is not None and young is not None and roomy is not None
+    ledger.decoding(old, since=0.0)
+    ledger.decoding(young, since=99.0)
+    ledger.decoding(roomy, since=99.0)
+    # `old` has grown to 50 s of allowance; `young` is the tightest now, below it in the heap.
+    assert ledger.headroom_s(now=100.0) == pytest.approx(0.5)
+    assert ledger.headroom_s(now=100.0) == pytest.approx(0.5)  # and reading it changed nothing
 
 
 def test_the_ledger_stays_the_size_of_the_streams_in_it() -> None:

@@ -122,6 +122,9 @@ class PredictivePolicy:
         if tau0 is not None and n is not None and n > 1:
             aim = TPOT_AIM * self.tpot_target_s
             allowance = max(0.0, aim - tau0) * (n - 1)
+            # A stream that keeps to its aim makes a token at least every `aim` seconds of
+            # its own steps, each adding (aim - tau0): crediting it 1 / tau0 tokens a second
+            # instead over-admitted under overload (bench/README.md, "Fleet").
             slope = max(0.0, 1.0 - tau0 / aim)
         entry = ledger.placed(lease.tokens / rate, allowance, slope)
         if entry is not None:

@@ -17,12 +17,12 @@ breaks. Counting prefill placed after a stream as if it all ran during its decod
 conservative: a stream that ends early leaves the ledger then.
 
 `n` is a guess, and a stream that outlives it must not hold its engine to the guess: once
-decoding, a stream within target has made at least one token every `target` seconds, so
-after `d` seconds its allowance is at least `(1 - tau0 / target) x d`, whatever `n` was.
-(A stream already over its target has made fewer and is credited too much; its target is
-lost unless later steps run faster than the target, which a ledger cannot promise anyway.)
-Allowances only grow, so the heap keeps a lower bound of each and the top is brought up to
-date when it is read.
+decoding for `d` seconds, of which at most `c` (the prefill charged since it joined) were
+spent waiting on prefill, a stream that keeps to its target has made at least
+`(d - c) / target` tokens, so its allowance is at least `slope x (d - c)` with
+`slope = 1 - tau0 / target`, whatever `n` was. The heap is keyed by each stream's allowance from `n` (a lower bound of
+its true one, forever); reading it takes streams off its top until the smallest true
+allowance seen is below the next key, then puts them back.
 
 `tau0` is learned per engine from streams that shared few steps with prefill.
 """
@@ -36,9 +36,6 @@ ALPHA = 0.2
 # A stream whose ledger charge was under this share of its decode time had steps of its
 # own, mostly: its time per token says what a step without prefill costs.
 CLEAN_SHARE = 0.25
-# The top of the heap is brought up to date when its allowance has grown by more than this
-# (seconds of prefill); what is read may understate the headroom by as much, never overstate.
-REFRESH_S = 0.01
 
 
 class Streams:
@@ -59,18 +56,25 @@ class Streams:
     def headroom_s(self, now: float) -> float | None:
         """Prefill seconds the engine can take before some stream there misses its target;
         None with no stream to protect."""
-        heap, live = self._heap, self._live
-        while heap:
-            spent_at, entry = heap[0]
+        heap, live, charged = self._heap, self._live, self.charged_s
+        while heap and heap[0][1] not in live:
+            heapq.heappop(heap)
+        if not heap:
+            return None
+        key, entry = heap[0]
+        best = live[entry].spent_at(now, charged)
+        if best == key:  # the tightest stream has not outlived its expected length
+            return key - charged
+        taken = [heapq.heappop(heap)]
+        while heap and heap[0][0] < best:
+            key, entry = heapq.heappop(heap)
             stream = live.get(entry)
-            if stream is None:
-                heapq.heappop(heap)
-                continue
-            grown = stream.spent_at(now)
-            if grown <= spent_at + REFRESH_S:
-                return spent_at - self.charged_s
-            heapq.heapreplace(heap, (grown, entry))
-        return None
+            if stream is not None:
+                taken.append((key, entry))
+                best = min(best, stream.spent_at(now, charged))
+        for x in taken:
+            heapq.heappush(heap, x)
+        return best - charged
 
     def fits(self, stall_s: float, now: float) -> bool:
         room = self.headroom_s(now)
@@ -79,14 +83,14 @@ class Streams:
     def placed(self, stall_s: float, allowance_s: float | None, slope: float = 0.0) -> int | None:
         """A prompt whose prefill takes `stall_s` was placed here; its stream, when it has
         an allowance, joins the ledger after its own prefill. `slope` is what a second of
-        its decoding adds to its allowance, `1 - tau0 / target`. Returns its entry."""
+        its own decoding adds to its allowance. Returns its entry."""
         self.charged_s += stall_s
         if allowance_s is None:
             return None
         entry = next(self._order)
         stream = _Stream(self.charged_s, allowance_s, slope)
         self._live[entry] = stream
-        heapq.heappush(self._heap, (stream.spent_at(0.0), entry))
+        heapq.heappush(self._heap, (stream.joined + allowance_s, entry))
         return entry
 
     def decoding(self, entry: int, since: float) -> None:
@@ -124,7 +128,11 @@ class _Stream:
         self.slope = slope
         self.since: float | None = None  # when it started decoding
 
-    def spent_at(self, now: float) -> float:
-        """The engine's charge at which this stream's allowance is spent, as of `now`."""
-        grown = 0.0 if self.since is None else self.slope * (now - self.since)
+    def spent_at(self, now: float, charged: float) -> float:
+        """The engine's charge at which this stream's allowance is spent, as of `now` with
+        `charged` placed on the engine so far."""
+        if self.since is None:
+            return self.joined + self.allowance
+        waited = charged - self.joined  # the most it can have waited on prefill
+        grown = self.slope * (now - self.since - waited)
         return self.joined + max(self.allowance, grown)
