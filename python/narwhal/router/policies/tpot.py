@@ -20,9 +20,9 @@ conservative: a stream that ends early leaves the ledger then.
 decoding for `d` seconds, of which at most `c` (the prefill charged since it joined) were
 spent waiting on prefill, a stream that keeps to its target has made at least
 `(d - c) / target` tokens, so its allowance is at least `slope x (d - c)` with
-`slope = 1 - tau0 / target`, whatever `n` was. The heap is keyed by each stream's allowance from `n` (a lower bound of
-its true one, forever); reading it takes streams off its top until the smallest true
-allowance seen is below the next key, then puts them back.
+`slope = 1 - tau0 / target`, whatever `n` was. The heap is keyed by each stream's
+allowance from `n` (a lower bound of its true one, forever); reading it takes streams off
+its top until the smallest true allowance seen is below the next key, then puts them back.
 
 `tau0` is learned per engine from streams that shared few steps with prefill.
 """
