@@ -30,7 +30,7 @@ from narwhal.router.lease import Events
 from narwhal.router.metrics import RouterMetrics
 from narwhal.router.pipeline import intake
 from narwhal.router.pipeline.flow import Flow
-from narwhal.router.pipeline.gate import Gate, unavailable_error
+from narwhal.router.pipeline.gate import Gate, Unavailable
 from narwhal.router.pipeline.judge import Judge
 from narwhal.router.pipeline.place import Placer
 from narwhal.router.policies import Policy
@@ -110,7 +110,6 @@ class Router:
             self.admission,
             self.pool,
             self.gate,
-            self.leadership,
             self.policy,
             self.relayer,
             self.metrics,
@@ -168,7 +167,7 @@ class Router:
         """Stop leading at once; those waiting in the queue are told to retry (elsewhere)."""
         await self.leadership.resign()
         lead = self.leadership
-        self.admission.turn_away(lambda: unavailable_error(lead.role.value, lead.reason))
+        self.admission.turn_away(lambda: Unavailable(lead.role.value, lead.reason))
 
     async def shutdown(self) -> None:
         await self._resign()

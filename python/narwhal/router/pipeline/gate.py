@@ -44,13 +44,13 @@ class Gate:
     def check(self) -> None:
         down = self.unavailable()
         if down is not None:
-            raise unavailable_error(*down)
+            raise Unavailable(*down)
 
     def check_leading(self) -> None:
-        """Raises NotLeading unless this router may still place work."""
+        """Raises Unavailable unless this router may still place work."""
         why = self.leadership.serving()
         if why is not None:
-            raise NotLeading(self.leadership.role.value, why)
+            raise Unavailable(self.leadership.role.value, why)
 
     def cannot_serve(self, req: intake.Intake) -> frozenset[str]:
         """The engines whose dialect cannot serve the request's route (a 404 when none can)."""
@@ -71,19 +71,14 @@ class Gate:
         return names
 
 
-class NotLeading(ApiError):
-    """This router stopped leading between the gate and the engine: nothing was sent."""
+class Unavailable(ApiError):
+    """A retryable 503: this router takes no completion request now (why: `reason`)."""
 
     def __init__(self, code: str, reason: str) -> None:
-        err = unavailable_error(code, reason)
-        super().__init__(err.status, err.message, type=err.type, code=code, headers=err.headers)
-
-
-def unavailable_error(code: str, reason: str) -> ApiError:
-    return ApiError(
-        503,
-        f"this router takes no requests now ({reason}); retry shortly",
-        type="server_error",
-        code=code,
-        headers={"retry-after": "1"},
-    )
+        super().__init__(
+            503,
+            f"this router takes no requests now ({reason}); retry shortly",
+            type="server_error",
+            code=code,
+            headers={"retry-after": "1"},
+        )

@@ -15,11 +15,10 @@ from narwhal.asgi import Send
 from narwhal.errors import ApiError
 from narwhal.router.admission import Admission, Expired
 from narwhal.router.engines import Pool
-from narwhal.router.ha.leadership import Leadership
 from narwhal.router.lease import Lease
 from narwhal.router.metrics import RouterMetrics
 from narwhal.router.pipeline import Ending
-from narwhal.router.pipeline.gate import Gate, NotLeading
+from narwhal.router.pipeline.gate import Gate, Unavailable
 from narwhal.router.pipeline.intake import Intake
 from narwhal.router.policies import Plan, Policy
 from narwhal.router.relay.errors import EngineBusy, EngineFailed, EngineFenced
@@ -32,7 +31,6 @@ class Placer:
         admission: Admission,
         pool: Pool,
         gate: Gate,
-        leadership: Leadership,
         policy: Policy,
         relayer: Relayer,
         metrics: RouterMetrics,
@@ -41,7 +39,7 @@ class Placer:
         self.admission = admission
         self.pool = pool
         self.gate = gate
-        self.leadership = leadership
+        self.leadership = gate.leadership
         self.policy = policy
         self.relayer = relayer
         self.metrics = metrics
@@ -130,7 +128,7 @@ class Placer:
                 code="fenced",
                 headers={"retry-after": "1"},
             ) from None
-        except NotLeading as e:
+        except Unavailable as e:  # no longer leading once placed: nothing was sent
             self.metrics.rejected.labels(e.code or "unavailable").inc()
             end.outcome = "rejected"
             raise

@@ -79,18 +79,19 @@ class PrefixCache:
             if not n:
                 out.append(_NOTHING)
                 continue
-            self._bytes_per_token(i, bytes_per_token[i])
+            self._resize(i, bytes_per_token[i])
             share = min(1.0, n * self.block_bytes / max(1, text_bytes))
             tokens = int(sized[i] * share * self.realised[i])
             out.append(Expectation(n, tokens, share, sized[i]))
         return out
 
-    def _bytes_per_token(self, i: int, learned: float | None) -> float:
+    def _resize(self, i: int, learned: float | None) -> None:
+        """Engine `i`'s LRU holds `tokens_per_engine` worth of text at its learned bytes per
+        token (resized only on a real change)."""
         bpt = learned or DEFAULT_BYTES_PER_TOKEN
-        if abs(bpt - self._bpt[i]) > 0.1 * self._bpt[i]:  # resize only on a real change
+        if abs(bpt - self._bpt[i]) > 0.1 * self._bpt[i]:
             self._bpt[i] = bpt
             self.map.set_capacity(i, self._capacity(bpt))
-        return bpt
 
     def placed(self, engine: str, blocks: PromptBlocks) -> None:
         """The prompt went to `engine`: once prefilled, its blocks are there."""
