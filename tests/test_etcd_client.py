@@ -68,7 +68,12 @@ def test_an_answer_that_is_not_etcd_s_is_an_etcd_error(body: bytes) -> None:
         server, url = await _answering(body)
         etcd = Etcd([url], timeout_s=2)
         try:
-            for call in (etcd.grant(5), etcd.get(b"/k"), etcd.create(b"/k", b"v", 1)):
+            for call in (
+                etcd.grant(5),
+                etcd.get(b"/k"),
+                etcd.create(b"/k", b"v", 1),
+                etcd.under(b"/k"),
+            ):
                 with contextlib.suppress(EtcdError):  # and nothing else
                     await call
         finally:

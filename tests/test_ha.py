@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.support import EtcdServer, Server, start_engine, start_router
+from tests.support import EtcdServer, Server, free_port, start_engine, start_router
 
 pytestmark = pytest.mark.slow
 
@@ -41,10 +41,12 @@ def engine(model_path: str) -> Iterator[Server]:
     s.stop()
 
 
-def config(etcd: EtcdServer, key: str, engines: str, ttl: int = TTL, admin: bool = False) -> str:
+def config(
+    etcd: EtcdServer, key: str, engines: str, ttl: int = TTL, admin: bool = False, ha: str = ""
+) -> str:
     return (
         "listen: {port: $PORT}\nadmission: open\nhealth: {interval_s: 0.2}\n"
-        f"ha: {{etcd: ['{etcd.url}'], key: '{key}', lease_ttl_s: {ttl}}}\n"
+        f"ha: {{etcd: ['{etcd.url}'], key: '{key}', lease_ttl_s: {ttl}{ha}}}\n"
         + ("admin: {token_env: NARWHAL_TEST_ADMIN}\n" if admin else "")
         + f"engines:\n{engines}"
     )
@@ -273,6 +275,38 @@ def test_a_leader_key_put_by_hand_is_named_on_ready(
     finally:
         r.stop()
         httpx.post(etcd.url + "/v3/kv/deleterange", json={"key": k})
+
+
+def test_a_leader_that_reaches_no_engine_steps_aside_for_one_that_does(
+    etcd: EtcdServer, scripted: Server, tmp_path: Path
+) -> None:
+    # The leader's side of a partition: its engine's address answers nothing.
+    key = f"/t{next(_keys)}/leader"
+    cut = config(
+        etcd,
+        key,
+        f"  - {{name: s, url: 'http://127.0.0.1:{free_port()}'}}\n",
+        ha=", resign_unhealthy_s: 1",
+    )
+    whole = config(
+        etcd, key, f"  - {{name: s, url: '{scripted.url}'}}\n", ha=", resign_unhealthy_s: 1"
+    )
+    a = start_router(tmp_path, cut, wait_ready=False)
+    b = None
+    try:
+        wait_until(lambda: leadership(a)["role"] == "leader", within=10)
+        first = token(a)
+        time.sleep(2.5)  # past resign_unhealthy_s, with nobody better standing by
+        assert leadership(a) == {**leadership(a), "role": "leader", "fencing_token": first}
+        b = start_router(tmp_path, whole, wait_ready=False)
+        wait_until(lambda: ask(b).status_code == 200, within=10)
+        assert token(b) > first
+        rd = ready(a).json()
+        assert rd["leadership"]["role"] == "standby" and "stepped aside" in rd["reason"]
+    finally:
+        a.stop()
+        if b is not None:
+            b.stop()
 
 
 def test_maintenance_waves_and_the_admin_token(

@@ -1,7 +1,8 @@
 """A small etcd v3 client over etcd's own JSON gateway (`/v3/...` over HTTP).
 
 Only what leadership, fencing and maintenance waves need: leases (grant, keep alive,
-revoke), a create-if-absent transaction, range, put, delete and a watch of one key. The
+revoke), a create-if-absent transaction, range (of a key or a prefix), put, delete and a
+watch of one key. The
 gateway is part of every etcd v3 server (3.4+), so this needs no gRPC stack: aiohttp is
 already here. int64s travel as JSON strings, keys and values as base64, and proto3 leaves
 out fields at their default.
@@ -161,8 +162,22 @@ class Etcd:
 
         return await self._answer("/v3/kv/range", {"key": _b64(key)}, parse)
 
-    async def put(self, key: bytes, value: bytes) -> None:
-        await self._call("/v3/kv/put", {"key": _b64(key), "value": _b64(value)})
+    async def under(self, prefix: bytes) -> list[tuple[bytes, KeyValue]]:
+        """Every key that starts with `prefix` (`prefix` not empty), with its value."""
+        end = _prefix_end(prefix)
+
+        def parse(r: Any) -> list[tuple[bytes, KeyValue]]:
+            return [(base64.b64decode(kv["key"]), _kv(kv)) for kv in r.get("kvs", [])]
+
+        return await self._answer(
+            "/v3/kv/range", {"key": _b64(prefix), "range_end": _b64(end)}, parse
+        )
+
+    async def put(self, key: bytes, value: bytes, lease: int = 0) -> None:
+        body = {"key": _b64(key), "value": _b64(value)}
+        if lease:
+            body["lease"] = str(lease)
+        await self._call("/v3/kv/put", body)
 
     async def delete(self, key: bytes) -> None:
         await self._call("/v3/kv/deleterange", {"key": _b64(key)})
@@ -194,6 +209,17 @@ class Etcd:
                 except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
                     failure = f"{e}: {type(exc).__name__}: {exc}"
         raise EtcdError(failure)
+
+
+def _prefix_end(prefix: bytes) -> bytes:
+    """The first key after every key that starts with `prefix` (etcd's range_end)."""
+    b = bytearray(prefix)
+    while b and b[-1] == 0xFF:
+        b.pop()
+    if not b:
+        return b"\0"  # every key from `prefix` on
+    b[-1] += 1
+    return bytes(b)
 
 
 def _changes(line: bytes) -> list[Change]:

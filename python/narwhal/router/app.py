@@ -98,6 +98,8 @@ class Router:
         if ha is not None and self.predictor is not None:
             self.profiles = SharedProfiles(ha, self.leadership, self.predictor)
         self.leadership.on_lead = self._take_over
+        self.leadership.reaches = lambda: any(e.healthy for e in self.pool.engines)
+        self.leadership.on_step_aside = self._turn_away
         self.gate = Gate(self.leadership, self.maintenance, self.pool, self.policy)
         self.judge = Judge(self.policy, self.pool, self.metrics.paced_waits.inc)
         token = os.environ.get(config.admin_token_env, "") if config.admin_token_env else ""
@@ -166,6 +168,9 @@ class Router:
     async def _resign(self) -> None:
         """Stop leading at once; those waiting in the queue are told to retry (elsewhere)."""
         await self.leadership.resign()
+        self._turn_away()
+
+    def _turn_away(self) -> None:
         lead = self.leadership
         self.admission.turn_away(lambda: Unavailable(lead.role.value, lead.reason))
 

@@ -105,6 +105,7 @@ SCHEMA: dict[str, Any] = {
                 },
                 "key": {"type": "string", "pattern": "^/"},
                 "lease_ttl_s": {"type": "integer", "minimum": 2, "maximum": 300},
+                "resign_unhealthy_s": {"type": "number", "exclusiveMinimum": 0, "maximum": 3600},
             },
         },
         "auth": {
@@ -186,6 +187,8 @@ class HA:
     etcd: tuple[str, ...]
     key: str = "/narwhal/main/leader"
     lease_ttl_s: int = 5
+    # A leader that has reached no engine for this long steps aside for a router that does.
+    resign_unhealthy_s: float = 10.0
 
     @property
     def margin_s(self) -> float:
@@ -313,7 +316,10 @@ def parse(data: Any) -> RouterConfig:
     if "ha" in data:
         h = data["ha"]
         given["ha"] = HA(
-            tuple(h["etcd"]), h.get("key", HA.key), h.get("lease_ttl_s", HA.lease_ttl_s)
+            tuple(h["etcd"]),
+            h.get("key", HA.key),
+            h.get("lease_ttl_s", HA.lease_ttl_s),
+            float(h.get("resign_unhealthy_s", HA.resign_unhealthy_s)),
         )
     if "admin" in data:
         given["admin_token_env"] = data["admin"]["token_env"]

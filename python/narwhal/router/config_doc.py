@@ -68,6 +68,8 @@ MEANINGS = {
     "ha.key": "the leader key; the maintenance wave and predictor profiles live beside it",
     "ha.lease_ttl_s": "the lease's TTL: a dead leader is replaced within it; a leader stops "
     "placing work 20 % (at least 0.5 s) before it could lapse",
+    "ha.resign_unhealthy_s": "a leader that has reached no healthy engine for this long steps "
+    "aside when another router reaches one, and stays out of the next election for a while",
     "auth": "client authentication: requests to `/v1/...` need `Authorization: Bearer KEY` "
     "(401 otherwise); `/health`, `/ready` and `/metrics` stay open",
     "auth.api_keys": "accepted client keys",

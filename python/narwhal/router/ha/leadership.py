@@ -11,6 +11,12 @@ A leader knows its lease only as of its last renewal: it places work only while
 time on the wire and clock-rate skew), so it stops before etcd could have let the lease go
 and a new leader could exist. Past that, or when etcd says the lease or the key is gone, or
 when an engine refuses its token, it is fenced: it places nothing new, and campaigns again.
+
+Every router, leading or not, says on its lease whether it reaches a healthy engine (a key
+under `<key's folder>/routers/`). A leader that has reached none for `resign_unhealthy_s`
+while another router does steps aside: it revokes its lease, so that router takes the key
+at once, and stays out of elections for a cooldown unless no other router stands by. A
+leader that nobody could replace better keeps the key.
 """
 
 from __future__ import annotations
@@ -24,6 +30,8 @@ import os
 import socket
 import time
 from collections.abc import Awaitable, Callable
+
+import orjson
 
 from narwhal.etcd import Etcd, EtcdError, KeyValue
 from narwhal.router.config import HA
@@ -57,6 +65,13 @@ class Leadership:
             self.role, self.reason = Role.STANDBY, "standby: campaigning for leadership"
             self._valid_until = 0.0
         self.etcd = Etcd(list(ha.etcd)) if ha is not None else None
+        self.reaches: Callable[[], bool] = lambda: True  # whether a healthy engine answers
+        self.on_step_aside: Callable[[], None] | None = None  # after stepping aside
+        self._peers = ha.sibling("routers").encode() + b"/" if ha is not None else b""
+        self._said: tuple[int, bool] | None = None  # (lease, reaches) last put in etcd
+        self._unreached_since: float | None = None  # leading, and no healthy engine since
+        self._out_until = 0.0  # stepped aside: no campaigning before this, if others stand by
+        self._aside_reason = ""
         self._lease = 0
         self._woken = asyncio.Event()
         self._watch: asyncio.Task[None] | None = None  # the leader key, while leading
@@ -135,10 +150,15 @@ class Leadership:
                             self.fence("the etcd lease expired")
                         continue
                     lease_until = sent + ttl - ha.margin_s
+                await self._say(self.reaches())
+                if await self._sitting_out():
+                    continue
                 created, kv = await etcd.create(key, me, self._lease)
                 ours = created or (kv is not None and kv.lease == self._lease)
                 if self.stopping:  # resigned while this round was out
                     break
+                if ours and kv is not None and await self._steps_aside():
+                    continue
                 if ours and kv is not None:
                     if self.role is not Role.LEADER or self.token != kv.create_revision:
                         log.info("leading with fencing token %d", kv.create_revision)
@@ -159,10 +179,84 @@ class Leadership:
                 # A leader keeps leading until its proven lease runs out (serving()).
             # A standby looks again soon (it takes over as the key goes); a leader
             # renews at a third of its TTL.
-            wait = every if self.role is Role.LEADER else min(every, 0.25)
-            self._woken.clear()
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._woken.wait(), wait)
+            await self._pause(every if self.role is Role.LEADER else min(every, 0.25))
+
+    async def _say(self, reaches: bool) -> None:
+        """Tells the other routers, on this router's lease, whether it reaches an engine."""
+        assert self.etcd is not None
+        if self._said != (self._lease, reaches):
+            value = orjson.dumps({"reaches_engines": reaches})
+            await self.etcd.put(self._peers + self.name.encode(), value, self._lease)
+            self._said = (self._lease, reaches)
+
+    async def _others(self) -> dict[str, bool]:
+        """The other routers standing now: whether each reaches an engine."""
+        assert self.etcd is not None
+        out = {}
+        for k, kv in await self.etcd.under(self._peers):
+            name = k[len(self._peers) :].decode(errors="replace")
+            if name != self.name:
+                try:
+                    out[name] = orjson.loads(kv.value).get("reaches_engines") is True
+                except (orjson.JSONDecodeError, AttributeError):
+                    out[name] = False
+        return out
+
+    async def _sitting_out(self) -> bool:
+        """Stepped aside a moment ago, with another router standing by: not campaigning."""
+        if self.role is Role.LEADER or time.monotonic() >= self._out_until:
+            return False
+        others = await self._others()
+        if not others:
+            self._out_until = 0.0  # nobody else to lead: campaign after all
+            return False
+        assert self.ha is not None
+        self.token = None
+        self.role, self.reason = Role.STANDBY, self._aside_reason
+        await self._pause(min(self.ha.lease_ttl_s / 3, 0.25))
+        return True
+
+    async def _steps_aside(self) -> bool:
+        """Leading: when no healthy engine has answered for `resign_unhealthy_s` and another
+        router reaches one, revokes the lease (the key goes with it) and returns True."""
+        assert self.ha is not None and self.etcd is not None
+        now = time.monotonic()
+        if self.reaches():
+            self._unreached_since = None
+            return False
+        if self._unreached_since is None:
+            self._unreached_since = now
+        if now - self._unreached_since < self.ha.resign_unhealthy_s:
+            return False
+        better = sorted(n for n, reaches in (await self._others()).items() if reaches)
+        if not better:
+            return False  # nobody would do better: keep the key
+        waited = now - self._unreached_since
+        log.warning(
+            "no healthy engine for %.0fs while %s reaches one: stepping aside", waited, better[0]
+        )
+        self._aside_reason = (
+            f"standby: stepped aside, no healthy engine for {waited:.0f}s while {better[0]} "
+            "reaches one"
+        )
+        self._unreached_since = None
+        self._out_until = now + max(self.ha.resign_unhealthy_s, 2 * self.ha.lease_ttl_s)
+        self.token = None
+        self.role, self.reason = Role.STANDBY, self._aside_reason
+        self._valid_until = 0.0
+        if self._watch is not None:
+            self._watch.cancel()
+        lease, self._lease = self._lease, 0
+        with contextlib.suppress(EtcdError):  # else the key lapses with the lease's TTL
+            await self.etcd.revoke(lease)
+        if self.on_step_aside is not None:
+            self.on_step_aside()
+        return True
+
+    async def _pause(self, seconds: float) -> None:
+        self._woken.clear()
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self._woken.wait(), seconds)
 
     def _watch_key(self, key: bytes, token: int) -> None:
         """While leading with `token`, a change to the leader key (an operator deleted it,
