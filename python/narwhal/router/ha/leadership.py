@@ -7,7 +7,8 @@ creation revision, which only grows across elections; every request placed carri
 the engine (`x-narwhal-fence`), and LexiEngine with `--fence` refuses a lower one.
 
 A leader knows its lease only as of its last renewal: it places work only while
-`renewed_at + TTL - margin` has not passed (monotonic clock; the margin covers the request's
+`renewed_at + TTL - margin` has not passed (on CLOCK_BOOTTIME, which keeps counting while the
+machine is suspended, as etcd's clock does; the margin covers the request's
 time on the wire and clock-rate skew), so it stops before etcd could have let the lease go
 and a new leader could exist. Past that, or when etcd says the lease or the key is gone, or
 when an engine refuses its token, it is fenced: it places nothing new, and campaigns again.
@@ -37,6 +38,14 @@ from narwhal.etcd import Etcd, EtcdError, KeyValue
 from narwhal.router.config import HA
 
 log = logging.getLogger("narwhal.leadership")
+
+# CLOCK_MONOTONIC stops while the machine is suspended, etcd's lease does not: a leader
+# woken from a suspend longer than its TTL would believe in a lease long gone.
+_BOOT: int | None = getattr(time, "CLOCK_BOOTTIME", None)
+
+
+def _now() -> float:
+    return time.clock_gettime(_BOOT) if _BOOT is not None else time.monotonic()
 
 
 class Role(enum.Enum):
@@ -79,7 +88,7 @@ class Leadership:
     def serving(self) -> str | None:
         """None when this router may place work now; else why not (for 503 and /ready)."""
         if self.role is Role.LEADER:
-            if time.monotonic() < self._valid_until:
+            if _now() < self._valid_until:
                 return None
             self.fence("the etcd lease could not be renewed in time")
         return self.reason
@@ -138,11 +147,11 @@ class Leadership:
         while not self.stopping:
             try:
                 if not self._lease:
-                    sent = time.monotonic()
+                    sent = _now()
                     self._lease = await etcd.grant(ha.lease_ttl_s)
                     lease_until = sent + ha.lease_ttl_s - ha.margin_s
                 else:
-                    sent = time.monotonic()
+                    sent = _now()
                     ttl = await etcd.keep_alive(self._lease)
                     if ttl <= 0:
                         self._lease = 0
@@ -204,7 +213,7 @@ class Leadership:
 
     async def _sitting_out(self) -> bool:
         """Stepped aside a moment ago, with another router standing by: not campaigning."""
-        if self.role is Role.LEADER or time.monotonic() >= self._out_until:
+        if self.role is Role.LEADER or _now() >= self._out_until:
             return False
         others = await self._others()
         if not others:
@@ -220,7 +229,7 @@ class Leadership:
         """Leading: when no healthy engine has answered for `resign_unhealthy_s` and another
         router reaches one, revokes the lease (the key goes with it) and returns True."""
         assert self.ha is not None and self.etcd is not None
-        now = time.monotonic()
+        now = _now()
         if self.reaches():
             self._unreached_since = None
             return False
