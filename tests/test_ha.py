@@ -161,7 +161,7 @@ def test_take_over_after_kill_9_stays_within_the_stated_bound_over_20_kills(
             others = [r for r in routers if r is not killed]
             os.killpg(killed.proc.pid, signal.SIGKILL)
             t0 = time.monotonic()
-            wait_until(lambda: any(ask(r).status_code == 200 for r in others), 2 * TTL + 2)
+            wait_until(lambda o=others: any(ask(r).status_code == 200 for r in o), 2 * TTL + 2)
             took.append(time.monotonic() - t0)
             killed.stop()
             routers[i] = start_router(tmp_path, text, wait_ready=False)
