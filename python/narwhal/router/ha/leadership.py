@@ -159,12 +159,16 @@ class Leadership:
                             self.fence("the etcd lease expired")
                         continue
                     lease_until = sent + ttl - ha.margin_s
+                if self.stopping:  # resigned while the grant was out: nobody else revokes it
+                    await self._revoke_quietly()
+                    break
                 await self._say(self.reaches())
                 if await self._sitting_out():
                     continue
                 created, kv = await etcd.create(key, me, self._lease)
                 ours = created or (kv is not None and kv.lease == self._lease)
                 if self.stopping:  # resigned while this round was out
+                    await self._revoke_quietly()
                     break
                 if ours and kv is not None and await self._steps_aside():
                     continue
@@ -173,6 +177,9 @@ class Leadership:
                         log.info("leading with fencing token %d", kv.create_revision)
                         if self.on_lead is not None and self.role is not Role.LEADER:
                             await self.on_lead()
+                            if self.stopping:  # resigned during the hook: never LEADER
+                                await self._revoke_quietly()
+                                break
                     self.token = kv.create_revision
                     self._valid_until = lease_until
                     self.role, self.reason = Role.LEADER, ""
@@ -189,6 +196,13 @@ class Leadership:
             # A standby looks again soon (it takes over as the key goes); a leader
             # renews at a third of its TTL.
             await self._pause(every if self.role is Role.LEADER else min(every, 0.25))
+
+    async def _revoke_quietly(self) -> None:
+        assert self.etcd is not None
+        lease, self._lease = self._lease, 0
+        if lease:
+            with contextlib.suppress(EtcdError):  # else it lapses with its TTL
+                await self.etcd.revoke(lease)
 
     async def _say(self, reaches: bool) -> None:
         """Tells the other routers, on this router's lease, whether it reaches an engine."""
@@ -255,9 +269,7 @@ class Leadership:
         self._valid_until = 0.0
         if self._watch is not None:
             self._watch.cancel()
-        lease, self._lease = self._lease, 0
-        with contextlib.suppress(EtcdError):  # else the key lapses with the lease's TTL
-            await self.etcd.revoke(lease)
+        await self._revoke_quietly()  # the key goes with it
         if self.on_step_aside is not None:
             self.on_step_aside()
         return True
