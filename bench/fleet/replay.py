@@ -42,6 +42,7 @@ from bench.router_e2e import tree_cpu
 from tests.support import BIN, ROOT, free_port, wait_http
 
 TOKEN = re.compile(rb'"(?:content|text)":\s*"t\d')
+CACHED = re.compile(rb'"cached_tokens":\s*(\d+)')
 
 
 @dataclass
@@ -51,6 +52,7 @@ class Outcome:
     ttft_s: float | None = None
     tpot_s: float | None = None
     tokens: int = 0
+    cached: int | None = None  # as the engine's usage said
     failed: bool = False
 
 
@@ -153,6 +155,8 @@ async def one(
                         first = now
                     last = now
                     out.tokens += n
+                if b"cached_tokens" in chunk and (m := CACHED.search(chunk)):
+                    out.cached = int(m.group(1))
     except (aiohttp.ClientError, asyncio.TimeoutError):
         out.failed = True
         return
@@ -319,6 +323,7 @@ def dump(folder: Path, res: Result, trace: list[Request]) -> None:
                 "code": o.code,
                 "ttft_s": o.ttft_s,
                 "tpot_s": o.tpot_s,
+                "cached": o.cached,
                 "failed": o.failed,
             }
         )
