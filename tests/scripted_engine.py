@@ -25,6 +25,7 @@ STATS: dict[str, Any] = {
     "active": 0,
     "connections": 0,
     "busy": False,
+    "fences": [],
 }
 # Client ports that sent completion requests: how many connections the router opened.
 PEERS: set[Any] = set()
@@ -86,6 +87,9 @@ async def completions(request: web.Request) -> web.StreamResponse:
     STATS["requests"] += 1
     STATS["last"] = body
     STATS["last_request_id"] = request.headers.get("x-request-id")
+    fence = request.headers.get("x-narwhal-fence")
+    if fence is not None and len(STATS["fences"]) < 100_000:
+        STATS["fences"].append(fence)  # in arrival order: who placed, as the engine saw it
     PEERS.add(request.transport.get_extra_info("peername") if request.transport else None)
     STATS["connections"] = len(PEERS)
     chat = request.path.endswith("chat/completions")

@@ -224,21 +224,39 @@ def frames(r: httpx.Response) -> list[Any]:
 
 # -- etcd, for several routers --------------------------------------------------------
 class EtcdServer:
-    """A real etcd on loopback, free ports, a temporary data dir."""
+    """A real etcd on loopback, free ports, a temporary data dir; one member of `cluster`
+    (etcd's `--initial-cluster`) when given, else a cluster of its own."""
 
-    def __init__(self) -> None:
+    def __init__(
+        self,
+        name: str = "default",
+        ports: tuple[int, int] | None = None,
+        cluster: str | None = None,
+        wait: bool = True,
+    ) -> None:
         import shutil
 
         exe = shutil.which("etcd")
         if exe is None:
             raise RuntimeError("etcd is not installed (make setup installs etcd-server)")
-        self.port, peer = free_port(), free_port()
+        self.exe, self.name = exe, name
+        self.port, self.peer = ports or (free_port(), free_port())
         self.url = f"http://127.0.0.1:{self.port}"
+        self.cluster = cluster or f"{name}=http://127.0.0.1:{self.peer}"
         self.dir = tempfile.mkdtemp(prefix="etcd-")
         self.log = tempfile.TemporaryFile()  # noqa: SIM115 - lives as long as the server
+        self.spawn()
+        if wait:
+            self.wait_ready()
+
+    def spawn(self) -> None:
+        """Starts the member (again, after `kill`: from its data dir, as a restart does)."""
+        peer = f"http://127.0.0.1:{self.peer}"
         self.proc = subprocess.Popen(
             [
-                exe,
+                self.exe,
+                "--name",
+                self.name,
                 "--data-dir",
                 self.dir,
                 "--listen-client-urls",
@@ -246,17 +264,19 @@ class EtcdServer:
                 "--advertise-client-urls",
                 self.url,
                 "--listen-peer-urls",
-                f"http://127.0.0.1:{peer}",
+                peer,
                 "--initial-advertise-peer-urls",
-                f"http://127.0.0.1:{peer}",
+                peer,
                 "--initial-cluster",
-                f"default=http://127.0.0.1:{peer}",
+                self.cluster,
             ],
             stdout=subprocess.DEVNULL,
             stderr=self.log,
             start_new_session=True,
         )
-        end = time.monotonic() + 30
+
+    def wait_ready(self, within: float = 30) -> None:
+        end = time.monotonic() + within
         while True:
             try:
                 if httpx.post(
@@ -269,6 +289,12 @@ class EtcdServer:
                 self.stop()
                 raise RuntimeError("etcd did not start")
             time.sleep(0.1)
+
+    def kill(self) -> None:
+        """kill -9; the data dir stays for `spawn`."""
+        self.resume()
+        self.proc.kill()
+        self.proc.wait()
 
     def pause(self) -> None:
         os.kill(self.proc.pid, signal.SIGSTOP)
@@ -288,3 +314,33 @@ class EtcdServer:
                 self.proc.kill()
                 self.proc.wait()
         shutil.rmtree(self.dir, ignore_errors=True)
+
+
+class EtcdCluster:
+    """Three etcd members on loopback, one cluster."""
+
+    def __init__(self, n: int = 3) -> None:
+        ports = [(free_port(), free_port()) for _ in range(n)]
+        cluster = ",".join(f"m{i}=http://127.0.0.1:{p}" for i, (_, p) in enumerate(ports))
+        self.members = [EtcdServer(f"m{i}", ports[i], cluster, wait=False) for i in range(n)]
+        for m in self.members:
+            m.wait_ready()
+        self.urls = [m.url for m in self.members]
+
+    def leader(self) -> EtcdServer:
+        """The member the cluster's leader is now (asked of every member that answers)."""
+        end = time.monotonic() + 10
+        while time.monotonic() < end:
+            for m in self.members:
+                try:
+                    st = httpx.post(m.url + "/v3/maintenance/status", json={}, timeout=1).json()
+                except (httpx.HTTPError, ValueError):
+                    continue
+                if st.get("leader") and st["leader"] == st["header"]["member_id"]:
+                    return m
+            time.sleep(0.1)
+        raise RuntimeError("no etcd leader")
+
+    def stop(self) -> None:
+        for m in self.members:
+            m.stop()

@@ -6,7 +6,8 @@ watch of one key. The
 gateway is part of every etcd v3 server (3.4+), so this needs no gRPC stack: aiohttp is
 already here. int64s travel as JSON strings, keys and values as base64, and proto3 leaves
 out fields at their default.
-Every call is bounded by `timeout_s`; endpoints are tried in order until one answers.
+Every call is bounded by `timeout_s`; endpoints are tried in turn, from the one that last
+answered, until one answers (a member that hangs costs one timeout, not one per call).
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ class Etcd:
         self.endpoints = [e.rstrip("/") for e in endpoints]
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
         self._session: aiohttp.ClientSession | None = None
+        self._first = 0  # the endpoint that answered last
 
     async def close(self) -> None:
         """Closes its connections; a later call opens new ones."""
@@ -73,7 +75,8 @@ class Etcd:
             self._session = aiohttp.ClientSession(timeout=self.timeout)
         data = orjson.dumps(body)
         failure = "no etcd endpoint"
-        for e in self.endpoints:
+        for i in self._order():
+            e = self.endpoints[i]
             try:
                 async with self._session.post(e + path, data=data) as r:
                     raw = await r.read()
@@ -81,10 +84,15 @@ class Etcd:
                         failure = f"{e}{path} answered {r.status}: {raw[:200]!r}"
                         continue
                     out: dict[str, Any] = orjson.loads(raw)
+                    self._first = i
                     return out
             except (aiohttp.ClientError, asyncio.TimeoutError, orjson.JSONDecodeError) as exc:
                 failure = f"{e}: {type(exc).__name__}: {exc}"
         raise EtcdError(failure)
+
+    def _order(self) -> list[int]:
+        n = len(self.endpoints)
+        return [(self._first + k) % n for k in range(n)]
 
     async def _answer(self, path: str, body: dict[str, Any], parse: Callable[[Any], T]) -> T:
         """`_call`, then `parse` of its answer: an answer that is not what etcd sends (a
@@ -195,7 +203,8 @@ class Etcd:
         )
         failure = "no etcd endpoint"
         async with aiohttp.ClientSession(timeout=timeout) as session:
-            for e in self.endpoints:
+            for i in self._order():
+                e = self.endpoints[i]
                 try:
                     async with session.post(e + "/v3/watch", data=body) as r:
                         if r.status != 200:
