@@ -64,7 +64,8 @@ MEANINGS = {
     "health.timeout_s": "a probe's timeout",
     "health.eject_after": "request faults in a row that take an engine out until a probe passes",
     "ha": "several routers: leadership on an etcd lease (README: Several routers)",
-    "ha.etcd": "etcd endpoints (`http://host:2379`), tried in order",
+    "ha.etcd": "etcd endpoints (`http://host:2379`, every member of the cluster), tried in "
+    "turn from the one that answered last",
     "ha.key": "the leader key; the maintenance wave and predictor profiles live beside it",
     "ha.lease_ttl_s": "the lease's TTL: a dead leader is replaced within it; a leader stops "
     "placing work 20 % (at least 0.5 s) before it could lapse",
