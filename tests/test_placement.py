@@ -212,6 +212,32 @@ def test_a_conversation_stays_on_its_engine_while_it_fits() -> None:
     assert plan.prefer is not None and plan.prefer is not home
 
 
+def test_a_conversation_waits_for_its_engine_to_keep_pace_rather_than_move_its_history() -> None:
+    f = Fleet(n=2, tpot_target_s=0.05)
+    f.learn_tau0(0.02)
+    history = words("h", 400)
+    home = f.serve(request(history, session="s1"))
+    # A short answer streams at home: its allowance cannot take the next turn's prefill...
+    short = f.open(request(words("s", 10), max_tokens=5), on=home)
+    short.first_output()
+    turn = request(history + " " + words("n", 200), session="s1")
+    # ... which the other engine could take, at the price of the whole history.
+    with pytest.raises(NoEngineKeepsPace) as waiting:
+        f.judge(turn)
+    assert waiting.value.slack_s > 1  # the budget leaves time for a stream to end
+    short.finished(5)
+    short.release()
+    assert f.judge(turn).prefer.name == home
+    # With no time left to wait (its queue near the budget), it moves rather than miss it.
+    short = f.open(request(words("t", 10), max_tokens=5), on=home)
+    short.first_output()
+    next(e for e in f.engines if e.name == home).prefill_tokens = 4000
+    with pytest.raises(NoEngineKeepsPace) as waiting:
+        f.judge(turn)
+    plan = f.policy.judge(turn, f.engines, BUDGET - waiting.value.slack_s + 0.03)
+    assert plan.prefer is not None and plan.prefer.name != home
+
+
 def test_a_long_prefill_goes_where_no_stream_would_miss_its_tpot_target() -> None:
     f = Fleet(tpot_target_s=0.05)
     f.learn_tau0(0.02)  # 20 ms a step without prefill

@@ -270,7 +270,8 @@ class Predictor:
     ) -> Projection:
         """The best projection within budget, or the spec's 429 refusals. `cached` says
         per engine name how many of the prompt's tokens its cache is expected to serve;
-        `home` is the engine a conversation was last placed on: kept while it fits;
+        `home` is the engine a conversation was last placed on: kept while it fits, and
+        waited for (while the budget allows) when only the TPOT target keeps it out;
         `keeps_pace` says whether placing there keeps the engine's streams within the TPOT
         target (engines that would not are avoided while another fits); `stall` is what
         placing there costs the streams decoding beside it, in stream-seconds: with it, the
@@ -304,18 +305,28 @@ class Predictor:
                 code="ttft_budget_exceeded",
                 headers={"retry-after": str(overrun)},
             )
+        at_home = next((p for p in fit if p.engine is home), None)
+        if at_home is not None:
+            if keeps_pace is None or keeps_pace(at_home):
+                return at_home
+            # Its engine holds the conversation's history: moving it prefills the whole
+            # history again elsewhere (an engine's worth of capacity, and a longer stall
+            # there). While the budget lets it, it waits for a stream at home to end.
+            slack = budget_s - (at_home.guarded_s or 0.0)
+            if slack > HOLD_HOME_MIN_S:
+                raise NoEngineKeepsPace(slack)
         if keeps_pace is not None:
             paced = [p for p in fit if keeps_pace(p)]
             if not paced:
                 raise NoEngineKeepsPace(budget_s - min((p.guarded_s or 0.0) for p in fit))
             fit = paced
-        if home is not None:
-            for p in fit:
-                if p.engine is home:
-                    return p
         if stall is not None:
             return min(fit, key=lambda p: (stall(p) + (p.guarded_s or 0.0), p.engine.inflight))
         return min(fit, key=_rank)
+
+
+# A conversation whose engine would be left less than this of its TTFT budget moves on.
+HOLD_HOME_MIN_S = 0.05
 
 
 class NoEngineKeepsPace(Exception):
