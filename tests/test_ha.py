@@ -519,7 +519,9 @@ def test_fence_etcd_refuses_a_deposed_token_before_the_new_leader_sends_anything
 ) -> None:
     key = f"/t{next(_keys)}/leader"
     first = elect(etcd, key)
-    s = start_engine(model_path, "--fence", "--fence-etcd", etcd.url, "--fence-key", key)
+    # Every member of the cluster, one of them down: the engine reads from the others.
+    members = f"http://127.0.0.1:{free_port()},{etcd.url}"
+    s = start_engine(model_path, "--fence", "--fence-etcd", members, "--fence-key", key)
     try:
         wait_until(lambda: engine_token(s) == first, within=5)  # read from etcd, not sent
         assert fenced(s, first).status_code == 200

@@ -113,7 +113,7 @@ class LexiEngine:
             Fence(
                 self.metrics.fencing_token.set,
                 config.fence_state,
-                Etcd([config.fence_etcd]) if config.fence_etcd else None,
+                Etcd(config.fence_etcd.split(",")) if config.fence_etcd else None,
                 config.fence_key,
             )
             if config.fence

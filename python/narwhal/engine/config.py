@@ -194,9 +194,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--fence-etcd",
-        metavar="URL",
-        help="with --fence, also take the current leader's token from this etcd "
-        "(a deposed router is refused before the new one has sent anything)",
+        metavar="URL[,URL...]",
+        help="with --fence, also take the current leader's token from this etcd (every "
+        "member's URL, comma-separated: a deposed router is refused before the new one has "
+        "sent anything)",
     )
     p.add_argument(
         "--fence-key",
@@ -350,8 +351,12 @@ def from_args(ns: argparse.Namespace) -> EngineConfig:
             raise EngineConfigError(flag, "needs --fence")
     if ns.fence_state is not None:
         _check_fence_state(ns.fence_state)
-    if ns.fence_etcd is not None and not ns.fence_etcd.startswith(("http://", "https://")):
-        raise EngineConfigError("--fence-etcd", "must be an http(s):// URL of an etcd endpoint")
+    if ns.fence_etcd is not None and not all(
+        u.startswith(("http://", "https://")) for u in ns.fence_etcd.split(",")
+    ):
+        raise EngineConfigError(
+            "--fence-etcd", "must be http(s):// URLs of etcd endpoints, comma-separated"
+        )
     if not (0 < ns.shutdown_grace <= 3600):
         raise EngineConfigError("--shutdown-grace", "must be between 0 and 3600 seconds")
     if ns.threads is not None and ns.threads < 1:
