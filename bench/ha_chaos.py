@@ -20,6 +20,7 @@ import collections
 import itertools
 import os
 import random
+import re
 import signal
 import tempfile
 import time
@@ -164,6 +165,8 @@ def main() -> None:
             disorder[f"s{i}"] = sum(1 for x, y in itertools.pairwise(tokens) if y < x)
             disorder[f"s{i} requests"] = len(tokens)
             disorder[f"s{i} tokens seen"] = len(set(tokens))
+        # LexiEngine logs each floor it accepts: they must only rise.
+        floors = [int(t) for t in re.findall(r"accepting fencing token (\d+)", lexi.stderr())]
         lexi_metrics = httpx.get(lexi.url + "/metrics").text
         fenced = sum(
             float(line.split()[-1])
@@ -182,6 +185,7 @@ def main() -> None:
     print(f"neither served nor a retryable 503/429: {len(bad)} {bad[:5]}")
     print(f"scripted engines, tokens out of order: {disorder}")
     print(f"LexiEngine, stale tokens refused (409 fenced): {fenced:g}")
+    print(f"LexiEngine, tokens accepted in its log: {floors} (rising: {floors == sorted(floors)})")
 
 
 if __name__ == "__main__":
