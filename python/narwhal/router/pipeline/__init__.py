@@ -9,17 +9,26 @@
 - `place`: a seat on an engine through the lease (`admission`), the relay (`relay`), and
   another engine when one answers 429.
 
-Each stage that ends a request says how, in its `Ending`.
+A stage that refuses a request raises the client's error saying how the request ended
+(`ApiError.ended`); `flow` counts it once, in its `Ending`.
 """
 
 from __future__ import annotations
 
+from narwhal.errors import ApiError
+
 
 class Ending:
     """How one request ended: exactly one outcome each, so `narwhal_finished_total` adds
-    up to `narwhal_offered_total`."""
+    up to `narwhal_offered_total`, and the label of the refusal counter it adds to."""
 
-    __slots__ = ("outcome",)
+    __slots__ = ("label", "outcome", "status")
 
     def __init__(self) -> None:
         self.outcome = "client_gone"
+        self.label: str | None = None
+        self.status = 0
+
+    def by(self, e: ApiError) -> None:
+        """Ended by `e` (an error nobody said the outcome of is the request's own fault)."""
+        self.outcome, self.label, self.status = e.outcome or "invalid", e.label, e.status

@@ -1,7 +1,9 @@
 """One completion request through the stages, in order, and its one outcome.
 
-Each stage that refuses a request counts the refusal and says how it ended (`Ending`);
-`narwhal_finished_total{outcome}` is counted here, once, whatever happened.
+A stage that refuses a request raises the error the client gets, saying how the request
+ended and the label its refusal counter takes (`ApiError.ended`); a request answered by
+the relay ends as the relay says (`Ending`). Both are counted here, once, where the request
+ends: `narwhal_finished_total{outcome}` whatever happened, and the refusal's counter.
 """
 
 from __future__ import annotations
@@ -49,19 +51,20 @@ class Flow:
         try:
             try:
                 self.admission.retain()
-            except ApiError:
-                m.rejected.labels("retention").inc()
-                end.outcome = "rejected"
+            except ApiError as e:
+                e.ended("rejected", "retention")
                 raise
             try:
-                req, deadline, budget = await read(
-                    path, scope, receive, self.config, m, arrived, end
-                )
+                req, deadline, budget = await read(path, scope, receive, self.config, m, arrived)
                 await self._serve(req, receive, send, arrived, deadline, budget, end)
             finally:
                 self.admission.release_retention()
+        except ApiError as e:
+            end.by(e)
+            raise
         finally:
             m.finished.labels(end.outcome).inc()
+            self._count(end)
             rec = asgi.current.get()
             if rec is not None:
                 rec.fields["outcome"] = end.outcome
@@ -80,23 +83,13 @@ class Flow:
         assert task is not None
         watcher = asyncio.create_task(asgi.watch_disconnect(receive, task))
         try:
-            try:
-                self.gate.check()
-            except ApiError as e:
-                self.metrics.rejected.labels(e.code or "unavailable").inc()
-                end.outcome = "rejected"
-                raise
+            self.gate.check()
             try:
                 plan = await self.judge.plan(req, arrived, budget)
             except ApiError as e:
-                self.metrics.refused.labels(e.code or "predictive").inc()
-                end.outcome = "refused"
+                e.ended("refused", e.code or "predictive")
                 raise
-            try:
-                busy = self.gate.cannot_serve(req)
-            except ApiError:
-                end.outcome = "invalid"
-                raise
+            busy = self.gate.cannot_serve(req)
             await self.placer.serve(req, send, arrived, deadline, plan, busy, end)
         except asyncio.CancelledError:
             end.outcome = "client_gone"
@@ -104,3 +97,12 @@ class Flow:
                 raise  # not the client's doing: shutting down
         finally:
             watcher.cancel()
+
+    def _count(self, end: Ending) -> None:
+        m = self.metrics
+        if end.outcome == "rejected":
+            m.rejected.labels(end.label or "capacity").inc()
+        elif end.outcome == "refused":
+            m.refused.labels(end.label or "predictive").inc()
+        elif end.outcome == "invalid" and end.status in (400, 413):
+            m.invalid_requests.inc()

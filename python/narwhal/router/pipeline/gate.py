@@ -67,7 +67,7 @@ class Gate:
                 + ", ".join(sorted(intake.RESPONSES_DIALECTS))
                 + ")",
                 code="unsupported",
-            )
+            ).ended("invalid")
         return names
 
 
@@ -82,3 +82,4 @@ class Unavailable(ApiError):
             code=code,
             headers={"retry-after": "1"},
         )
+        self.ended("rejected", code)

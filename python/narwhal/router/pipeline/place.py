@@ -18,7 +18,7 @@ from narwhal.router.engines import Pool
 from narwhal.router.lease import Lease
 from narwhal.router.metrics import RouterMetrics
 from narwhal.router.pipeline import Ending
-from narwhal.router.pipeline.gate import Gate, Unavailable
+from narwhal.router.pipeline.gate import Gate
 from narwhal.router.pipeline.intake import Intake
 from narwhal.router.policies import Plan, Policy
 from narwhal.router.relay.errors import EngineBusy, EngineFailed, EngineFenced
@@ -58,14 +58,13 @@ class Placer:
         """Placed and relayed; `busy` names the engines not to place on."""
         while True:
             try:
-                end.outcome = await self._once(req, send, arrived, deadline, plan, busy, end)
+                end.outcome = await self._once(req, send, arrived, deadline, plan, busy)
                 return
             except EngineBusy as e:
                 busy = busy | {e.engine}
                 if not self._may_retry(busy, deadline):
-                    self.metrics.rejected.labels("engine_busy").inc()
-                    end.outcome = "rejected"
-                    await e.refusal.send(send)
+                    end.outcome, end.label = "rejected", "engine_busy"
+                    await e.refusal.send(send)  # the engine's own 429, as it sent it
                     return
 
     def _may_retry(self, busy: frozenset[str], deadline: float) -> bool:
@@ -81,7 +80,6 @@ class Placer:
         deadline: float,
         plan: Plan,
         busy: frozenset[str],
-        end: Ending,
     ) -> str:
         placed = False
         try:
@@ -119,34 +117,26 @@ class Placer:
                     _note(lease)
         except EngineFenced as e:
             self.leadership.fence(str(e))
-            self.metrics.rejected.labels("fenced").inc()
-            end.outcome = "rejected"
             raise ApiError(
                 503,
                 f"this router was fenced ({e}); retry shortly",
                 type="server_error",
                 code="fenced",
                 headers={"retry-after": "1"},
-            ) from None
-        except Unavailable as e:  # no longer leading once placed: nothing was sent
-            self.metrics.rejected.labels(e.code or "unavailable").inc()
-            end.outcome = "rejected"
-            raise
+            ).ended("rejected", "fenced") from None
         except Expired:
-            self.metrics.rejected.labels("wait_expired").inc()
-            end.outcome = "rejected"
             raise ApiError(
                 504,
                 "no engine had room before the wait or deadline ran out",
                 type="timeout_error",
                 code="admission_timeout",
-            ) from None
+            ).ended("rejected", "wait_expired") from None
         except ApiError as e:
+            # Unavailable (no longer leading once placed: nothing was sent) said so itself.
             if placed:
-                end.outcome = "deadline" if e.status == 504 else "engine_failed"
+                e.ended("deadline" if e.status == 504 else "engine_failed")
             else:  # admission refused it
-                self.metrics.rejected.labels(e.code or "capacity").inc()
-                end.outcome = "rejected"
+                e.ended("rejected", e.code or "capacity")
             raise
 
 

@@ -8,7 +8,7 @@ from narwhal.asgi import Receive, Scope
 from narwhal.errors import ApiError
 from narwhal.router.config import RouterConfig
 from narwhal.router.metrics import RouterMetrics
-from narwhal.router.pipeline import Ending, intake
+from narwhal.router.pipeline import intake
 
 _MAX_MS = 10**9  # 11.6 days: more than any timeout, and a float without overflow
 
@@ -20,22 +20,21 @@ async def read(
     config: RouterConfig,
     metrics: RouterMetrics,
     arrived: float,
-    end: Ending,
 ) -> tuple[intake.Intake, float, float]:
     """The checked request, its deadline (monotonic) and its TTFT budget (seconds)."""
-    end.outcome = "invalid"  # until the body is read and checked
     try:
         raw = await asgi.read_body(receive, config.max_request_bytes, config.body_timeout_s)
     except asgi.BodyTooLarge:
-        metrics.invalid_requests.inc()
         raise ApiError(
             413,
             f"request body exceeds {config.max_request_bytes} bytes",
             code="request_too_large",
-        ) from None
+        ).ended("invalid") from None
     except asgi.ClientGone:
-        metrics.unsized_offered.inc()
-        end.outcome = "client_gone"
+        metrics.unsized_offered.inc()  # and ends `client_gone`
+        raise
+    except ApiError as e:  # a body that could not be read, or not in time
+        e.ended("invalid")
         raise
     try:
         ms = ms_header(scope, b"x-narwhal-timeout-ms")
@@ -48,10 +47,8 @@ async def read(
         if session:
             req.session = session[:256]
     except ApiError as e:
-        if e.status == 400:
-            metrics.invalid_requests.inc()
+        e.ended("invalid")
         raise
-    end.outcome = "client_gone"  # until the request is refused or answered
     return req, deadline, budget
 
 
