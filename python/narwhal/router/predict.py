@@ -282,29 +282,7 @@ class Predictor:
         unknown = [p for p in ps if p.total_s is None]
         if unknown:
             return min(unknown, key=lambda p: p.engine.prefill)
-        if min(p.own_s or 0.0 for p in ps) > budget_s:
-            fastest = min(ps, key=lambda p: p.own_s or 0.0)
-            raise ApiError(
-                429,
-                f"the prompt alone is projected to take {fastest.own_s:.2f}s to "
-                f"prefill, over the {budget_s:.2f}s TTFT budget; shorten the prompt "
-                "or raise the target (x-narwhal-ttft-target-ms)",
-                type="rate_limit_error",
-                code="prompt_exceeds_ttft_budget",
-            )
-        fit = [p for p in ps if (p.guarded_s or 0.0) <= budget_s]
-        if not fit:
-            best = min(ps, key=_rank)
-            assert best.guarded_s is not None
-            overrun = max(1, round(best.guarded_s - budget_s))
-            raise ApiError(
-                429,
-                f"projected time to first token {best.guarded_s:.2f}s exceeds "
-                f"the {budget_s:.2f}s budget",
-                type="rate_limit_error",
-                code="ttft_budget_exceeded",
-                headers={"retry-after": str(overrun)},
-            )
+        fit = _within_budget(ps, budget_s)
         at_home = next((p for p in fit if p.engine is home), None)
         if at_home is not None:
             if keeps_pace is None or keeps_pace(at_home):
@@ -323,6 +301,34 @@ class Predictor:
         if stall is not None:
             return min(fit, key=lambda p: (stall(p) + (p.guarded_s or 0.0), p.engine.inflight))
         return min(fit, key=_rank)
+
+
+def _within_budget(ps: list[Projection], budget_s: float) -> list[Projection]:
+    """The projections within the TTFT budget, or the spec's 429 when there are none."""
+    if min(p.own_s or 0.0 for p in ps) > budget_s:
+        fastest = min(ps, key=lambda p: p.own_s or 0.0)
+        raise ApiError(
+            429,
+            f"the prompt alone is projected to take {fastest.own_s:.2f}s to "
+            f"prefill, over the {budget_s:.2f}s TTFT budget; shorten the prompt "
+            "or raise the target (x-narwhal-ttft-target-ms)",
+            type="rate_limit_error",
+            code="prompt_exceeds_ttft_budget",
+        )
+    fit = [p for p in ps if (p.guarded_s or 0.0) <= budget_s]
+    if not fit:
+        best = min(ps, key=_rank)
+        assert best.guarded_s is not None
+        overrun = max(1, round(best.guarded_s - budget_s))
+        raise ApiError(
+            429,
+            f"projected time to first token {best.guarded_s:.2f}s exceeds "
+            f"the {budget_s:.2f}s budget",
+            type="rate_limit_error",
+            code="ttft_budget_exceeded",
+            headers={"retry-after": str(overrun)},
+        )
+    return fit
 
 
 # A conversation whose engine would be left less than this of its TTFT budget moves on.

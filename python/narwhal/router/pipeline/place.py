@@ -101,20 +101,7 @@ class Placer:
                 self.policy.placed(lease)
                 placed = True
                 self.queue_time.observe(time.monotonic() - arrived)
-                try:
-                    # Checked again once a connection is ready, just before the bytes go:
-                    # connecting (a fresh connection, or a retried one) may take longer than
-                    # what is left of this router's leadership.
-                    return await self.relayer.run(lease, send, self.gate.check_leading)
-                except EngineFailed as e:
-                    raise ApiError(
-                        502,
-                        f"engine {lease.on.name} failed: {e}",
-                        type="server_error",
-                        code="engine_failed",
-                    ) from None
-                finally:
-                    _note(lease)
+                return await self._relay(lease, send)
         except EngineFenced as e:
             self.leadership.fence(str(e))
             raise ApiError(
@@ -138,6 +125,22 @@ class Placer:
             else:  # admission refused it
                 e.ended("rejected", e.code or "capacity")
             raise
+
+    async def _relay(self, lease: Lease, send: Send) -> str:
+        try:
+            # Checked again once a connection is ready, just before the bytes go:
+            # connecting (a fresh connection, or a retried one) may take longer than
+            # what is left of this router's leadership.
+            return await self.relayer.run(lease, send, self.gate.check_leading)
+        except EngineFailed as e:
+            raise ApiError(
+                502,
+                f"engine {lease.on.name} failed: {e}",
+                type="server_error",
+                code="engine_failed",
+            ) from None
+        finally:
+            _note(lease)
 
 
 def _note(lease: Lease) -> None:
