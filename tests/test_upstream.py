@@ -10,7 +10,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 
-from narwhal.router.upstream import Upstream, UpstreamError
+from narwhal.router.connection import UpstreamError
+from narwhal.router.upstream import Upstream
 
 CHUNKED_HEAD = (
     b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"

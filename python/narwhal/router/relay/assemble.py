@@ -8,9 +8,9 @@ from narwhal import asgi
 from narwhal._native import Assembler, AssemblyError
 from narwhal.asgi import Send
 from narwhal.errors import ApiError
+from narwhal.router.connection import Exchange
 from narwhal.router.lease import Lease
 from narwhal.router.relay.errors import EngineFailed, engine_refusal
-from narwhal.router.upstream import Exchange
 
 if TYPE_CHECKING:
     from narwhal.router.relay.relayer import Relayer

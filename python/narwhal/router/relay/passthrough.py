@@ -7,9 +7,9 @@ from typing import TYPE_CHECKING
 
 from narwhal import asgi
 from narwhal.asgi import Send
+from narwhal.router.connection import Exchange, UpstreamError
 from narwhal.router.lease import Lease
 from narwhal.router.relay.errors import EngineFailed, past
-from narwhal.router.upstream import Exchange, UpstreamError
 
 if TYPE_CHECKING:
     from narwhal.router.relay.relayer import Relayer

@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING
 
 from narwhal._native import RelayChunk
 from narwhal.asgi import Send
+from narwhal.router.connection import Exchange
 from narwhal.router.relay.errors import past
-from narwhal.router.upstream import Exchange
 
 if TYPE_CHECKING:
     from narwhal.router.relay.relayer import Relayer

@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 from narwhal import asgi
 from narwhal.asgi import Send
+from narwhal.router.connection import Exchange, UpstreamError
 from narwhal.router.engines import Engine
 from narwhal.router.lease import Lease
 from narwhal.router.pipeline.intake import upstream_body
@@ -30,7 +31,7 @@ from narwhal.router.relay.errors import (
 )
 from narwhal.router.relay.passthrough import passthrough
 from narwhal.router.relay.stream import stream
-from narwhal.router.upstream import Exchange, Upstream, UpstreamError
+from narwhal.router.upstream import Upstream
 
 log = logging.getLogger("narwhal.relay")
 

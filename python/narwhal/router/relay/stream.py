@@ -12,10 +12,10 @@ from typing import TYPE_CHECKING
 from narwhal import asgi
 from narwhal._native import RelayChunk, StreamRelay
 from narwhal.asgi import Send
+from narwhal.router.connection import Exchange, UpstreamError
 from narwhal.router.lease import Lease
 from narwhal.router.relay.errors import EngineFailed, error_event
 from narwhal.router.relay.push import done_at_call, push
-from narwhal.router.upstream import Exchange, UpstreamError
 
 if TYPE_CHECKING:
     from narwhal.router.relay.relayer import Relayer
