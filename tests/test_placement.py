@@ -304,6 +304,20 @@ def test_a_request_waiting_for_pace_whose_engines_went_away_is_left_to_placement
     assert waits == [1]
 
 
+def test_requests_judged_before_either_is_placed_do_not_share_one_headroom() -> None:
+    f = Fleet(n=1, tpot_target_s=0.05)
+    f.learn_tau0(0.02)
+    # A short answer streams on e0: its allowance, (45 - 20) ms x 4 steps = 100 ms, takes
+    # one 60-token prefill (60 ms at 1,000 tokens/s), not two.
+    short = f.open(request(words("s", 10), max_tokens=5), on="e0")
+    short.first_output()
+    first, second = request(words("A", 50)), request(words("B", 50))
+    assert f.judge(first).prefer is f.engines[0]
+    # Woken by the same stream's end, both are judged before either is placed.
+    with pytest.raises(NoEngineKeepsPace):
+        f.judge(second)
+
+
 def test_a_stream_that_ended_no_longer_holds_its_engine_back() -> None:
     f = Fleet(n=1, tpot_target_s=0.05)
     f.learn_tau0(0.02)

@@ -36,6 +36,9 @@ class Plan:
     # nothing of it are absent).
     expected: dict[str, Expectation] = field(default_factory=dict)
     session: str | None = None
+    # The engine whose TPOT ledger was charged this prompt's prefill when it was judged, so
+    # that a request judged before this one is placed does not count on the same headroom.
+    charged_on: str | None = None
 
 
 OPEN_PLAN = Plan()

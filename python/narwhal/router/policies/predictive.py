@@ -75,7 +75,18 @@ class PredictivePolicy:
             self._keeps_pace if paced else None,
             self._stall if paced else None,
         )
-        return Plan(proj.engine, proj.tokens, proj.total_s, blocks, expected, req.session)
+        charged_on = None
+        if paced:
+            # Charged now, not once placed: requests woken together by a stream's end are
+            # judged one after another before any is placed, and each would otherwise count
+            # on the headroom the others take (under overload, streams missed TPOT so).
+            rate = self._rate(proj.engine.name)
+            if rate is not None:
+                self.streams[proj.engine.name].charge(proj.tokens / rate)
+                charged_on = proj.engine.name
+        return Plan(
+            proj.engine, proj.tokens, proj.total_s, blocks, expected, req.session, charged_on
+        )
 
     def _keeps_pace(self, p: Projection) -> bool:
         """Placing there leaves every stream on the engine within the TPOT target."""
@@ -126,7 +137,12 @@ class PredictivePolicy:
             # its own steps, each adding (aim - tau0): crediting it 1 / tau0 tokens a second
             # instead over-admitted under overload (bench/README.md, "Fleet").
             slope = max(0.0, 1.0 - tau0 / aim)
-        entry = ledger.placed(lease.tokens / rate, allowance, slope)
+        # Charged when judged if it went where it was judged for; else charged here too
+        # (the first charge stays: a little caution, never too little).
+        stall = (
+            0.0 if lease.plan is not None and lease.plan.charged_on == name else lease.tokens / rate
+        )
+        entry = ledger.placed(stall, allowance, slope)
         if entry is not None:
             self._entries[lease] = entry
 

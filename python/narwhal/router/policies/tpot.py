@@ -80,6 +80,11 @@ class Streams:
         room = self.headroom_s(now)
         return room is None or stall_s <= room
 
+    def charge(self, stall_s: float) -> None:
+        """A prompt whose prefill takes `stall_s` is on its way here (judged, not placed
+        yet): every stream here now will wait it out."""
+        self.charged_s += stall_s
+
     def placed(self, stall_s: float, allowance_s: float | None, slope: float = 0.0) -> int | None:
         """A prompt whose prefill takes `stall_s` was placed here; its stream, when it has
         an allowance, joins the ledger after its own prefill. `slope` is what a second of
