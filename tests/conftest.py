@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import pytest
 from hypothesis import settings
 
-from tests.support import Server, start_test_engine
+from tests.support import EtcdServer, Server, start_test_engine
 
 # CI explores the same examples every run (a red CI names a bug it can reproduce); a
 # developer's run explores new ones each time.
@@ -23,6 +23,17 @@ def model_path() -> str:
     from narwhal.bundled_model import smollm2_path
 
     return str(smollm2_path())
+
+
+@pytest.fixture(scope="module")
+def etcd() -> Iterator[EtcdServer]:
+    """A real etcd for a module's tests (skipped where etcd is not installed)."""
+    try:
+        e = EtcdServer()
+    except RuntimeError as exc:
+        pytest.skip(str(exc))
+    yield e
+    e.stop()
 
 
 @pytest.fixture(scope="session")

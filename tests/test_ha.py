@@ -25,16 +25,6 @@ _keys = count()
 
 
 @pytest.fixture(scope="module")
-def etcd() -> Iterator[EtcdServer]:
-    try:
-        e = EtcdServer()
-    except RuntimeError as exc:
-        pytest.skip(str(exc))
-    yield e
-    e.stop()
-
-
-@pytest.fixture(scope="module")
 def engine(model_path: str) -> Iterator[Server]:
     s = start_engine(model_path, "--fence", "--alias", "main", "--parallel", "2", "--temp", "0")
     yield s

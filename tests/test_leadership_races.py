@@ -4,11 +4,9 @@ no key behind and no leader. Etcd is reached through a proxy that holds chosen c
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
 from itertools import count
 
 import aiohttp
-import pytest
 from aiohttp import web
 
 from narwhal.etcd import Etcd
@@ -17,16 +15,6 @@ from narwhal.router.ha.leadership import Leadership, Role
 from tests.support import EtcdServer
 
 _keys = count()
-
-
-@pytest.fixture(scope="module")
-def etcd() -> Iterator[EtcdServer]:
-    try:
-        e = EtcdServer()
-    except RuntimeError as exc:
-        pytest.skip(str(exc))
-    yield e
-    e.stop()
 
 
 async def holding(target: str, path: str, hold_s: float) -> tuple[web.AppRunner, str]:

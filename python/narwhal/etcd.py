@@ -2,10 +2,9 @@
 
 Only what leadership, fencing and maintenance waves need: leases (grant, keep alive,
 revoke), a create-if-absent transaction, range (of a key or a prefix), put, delete and a
-watch of one key. The
-gateway is part of every etcd v3 server (3.4+), so this needs no gRPC stack: aiohttp is
-already here. int64s travel as JSON strings, keys and values as base64, and proto3 leaves
-out fields at their default.
+watch of one key. The gateway is part of every etcd v3 server (3.4+), so this needs no
+gRPC stack: aiohttp is already here. int64s travel as JSON strings, keys and values as
+base64, and proto3 leaves out fields at their default.
 Every call is bounded by `timeout_s`; endpoints are tried in turn, from the one that last
 answered, until one answers (a member that hangs costs one timeout, not one per call).
 """

@@ -114,7 +114,6 @@ class Router:
             self.gate,
             self.policy,
             self.relayer,
-            self.metrics,
             self.metrics.queue_time.labels(config.model),
         )
         self.flow = Flow(config, self.metrics, self.admission, self.gate, self.judge, self.placer)

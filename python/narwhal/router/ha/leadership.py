@@ -162,7 +162,8 @@ class Leadership:
                 if self.stopping:  # resigned while the grant was out: nobody else revokes it
                     await self._revoke_quietly()
                     break
-                await self._say(self.reaches())
+                reaches = self.reaches()
+                await self._say(reaches)
                 if await self._sitting_out():
                     continue
                 created, kv = await etcd.create(key, me, self._lease)
@@ -170,7 +171,7 @@ class Leadership:
                 if self.stopping:  # resigned while this round was out
                     await self._revoke_quietly()
                     break
-                if ours and kv is not None and await self._steps_aside():
+                if ours and kv is not None and await self._steps_aside(reaches):
                     continue
                 if ours and kv is not None:
                     if self.role is not Role.LEADER or self.token != kv.create_revision:
@@ -239,12 +240,12 @@ class Leadership:
         await self._pause(min(self.ha.lease_ttl_s / 3, 0.25))
         return True
 
-    async def _steps_aside(self) -> bool:
+    async def _steps_aside(self, reaches: bool) -> bool:
         """Leading: when no healthy engine has answered for `resign_unhealthy_s` and another
         router reaches one, revokes the lease (the key goes with it) and returns True."""
         assert self.ha is not None and self.etcd is not None
         now = _now()
-        if self.reaches():
+        if reaches:
             self._unreached_since = None
             return False
         if self._unreached_since is None:

@@ -16,7 +16,6 @@ from narwhal.errors import ApiError
 from narwhal.router.admission import Admission, Expired
 from narwhal.router.engines import Pool
 from narwhal.router.lease import Lease
-from narwhal.router.metrics import RouterMetrics
 from narwhal.router.pipeline import Ending
 from narwhal.router.pipeline.gate import Gate
 from narwhal.router.pipeline.intake import Intake
@@ -33,7 +32,6 @@ class Placer:
         gate: Gate,
         policy: Policy,
         relayer: Relayer,
-        metrics: RouterMetrics,
         queue_time: Any,
     ) -> None:
         self.admission = admission
@@ -42,7 +40,6 @@ class Placer:
         self.leadership = gate.leadership
         self.policy = policy
         self.relayer = relayer
-        self.metrics = metrics
         self.queue_time = queue_time  # the model's queue-time histogram child
 
     async def serve(

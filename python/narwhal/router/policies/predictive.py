@@ -79,7 +79,7 @@ class PredictivePolicy:
         if paced:
             # Charged now, not once placed: requests woken together by a stream's end are
             # judged one after another before any is placed, and each would otherwise count
-            # on the headroom the others take (under overload, streams missed TPOT so).
+            # on the headroom the others take.
             rate = self._rate(proj.engine.name)
             if rate is not None:
                 self.streams[proj.engine.name].charge(proj.tokens / rate)
