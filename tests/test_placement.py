@@ -406,3 +406,36 @@ def test_the_ledger_stays_the_size_of_the_streams_in_it() -> None:
         ledger.ended(entry, 0, 0.0)
     assert stuck is not None and len(ledger) == 1
     assert len(ledger._heap) <= 4 * len(ledger) + 65
+
+
+def test_a_stream_is_protected_before_its_engine_has_measured_a_step() -> None:
+    f = Fleet(n=1, tpot_target_s=0.05)  # no step time learned anywhere yet
+    short = f.open(request(words("s", 10), max_tokens=5), on="e0")
+    short.first_output()
+    with pytest.raises(NoEngineKeepsPace):
+        f.judge(request(words("L", 1000)))  # a second of prefill beside a 5-token answer
+
+
+def test_an_engine_with_no_step_of_its_own_measured_borrows_the_fleets() -> None:
+    f = Fleet(n=2, tpot_target_s=0.05)
+    f.policy.streams["e1"].tau0_s = 0.044  # e1's streams had steps of 44 ms: no room left
+    short = f.open(request(words("s", 10), max_tokens=5), on="e0")
+    short.first_output()
+    f.engines[1].healthy = False
+    # 45 ms aim less 44 ms a step: 4 ms of allowance; half the aim (the cold guess) would
+    # leave 90 ms, enough for this 60 ms prefill.
+    with pytest.raises(NoEngineKeepsPace):
+        f.policy.judge(request(words("A", 60)), [f.engines[0]], BUDGET)
+
+
+def test_one_stalled_stream_does_not_teach_its_engine_a_slow_step() -> None:
+    ledger = Streams()
+    for _ in range(4):
+        quiet = ledger.placed(0.0, 1.0)
+        assert quiet is not None
+        ledger.ended(quiet, output_tokens=11, decode_s=0.2)  # 20 ms a step
+    # A stream stalled by prefill the ledger never heard of (sized too small, an eviction).
+    stalled = ledger.placed(0.0, 1.0)
+    assert stalled is not None
+    ledger.ended(stalled, output_tokens=11, decode_s=6.0)
+    assert ledger.tau0_s == pytest.approx(0.02)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import statistics
 import time
 
 from narwhal.router.engines import Engine
@@ -28,6 +29,10 @@ from narwhal.router.predict import Predictor, Projection
 # only when the engine reports it), and the misses it lets through were all short streams
 # a few per cent over the target (bench/README.md, "Fleet").
 TPOT_AIM = 0.9
+# Before anything is measured, a step without prefill is taken to cost this share of the
+# aim: a stream's allowance then starts at half of what its target leaves, and grows as it
+# decodes.
+COLD_TAU0_SHARE = 0.5
 
 
 class PredictivePolicy:
@@ -121,18 +126,19 @@ class PredictivePolicy:
             return
         ledger = self.streams[name]
         prof = self.predictor.profiles[name]
-        tau0 = ledger.tau0_s or prof.tpot_s
+        aim = TPOT_AIM * self.tpot_target_s
+        tau0 = self._tau0(name, aim)
         # What the stream will run to: its max_tokens, unless answers here typically stop
         # sooner (a stall weighs more on a short stream than on a long one).
+        # With neither known, two tokens: its allowance then comes from its decoding.
         n = lease.intake.max_tokens
         if prof.output_tokens is not None:
             typical = max(2, round(prof.output_tokens))
             n = typical if n is None else min(n, typical)
         allowance = None
         slope = 0.0
-        if tau0 is not None and n is not None and n > 1:
-            aim = TPOT_AIM * self.tpot_target_s
-            allowance = max(0.0, aim - tau0) * (n - 1)
+        if n is None or n > 1:
+            allowance = max(0.0, aim - tau0) * ((n or 2) - 1)
             # A stream that keeps to its aim makes a token at least every `aim` seconds of
             # its own steps, each adding (aim - tau0): crediting it 1 / tau0 tokens a second
             # instead over-admitted under overload (bench/README.md, "Fleet").
@@ -145,6 +151,21 @@ class PredictivePolicy:
         entry = ledger.placed(stall, allowance, slope)
         if entry is not None:
             self._entries[lease] = entry
+
+    def _tau0(self, name: str, aim: float) -> float:
+        """The engine's step without prefill: learned from its clean streams, else its
+        measured time per token (stalls included: an overestimate), else what the other
+        engines' clean streams say, else half the aim. A stream always joins the ledger:
+        one an engine had no figure for yet was left unprotected, and under a burst every
+        stream on an engine that had not yet finished one was (bench/README.md, "Fleet")."""
+        ledger = self.streams[name]
+        if ledger.tau0_s is not None:
+            return ledger.tau0_s
+        measured = self.predictor.profiles[name].tpot_s
+        if measured is not None:
+            return measured
+        others = [s.tau0_s for s in self.streams.values() if s.tau0_s is not None]
+        return statistics.median(others) if others else COLD_TAU0_SHARE * aim
 
     def watch(self, events: Events) -> None:
         self.predictor.watch(events)

@@ -24,15 +24,20 @@ spent waiting on prefill, a stream that keeps to its target has made at least
 allowance from `n` (a lower bound of its true one, forever); reading it takes streams off
 its top until the smallest true allowance seen is below the next key, then puts them back.
 
-`tau0` is learned per engine from streams that shared few steps with prefill.
+`tau0` is learned per engine from streams that shared few steps with prefill: the median
+of the last few, since one stream stalled by something the ledger never saw (a prefill
+larger than sized, an eviction) would otherwise shut its engine to prefill for a while.
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
+import statistics
+from collections import deque
 
-ALPHA = 0.2
+# Clean samples kept for the median.
+SAMPLES = 7
 # A stream whose ledger charge was under this share of its decode time had steps of its
 # own, mostly: its time per token says what a step without prefill costs.
 CLEAN_SHARE = 0.25
@@ -41,13 +46,14 @@ CLEAN_SHARE = 0.25
 class Streams:
     """Per engine: the prefill placed there and the allowance each stream has left."""
 
-    __slots__ = ("_heap", "_live", "charged_s", "tau0_s")
+    __slots__ = ("_heap", "_live", "_samples", "charged_s", "tau0_s")
 
     _order = itertools.count()
 
     def __init__(self) -> None:
         self.charged_s = 0.0  # prefill seconds placed on the engine, ever
         self.tau0_s: float | None = None  # a step without prefill, learned
+        self._samples: deque[float] = deque(maxlen=SAMPLES)
         # (charge at which the stream's allowance is spent, its entry): the smallest first;
         # ended streams leave `_live` at once and the heap when they reach its top.
         self._heap: list[tuple[float, int]] = []
@@ -117,8 +123,8 @@ class Streams:
         charge = self.charged_s - stream.joined
         if charge > CLEAN_SHARE * decode_s:
             return
-        sample = (decode_s - charge) / (output_tokens - 1)
-        self.tau0_s = sample if self.tau0_s is None else (1 - ALPHA) * self.tau0_s + ALPHA * sample
+        self._samples.append((decode_s - charge) / (output_tokens - 1))
+        self.tau0_s = statistics.median(self._samples)
 
     def __len__(self) -> int:
         return len(self._live)
