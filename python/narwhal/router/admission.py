@@ -61,8 +61,7 @@ class Admission:
     def release_retention(self) -> None:
         self.retained -= 1
 
-    @contextlib.asynccontextmanager
-    async def place(
+    def place(
         self,
         intake: Intake,
         arrived: float,
@@ -72,7 +71,7 @@ class Admission:
         tokens: int = 0,
         predicted_s: float | None = None,
         exclude: frozenset[str] = frozenset(),
-    ) -> AsyncIterator[Lease]:
+    ) -> Placing:
         """A lease on an engine with room (waiting in the queue for one if need be), given
         back when the block exits; or `Expired`, or a refusal. `predicted_s` is kept only
         if the lease lands on `prefer` (the engine it was projected for)."""
@@ -87,11 +86,7 @@ class Admission:
             prefer=prefer,
             exclude=exclude,
         )
-        await self._seat(lease)
-        try:
-            yield lease
-        finally:
-            lease.release()
+        return Placing(self, lease)
 
     @contextlib.asynccontextmanager
     async def place_on(
@@ -209,3 +204,22 @@ class Admission:
             await self.pool.changed.wait()
             self.pool.changed.clear()
             self._drain()
+
+
+class Placing:
+    """`async with admission.place(...) as lease`: seated on entry, given back on exit. A
+    class, not a generator-based context manager: one of these per request, and the
+    generator machinery cost more than the seat (bench/router_profile.py)."""
+
+    __slots__ = ("admission", "lease")
+
+    def __init__(self, admission: Admission, lease: Lease) -> None:
+        self.admission = admission
+        self.lease = lease
+
+    async def __aenter__(self) -> Lease:
+        await self.admission._seat(self.lease)
+        return self.lease
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.lease.release()

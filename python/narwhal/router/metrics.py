@@ -84,8 +84,8 @@ class RouterMetrics:
             ["outcome"],
             registry=r,
         )
-        for outcome in OUTCOMES:
-            self.finished.labels(outcome)
+        # Looked up once (`engine` says why): one of these a request.
+        self._finished_as = {outcome: self.finished.labels(outcome) for outcome in OUTCOMES}
         self.completed = Counter(
             "narwhal_completed", "Requests answered in full", ["engine"], registry=r
         )
@@ -230,6 +230,13 @@ class RouterMetrics:
             )
         pair[0].inc()
         pair[1].observe(seconds)
+
+    def finished_as(self, outcome: str) -> Any:
+        """`narwhal_finished_total{outcome}`'s child."""
+        child = self._finished_as.get(outcome)
+        if child is None:
+            child = self._finished_as[outcome] = self.finished.labels(outcome)
+        return child
 
     def engine(self, name: str) -> EngineMetrics:
         """The per-request series of one engine, looked up once: `labels()` validates and

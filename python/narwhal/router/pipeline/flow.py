@@ -63,7 +63,7 @@ class Flow:
             end.by(e)
             raise
         finally:
-            m.finished.labels(end.outcome).inc()
+            m.finished_as(end.outcome).inc()
             self._count(end)
             rec = asgi.current.get()
             if rec is not None:
