@@ -28,6 +28,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import aiohttp
+
 from bench.router_e2e import load, start, stop, tree_cpu
 from tests.support import BIN, free_port
 
@@ -142,6 +144,7 @@ def main() -> None:
         before, main_before = tree_cpu(router.pid), thread_cpu(pid)
         tokens, _ = asyncio.run(load(url, a.streams, a.requests, a.tokens))
         cpu, main_cpu = tree_cpu(router.pid) - before, thread_cpu(pid) - main_before
+        outcomes = asyncio.run(finished(url))
         spy.send_signal(2)
         spy.wait(30)
     finally:
@@ -151,6 +154,7 @@ def main() -> None:
     if a.keep:
         a.keep.write_bytes(raw.read_bytes())
     by = read_raw(raw)
+    print("requests ended (warm-up included):", outcomes)
     report(by, cpu, main_cpu, a.requests, tokens, a)
 
 
@@ -162,6 +166,19 @@ def _python_pid(pid: int) -> int:
     except OSError:
         children = []
     return int(children[0]) if children else pid
+
+
+async def finished(url: str) -> dict[str, int]:
+    """`narwhal_finished_total` by outcome: a profile of refusals is not one of relaying."""
+    out: dict[str, int] = {}
+    async with aiohttp.ClientSession() as s, s.get(url + "/metrics") as r:
+        for line in (await r.text()).splitlines():
+            for series in ("narwhal_finished_total{", "narwhal_rejected_total{"):
+                if line.startswith(series):
+                    label = line.split('="', 1)[1].split('"', 1)[0]
+                    if n := int(float(line.rsplit(" ", 1)[1])):
+                        out[label] = n
+    return out
 
 
 def thread_cpu(tid: int) -> float:

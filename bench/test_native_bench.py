@@ -1,6 +1,7 @@
 """pytest-benchmark: each Rust hot path and its pure-Python reference on the same input.
 
-`make bench` (or `pytest bench --benchmark-only`). CI gates on `bench.native_ratios --gate`.
+`make bench` (or `pytest bench --benchmark-only`). CI gates on `bench.native_ratios --gate 5`
+(tests/test_ratio_gates.py).
 """
 
 from __future__ import annotations
