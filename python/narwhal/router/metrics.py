@@ -37,8 +37,20 @@ OUTCOMES = (
 
 
 class RouterMetrics:
+    """Every series the router exports, defined by family: how requests ended, what
+    engines did, latencies and projections, and the server itself."""
+
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
+        self._outcomes(r)
+        self._engines(r)
+        self._latencies(r)
+        self._server(r)
+        self._per_engine: dict[str, EngineMetrics] = {}
+        self._answered: dict[tuple[str, int], tuple[Any, Any]] = {}
+
+    def _outcomes(self, r: CollectorRegistry) -> None:
+        """Arrivals, refusals and how each request ended."""
         self.offered = Counter("narwhal_offered", "Arrivals at a completion route", registry=r)
         self.unsized_offered = Counter(
             "narwhal_unsized_offered", "Arrivals whose body ended before sizing", registry=r
@@ -86,6 +98,9 @@ class RouterMetrics:
         )
         # Looked up once (`engine` says why): one of these a request.
         self._finished_as = {outcome: self.finished.labels(outcome) for outcome in OUTCOMES}
+
+    def _engines(self, r: CollectorRegistry) -> None:
+        """What each engine answered, holds and relayed."""
         self.completed = Counter(
             "narwhal_completed", "Requests answered in full", ["engine"], registry=r
         )
@@ -105,6 +120,21 @@ class RouterMetrics:
         )
         self.retained = Gauge("narwhal_retained", "Requests the router holds", registry=r)
         self.queued = Gauge("narwhal_queued", "Requests waiting for placement", registry=r)
+        self.engine_restarts = Counter(
+            "narwhal_engine_restarts",
+            "Managed engine processes that exited and were restarted",
+            ["engine"],
+            registry=r,
+        )
+        self.engine_healthy = Gauge(
+            "narwhal_engine_healthy",
+            "1 when the engine is eligible for placement",
+            ["engine"],
+            registry=r,
+        )
+
+    def _latencies(self, r: CollectorRegistry) -> None:
+        """Time to first byte, projections against what engines did, time per token."""
         self.ttfb = Histogram(
             "narwhal_time_to_first_byte_seconds",
             "Arrival to first relayed byte",
@@ -145,12 +175,16 @@ class RouterMetrics:
             buckets=_TPOT,
             registry=r,
         )
-        self.engine_restarts = Counter(
-            "narwhal_engine_restarts",
-            "Managed engine processes that exited and were restarted",
-            ["engine"],
+        self.queue_time = Histogram(
+            "narwhal_queue_time_seconds",
+            "Arrival to placement on an engine",
+            ["model"],
+            buckets=_LATENCY,
             registry=r,
         )
+
+    def _server(self, r: CollectorRegistry) -> None:
+        """Responses by code, how streams were relayed, the server's own housekeeping."""
         self.relayed_streams = Counter(
             "narwhal_relayed_streams",
             "Streamed answers by how they were relayed: native "
@@ -173,19 +207,6 @@ class RouterMetrics:
             buckets=_LATENCY,
             registry=r,
         )
-        self.queue_time = Histogram(
-            "narwhal_queue_time_seconds",
-            "Arrival to placement on an engine",
-            ["model"],
-            buckets=_LATENCY,
-            registry=r,
-        )
-        self.engine_healthy = Gauge(
-            "narwhal_engine_healthy",
-            "1 when the engine is eligible for placement",
-            ["engine"],
-            registry=r,
-        )
         self.info = Gauge(
             "narwhal_info", "The router's model and version", ["model", "version"], registry=r
         )
@@ -194,8 +215,6 @@ class RouterMetrics:
             "Client connections closed for sending nothing within serving.header_timeout_s",
             registry=r,
         )
-        self._per_engine: dict[str, EngineMetrics] = {}
-        self._answered: dict[tuple[str, int], tuple[Any, Any]] = {}
 
     def watch(self, events: Events) -> None:
         events.subscribe(first_byte=self._first_byte, finished=self._finished, fault=self._fault)
