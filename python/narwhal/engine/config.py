@@ -75,6 +75,16 @@ def _default(name: str) -> Any:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    """`lexi-engine serve`'s flags, in the order `--help` lists them."""
+    _model_arguments(p)
+    _serving_arguments(p)
+    _batching_arguments(p)
+    _limits_arguments(p)
+    _fencing_arguments(p)
+
+
+def _model_arguments(p: argparse.ArgumentParser) -> None:
+    """The model, its names, its template and its sampling defaults."""
     p.add_argument("-m", "--model", required=True, help="path of the GGUF model file")
     p.add_argument(
         "-a",
@@ -96,6 +106,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=int, help="default top-k (0-100000)")
     p.add_argument("--min-p", type=float, help="default min-p (0-1)")
     p.add_argument("-n", "--n-predict", type=int, help="default max new tokens (1-131072)")
+
+
+def _serving_arguments(p: argparse.ArgumentParser) -> None:
+    """Where and how it listens, and what it computes on."""
     p.add_argument(
         "--queue-wait",
         type=float,
@@ -140,6 +154,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="accepted for llama-server's sake: LexiEngine has no web UI",
     )
+
+
+def _batching_arguments(p: argparse.ArgumentParser) -> None:
+    """Slots, prefill chunks and weight repacking."""
     p.add_argument(
         "-np",
         "--parallel",
@@ -163,6 +181,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="put weights in llama.cpp's repacked buffer types (default: on, "
         "except where the build has AMX kernels, which crash on some CPUs)",
     )
+
+
+def _limits_arguments(p: argparse.ArgumentParser) -> None:
+    """What it waits for, and for how long."""
     p.add_argument(
         "--shutdown-grace",
         type=float,
@@ -186,6 +208,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="SECONDS",
         help="a request body must arrive whole within this: 408 (default %(default)g)",
     )
+    p.add_argument(
+        "--max-connections",
+        type=int,
+        default=_default("max_connections"),
+        metavar="N",
+        help="client connections served at once (default %(default)d)",
+    )
+
+
+ENV_PREFIX = "LEXI_ARG_"
+_TRUE, _FALSE = ("1", "true", "yes", "on", "enabled"), ("0", "false", "no", "off", "disabled")
+
+
+def _fencing_arguments(p: argparse.ArgumentParser) -> None:
+    """The fencing token of the router that leads (several routers on etcd)."""
     p.add_argument(
         "--fence",
         action="store_true",
@@ -211,17 +248,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="with --fence, keep the highest accepted token in this file (written before "
         "it is acted on), so a restarted engine does not take a deposed leader's token again",
     )
-    p.add_argument(
-        "--max-connections",
-        type=int,
-        default=_default("max_connections"),
-        metavar="N",
-        help="client connections served at once (default %(default)d)",
-    )
-
-
-ENV_PREFIX = "LEXI_ARG_"
-_TRUE, _FALSE = ("1", "true", "yes", "on", "enabled"), ("0", "false", "no", "off", "disabled")
 
 
 def env_name(action: argparse.Action) -> str | None:
