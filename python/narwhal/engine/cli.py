@@ -6,7 +6,8 @@ import argparse
 import sys
 
 from narwhal import __version__, logs, service
-from narwhal.engine.config import EngineConfigError, add_arguments, defaults_from_env, from_args
+from narwhal.engine.config import EngineConfigError, from_args
+from narwhal.engine.flags import add_arguments, defaults_from_env
 
 CONFIG_ENV = "LEXI_ENGINE_CONFIG_FILE"
 
