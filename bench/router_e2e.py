@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -260,6 +261,9 @@ def main() -> None:
         help="multiply the requests per round (longer rounds, less tick noise)",
     )
     a = ap.parse_args()
+    # The doors run in sessions of their own: a harness stopped by SIGTERM (`timeout`) must
+    # still reach the `finally` that stops them, or they outlive it.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     levels = [int(x) for x in a.levels.split(",")]
     eport = free_port()
     engine = f"http://127.0.0.1:{eport}"
