@@ -129,6 +129,27 @@ def stop(p: subprocess.Popen[bytes]) -> None:
         os.killpg(p.pid, 9)
 
 
+def router_yaml(port: int, engine: str, dialect: str = "openai", cpus: str = "auto") -> str:
+    """Narwhal in front of one engine, admitting everything, limits out of the way: what
+    every CPU comparison runs (`serving.cpu_affinity`: `cpus`)."""
+    return (
+        f"model: main\nlisten: {{port: {port}}}\nadmission: open\n"
+        f"serving: {{cpu_affinity: {cpus}}}\n"
+        "phases: {prefill_concurrency: 512, decode_concurrency: 512}\n"
+        "queue: {size: 1024}\n"
+        f"engines:\n  - {{name: e, url: '{engine}', dialect: {dialect}}}\n"
+    )
+
+
+def floor_cmd(port: int, app: str) -> list[str]:
+    """A floor door: `app` on Granian + uvloop, kept to the CPU Narwhal keeps to by default
+    (`serving.cpu_affinity: auto`), so the two are compared on the same footing."""
+    cpus = affinity.choose("auto", os.sched_getaffinity(0))
+    pinned = ["taskset", "-c", ",".join(map(str, sorted(cpus)))] if cpus else []
+    granian = [sys.executable, "-m", "granian", "--interface", "asgi", "--loop", "uvloop"]
+    return [*pinned, *granian, "--host", "127.0.0.1", "--no-ws", "--port", str(port), app]
+
+
 def doors(engine: str, a: argparse.Namespace) -> list[tuple[str, list[str], str, int]]:
     out = []
     tmp = Path(tempfile.mkdtemp())
@@ -141,13 +162,7 @@ def doors(engine: str, a: argparse.Namespace) -> list[tuple[str, list[str], str,
     ):
         port = free_port()
         cfg = tmp / f"{port}.yaml"
-        cfg.write_text(
-            f"model: main\nlisten: {{port: {port}}}\nadmission: open\n"
-            f"serving: {{cpu_affinity: {placement}}}\n"
-            f"phases: {{prefill_concurrency: 512, decode_concurrency: 512}}\n"
-            f"queue: {{size: 1024}}\n"
-            f"engines:\n  - {{name: e, url: '{engine}', dialect: {dialect}}}\n"
-        )
+        cfg.write_text(router_yaml(port, engine, dialect, placement))
         out.append(
             (
                 f"narwhal ({label})",
@@ -161,12 +176,7 @@ def doors(engine: str, a: argparse.Namespace) -> list[tuple[str, list[str], str,
         # side with the current tree in the same rounds.
         port = free_port()
         cfg = tmp / f"{port}.yaml"
-        cfg.write_text(
-            f"model: main\nlisten: {{port: {port}}}\nadmission: open\n"
-            f"phases: {{prefill_concurrency: 512, decode_concurrency: 512}}\n"
-            f"queue: {{size: 1024}}\n"
-            f"engines:\n  - {{name: e, url: '{engine}', dialect: openai}}\n"
-        )
+        cfg.write_text(router_yaml(port, engine))
         src = str(Path(a.narwhal_at).resolve() / "python")
         cmd = ["env", f"PYTHONPATH={src}", sys.executable, "-m", "narwhal.router.cli"]
         out.append(
@@ -177,30 +187,12 @@ def doors(engine: str, a: argparse.Namespace) -> list[tuple[str, list[str], str,
                 port,
             )
         )
-    # The floors keep to the CPU Narwhal keeps to by default (serving.cpu_affinity: auto).
-    cpus = affinity.choose("auto", os.sched_getaffinity(0))
-    pinned = ["taskset", "-c", ",".join(map(str, sorted(cpus)))] if cpus else []
-    granian = [
-        *pinned,
-        sys.executable,
-        "-m",
-        "granian",
-        "--interface",
-        "asgi",
-        "--loop",
-        "uvloop",
-        "--host",
-        "127.0.0.1",
-        "--no-ws",
-    ]
     # No upstream at all: what Granian + asyncio cost per streamed chunk by themselves.
     port = free_port()
-    out.append((FLOOR, [*granian, "--port", str(port), "bench.floor_app:app"], "/health", port))
+    out.append((FLOOR, floor_cmd(port, "bench.floor_app:app"), "/health", port))
     # An upstream but no logic: each read of the engine's answer handed to `send` as is.
     port = free_port()
-    out.append(
-        (PROXY_FLOOR, [*granian, "--port", str(port), "bench.floor_proxy:app"], "/health", port)
-    )
+    out.append((PROXY_FLOOR, floor_cmd(port, "bench.floor_proxy:app"), "/health", port))
     for name, exe in ((SGLANG, a.sglang), (VLLM, a.vllm)):
         if exe:
             port = free_port()

@@ -1,19 +1,24 @@
 """Where the router's CPU goes per request: a sampled profile of its request path, by stage.
 
-One scripted engine (or several), Narwhal in front, a fixed number of concurrent streaming
-chat requests; py-spy samples the router's threads while the load runs, and /proc gives
-the CPU the router's process spent (every thread). Each sample is given to the stage of the
-deepest Narwhal frame on its stack (a call into asyncio, orjson or prometheus_client counts
-for the stage that made it); a sample with no Python frame of ours is the server and the
-event loop (Granian's threads, uvloop, and the native relay's read callbacks, which py-spy
-sees from the loop's frames only).
+One scripted engine, Narwhal in front (`admission: open`), a fixed number of concurrent
+streaming chat requests; py-spy samples the router's event-loop thread while the load runs,
+and /proc gives the CPU of every thread of the router's process. Each sample is given to the
+stage of the deepest Narwhal frame on its stack (a call into asyncio, orjson or
+prometheus_client counts for the stage that made it); a sample with no frame of ours is
+native code the loop runs (uvloop's I/O, the native relay's read callbacks, Granian's
+`send`/`receive`); Granian's own threads run no Python and are the rest of the CPU.
 
     .venv/bin/python -m bench.router_profile [--streams 64] [--requests 2560] [--tokens 64]
-        [--admission open|predictive] [--engines 1] [--py-spy PATH] [--at DIR]
+        [--py-spy PATH] [--at DIR | --floor]
 
 `--at DIR` profiles another checkout's router (its python/ with `_native` built in place):
-the before of a before/after table. Needs py-spy (`pip install py-spy` in any venv) and
-permission to ptrace the router (root, or kernel.yama.ptrace_scope 0).
+the before of a before/after table; `--floor` the proxy floor, kept to the same CPU.
+Placement's own cost is `bench.fleet.placement_cost` (the scripted engine answers at once,
+so a predictive router in front of it judges itself degraded and profiles refusals).
+py-spy samples without pausing the router; its native mode must pause it and counts idle
+threads' stacks too, which this split cannot tell from work. Needs py-spy (`pip install
+py-spy` in any venv) and permission to ptrace the router (root, or
+kernel.yama.ptrace_scope 0).
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ from pathlib import Path
 
 import aiohttp
 
-from bench.router_e2e import load, start, stop, tree_cpu
+from bench.router_e2e import floor_cmd, load, router_yaml, start, stop, tree_cpu
 from tests.support import BIN, free_port
 
 # (stage, the path fragments of its modules), the first that matches a frame wins.
@@ -76,51 +81,32 @@ def read_raw(path: Path) -> collections.Counter[str]:
     return by
 
 
-def config(port: int, engines: list[str], admission: str) -> str:
-    pool = "".join(
-        f"  - {{name: e{i}, url: '{u}', dialect: openai}}\n" for i, u in enumerate(engines)
-    )
-    judge = "predictive\npredictive: {ttft_budget_s: 30}" if admission == "predictive" else "open"
-    return (
-        f"model: main\nlisten: {{port: {port}}}\nadmission: {judge}\n"
-        f"phases: {{prefill_concurrency: 512, decode_concurrency: 512}}\n"
-        f"queue: {{size: 1024}}\nengines:\n{pool}"
-    )
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--streams", type=int, default=64)
     ap.add_argument("--requests", type=int, default=2560)
     ap.add_argument("--tokens", type=int, default=64)
-    ap.add_argument("--admission", choices=("open", "predictive"), default="open")
-    ap.add_argument("--engines", type=int, default=1)
     ap.add_argument("--py-spy", default="py-spy")
     ap.add_argument("--rate", type=int, default=997, help="samples a second")
     ap.add_argument("--at", metavar="DIR", help="profile another checkout's router")
-    ap.add_argument("--native", action="store_true", help="py-spy's native frames too")
     ap.add_argument("--keep", type=Path, help="keep py-spy's raw profile here")
     ap.add_argument(
         "--floor", action="store_true", help="profile the proxy floor (bench.floor_proxy) instead"
     )
     a = ap.parse_args()
     tmp = Path(tempfile.mkdtemp())
-    engine_procs, urls = [], []
-    for _ in range(a.engines):
-        p = free_port()
-        engine_procs.append(
-            start([sys.executable, "-m", "tests.scripted_engine", "--port", str(p)], "/health", p)
-        )
-        urls.append(f"http://127.0.0.1:{p}")
+    eport = free_port()
+    engine = start(
+        [sys.executable, "-m", "tests.scripted_engine", "--port", str(eport)], "/health", eport
+    )
+    upstream = f"http://127.0.0.1:{eport}"
     port = free_port()
-    cfg = tmp / "narwhal.yaml"
-    cfg.write_text(config(port, urls, a.admission))
     if a.floor:
-        os.environ["NARWHAL_FLOOR_ENGINE"] = urls[0]
-        floor = [sys.executable, "-m", "granian", "--interface", "asgi", "--loop", "uvloop"]
-        cmd = [*floor, "--port", str(port), "--no-ws", "bench.floor_proxy:app"]
-        router = start(cmd, "/health", port)
+        os.environ["NARWHAL_FLOOR_ENGINE"] = upstream
+        router = start(floor_cmd(port, "bench.floor_proxy:app"), "/health", port)
     else:
+        cfg = tmp / "narwhal.yaml"
+        cfg.write_text(router_yaml(port, upstream))
         if a.at:
             src = str(Path(a.at).resolve() / "python")
             nw = ["env", f"PYTHONPATH={src}", sys.executable, "-m", "narwhal.router.cli"]
@@ -132,11 +118,9 @@ def main() -> None:
         asyncio.run(load(url, a.streams, 4 * a.streams, a.tokens))  # warm up
         pid = _python_pid(router.pid)
         raw = tmp / "profile.txt"
+        record = ["record", "--pid", str(pid), "--format", "raw", "--output", str(raw)]
         spy = subprocess.Popen(
-            [a.py_spy, "record", "--pid", str(pid), "--format", "raw", "--output", str(raw)]
-            + ["--rate", str(a.rate), "--full-filenames"]
-            # Native stacks need the process paused for each sample: fewer samples then.
-            + (["--native"] if a.native else ["--nonblocking"]),
+            [a.py_spy, *record, "--rate", str(a.rate), "--full-filenames", "--nonblocking"],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
@@ -144,17 +128,17 @@ def main() -> None:
         before, main_before = tree_cpu(router.pid), thread_cpu(pid)
         tokens, _ = asyncio.run(load(url, a.streams, a.requests, a.tokens))
         cpu, main_cpu = tree_cpu(router.pid) - before, thread_cpu(pid) - main_before
-        outcomes = asyncio.run(finished(url))
+        outcomes = {} if a.floor else asyncio.run(finished(url))
         spy.send_signal(2)
         spy.wait(30)
     finally:
         stop(router)
-        for p in engine_procs:
-            stop(p)
+        stop(engine)
     if a.keep:
         a.keep.write_bytes(raw.read_bytes())
     by = read_raw(raw)
-    print("requests ended (warm-up included):", outcomes)
+    if outcomes:
+        print("requests ended (warm-up included):", outcomes)
     report(by, cpu, main_cpu, a.requests, tokens, a)
 
 
@@ -201,7 +185,7 @@ def report(
     loop = loop_s / requests * 1e6
     sampled = sum(by.values()) or 1
     print(
-        f"{a.admission} admission, {a.engines} engine(s), {a.streams} streams, {requests} "
+        f"{'proxy floor' if a.floor else 'Narwhal'}, {a.streams} streams, {requests} "
         f"requests of {a.tokens} tokens: router CPU {per_req:.0f} µs a request "
         f"({cpu_s / max(tokens, 1) * 1e6:.2f} µs a token), the event loop's thread {loop:.0f} "
         f"µs ({sampled} samples)\n"

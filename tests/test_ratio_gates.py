@@ -17,8 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.router_e2e import load, start, stop, tree_cpu
-from narwhal.router import affinity
+from bench.router_e2e import floor_cmd, load, router_yaml, start, stop, tree_cpu
 from tests.support import BIN, ROOT, free_port
 
 pytestmark = pytest.mark.slow
@@ -53,20 +52,11 @@ def test_the_routers_cpu_per_token_stays_within_a_bound_of_the_proxy_floor() -> 
     try:
         nport, fport = free_port(), free_port()
         cfg = Path(tempfile.mkdtemp()) / "narwhal.yaml"
-        cfg.write_text(
-            f"model: main\nlisten: {{port: {nport}}}\nadmission: open\n"
-            "phases: {prefill_concurrency: 512, decode_concurrency: 512}\n"
-            f"queue: {{size: 1024}}\nengines:\n  - {{name: e, url: '{engine}'}}\n"
-        )
+        cfg.write_text(router_yaml(nport, engine))
         router = start([str(BIN / "narwhal"), "serve", "--config", str(cfg)], "/ready", nport)
         procs.append(router)
-        # The floor keeps to the CPU the router keeps to (serving.cpu_affinity: auto).
-        cpus = affinity.choose("auto", os.sched_getaffinity(0))
-        pinned = ["taskset", "-c", ",".join(map(str, sorted(cpus)))] if cpus else []
         os.environ["NARWHAL_FLOOR_ENGINE"] = engine
-        granian = [sys.executable, "-m", "granian", "--interface", "asgi", "--loop", "uvloop"]
-        app = ["--port", str(fport), "--no-ws", "bench.floor_proxy:app"]
-        floor = start([*pinned, *granian, *app], "/health", fport)
+        floor = start(floor_cmd(fport, "bench.floor_proxy:app"), "/health", fport)
         procs.append(floor)
         for port in (nport, fport):  # connections opened, code paths warm
             asyncio.run(load(f"http://127.0.0.1:{port}", 8, 32, 64))
