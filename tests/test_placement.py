@@ -97,12 +97,14 @@ class Fleet:
 
         return asyncio.run(run())
 
-    def open(self, req: intake.Intake, on: str) -> Lease:
-        """A request placed on engine `on` and still running (release it to end it)."""
+    def open(self, req: intake.Intake, on: str, plan: Plan | None = None) -> Lease:
+        """A request placed on engine `on` (as `plan` said, or with a plan for it) and
+        still running (release it to end it)."""
         e = next(e for e in self.engines if e.name == on)
-        plan = Plan(e, self.predictor.size(req.prompt_bytes, e), None)
+        size = self.predictor.size(req.prompt_bytes, e)
+        plan = Plan(e, size, None) if plan is None else plan
         now = time.monotonic()
-        placing = self.admission.place(req, now, now + 60, prefer=e, tokens=plan.tokens)
+        placing = self.admission.place(req, now, now + 60, prefer=e, tokens=size)
         # On the fleet's own loop, which (unlike asyncio.run) leaves the lease open after.
         lease = self.loop.run_until_complete(placing.__aenter__())
         self._open.append(placing)  # a collected one would release its lease
@@ -351,15 +353,24 @@ def test_a_long_prefill_goes_where_it_stalls_the_fewest_streams() -> None:
     assert f.judge(long).prefer is busy
 
 
+# A stream held to 0.2 s a token on steps of 0.1 s: 0.1 s of allowance a token.
+AIM, TAU0 = 0.2, 0.1
+
+
+class Counted:
+    """The relay's count of a stream's output tokens (a `Tally`), set by the test."""
+
+    def __init__(self, counted: int = 1) -> None:
+        self.counted = counted
+
+
 def test_the_step_without_prefill_is_learned_from_streams_that_had_steps_of_their_own() -> None:
     ledger = Streams()
-    quiet = ledger.placed(0.0, 1.0)
-    assert quiet is not None
+    quiet = ledger.joined(AIM, TAU0, 11)
     ledger.ended(quiet, output_tokens=11, decode_s=0.2)  # nothing placed after it
     assert ledger.tau0_s == pytest.approx(0.02)
-    busy = ledger.placed(0.0, 1.0)
-    assert busy is not None
-    ledger.placed(2.0, None)  # 2 s of prefill placed after it: its steps were not its own
+    busy = ledger.joined(AIM, TAU0, 11)
+    ledger.charge(2.0)  # 2 s of prefill placed after it: its steps were not its own
     ledger.ended(busy, output_tokens=11, decode_s=2.2)
     assert ledger.tau0_s == pytest.approx(0.02)
     assert len(ledger) == 0 and ledger.headroom_s(now=0.0) is None
@@ -367,9 +378,8 @@ def test_the_step_without_prefill_is_learned_from_streams_that_had_steps_of_thei
 
 def test_a_stream_that_outlives_its_expected_length_no_longer_holds_its_engine_to_it() -> None:
     ledger = Streams()
-    # Expected to answer in a few tokens: 0.1 s of prefill beside it would break its target.
-    short = ledger.placed(0.0, 0.1, slope=0.5)
-    assert short is not None
+    # Expected to answer in two tokens: 0.1 s of prefill beside it would break its target.
+    short = ledger.joined(AIM, TAU0, 2)
     assert not ledger.fits(1.0, now=100.0)
     ledger.decoding(short, since=100.0)
     # Within target, a stream decoding for d seconds, c of them waiting on prefill, has made
@@ -377,7 +387,7 @@ def test_a_stream_that_outlives_its_expected_length_no_longer_holds_its_engine_t
     # the target).
     assert not ledger.fits(1.0, now=101.0)
     assert ledger.fits(1.0, now=103.0)
-    ledger.placed(1.0, None)  # 1 s of prefill it may have waited on: 1 s of allowance, spent
+    ledger.charge(1.0)  # 1 s of prefill it may have waited on: 1 s of allowance, spent
     assert ledger.headroom_s(now=103.0) == pytest.approx(0.0)
     assert not ledger.fits(0.5, now=103.0)
     assert ledger.headroom_s(now=105.0) == pytest.approx(1.0)
@@ -385,10 +395,9 @@ def test_a_stream_that_outlives_its_expected_length_no_longer_holds_its_engine_t
 
 def test_the_tightest_true_allowance_is_found_below_the_heap_top() -> None:
     ledger = Streams()
-    old = ledger.placed(0.0, 0.1, slope=0.5)  # expected short, decoding for long
-    young = ledger.placed(0.0, 0.3, slope=0.5)  # expected a little longer, just started
-    roomy = ledger.placed(0.0, 5.0, slope=0.5)
-    assert old is not None and young is not None and roomy is not None
+    old = ledger.joined(AIM, TAU0, 2)  # expected short, decoding for long
+    young = ledger.joined(AIM, TAU0, 4)  # expected a little longer, just started
+    roomy = ledger.joined(AIM, TAU0, 51)
     ledger.decoding(old, since=0.0)
     ledger.decoding(young, since=99.0)
     ledger.decoding(roomy, since=99.0)
@@ -399,13 +408,14 @@ def test_the_tightest_true_allowance_is_found_below_the_heap_top() -> None:
 
 def test_the_ledger_stays_the_size_of_the_streams_in_it() -> None:
     ledger = Streams()
-    stuck = ledger.placed(0.0, 0.5)  # the tightest allowance, and it never ends
-    for _ in range(10_000):
-        entry = ledger.placed(0.0, 10.0)
-        assert entry is not None
+    ledger.joined(AIM, TAU0, 6)  # the tightest allowance, and it never ends
+    for i in range(10_000):
+        entry = ledger.joined(AIM, TAU0, 101)
+        ledger.decoding(entry, since=0.0, tally=Counted(i % 3))
         ledger.ended(entry, 0, 0.0)
-    assert stuck is not None and len(ledger) == 1
-    assert len(ledger._heap) <= 4 * len(ledger) + 65
+    assert len(ledger) == 1 and ledger.headroom_s(now=0.0) == pytest.approx(0.5)
+    assert len(ledger._bounded) <= 4 * len(ledger) + 65
+    assert len(ledger._measured) <= 4 * len(ledger) + 65
 
 
 def test_a_stream_is_protected_before_its_engine_has_measured_a_step() -> None:
@@ -431,11 +441,67 @@ def test_an_engine_with_no_step_of_its_own_measured_borrows_the_fleets() -> None
 def test_one_stalled_stream_does_not_teach_its_engine_a_slow_step() -> None:
     ledger = Streams()
     for _ in range(4):
-        quiet = ledger.placed(0.0, 1.0)
-        assert quiet is not None
+        quiet = ledger.joined(AIM, TAU0, 11)
         ledger.ended(quiet, output_tokens=11, decode_s=0.2)  # 20 ms a step
     # A stream stalled by prefill the ledger never heard of (sized too small, an eviction).
-    stalled = ledger.placed(0.0, 1.0)
-    assert stalled is not None
+    stalled = ledger.joined(AIM, TAU0, 11)
     ledger.ended(stalled, output_tokens=11, decode_s=6.0)
     assert ledger.tau0_s == pytest.approx(0.02)
+
+
+def test_a_counted_stream_is_held_to_what_it_measured_not_to_the_charge() -> None:
+    ledger = Streams()
+    old = ledger.joined(AIM, TAU0, 11)  # 1 s of allowance, expected to run to 11 tokens
+    prompt = ledger.charge(5.0)  # 5 s of prefill placed after it: by the charge, spent
+    assert not ledger.fits(0.5, now=100.0)
+    tally = Counted(1)
+    ledger.decoding(old, since=100.0, tally=tally)
+    prompt.settle()  # that prefill ran (its first token came): it is in the past now
+    tally.counted = 31  # 31 tokens in 3 s: 0.1 s a token, well within 0.2
+    # It runs to 31 tokens at least; by 6 s (0.2 x 30) it keeps its target: 3 s to spare.
+    assert ledger.headroom_s(now=103.0) == pytest.approx(3.0)
+    assert ledger.fits(2.5, now=103.0)
+    ledger.charge(2.0)  # placed, not run yet: beside it still
+    assert ledger.headroom_s(now=103.0) == pytest.approx(1.0)
+    # A stream already behind its target has no room, whatever its charge says.
+    slow = ledger.joined(AIM, TAU0, 11)
+    ledger.decoding(slow, since=100.0, tally=Counted(3))  # 3 tokens in 3 s
+    assert not ledger.fits(0.01, now=103.0)
+
+
+def test_a_stream_that_made_more_tokens_than_expected_lets_a_long_prefill_in() -> None:
+    f = Fleet(n=1, tpot_target_s=0.05)
+    f.learn_tau0(0.01)
+    lease = f.open(request(words("s", 10), max_tokens=20), on="e0")
+    tally = Counted(1)
+    lease.tally = tally
+    lease.first_output()
+    long = request(words("L", 3000))  # 3 s of prefill beside it
+    with pytest.raises(NoEngineKeepsPace):
+        f.judge(long)  # 20 tokens expected: 0.035 s x 19 of allowance, far short of 3 s
+    tally.counted = 400  # it has kept streaming: at 0.045 s a token it runs to 400 or more
+    lease.first_at -= 4.0  # 4 s of decoding behind it
+    plan = f.judge(long)
+    assert plan.prefer is f.engines[0]
+
+
+def test_a_charge_is_let_go_when_its_request_ends_unplaced_or_goes_elsewhere() -> None:
+    f = Fleet(n=2, tpot_target_s=0.05)
+    f.learn_tau0(0.01)
+    ledgers = f.policy.streams
+    plan = f.judge(request(words("L", 1000)))
+    assert plan.prefer is not None
+    assert ledgers[plan.prefer.name].pending_s == pytest.approx(plan.tokens / RATE)
+    plan.settle()  # the request ended before it was placed (the client went away, say)
+    assert ledgers[plan.prefer.name].pending_s == 0.0
+    plan.settle()
+    assert ledgers[plan.prefer.name].pending_s == 0.0
+    # Judged for one engine, placed on the other: the other waits it out, the first does not.
+    plan = f.judge(request(words("M", 1000)))
+    assert plan.prefer is not None
+    other = next(e for e in f.engines if e is not plan.prefer)
+    lease = f.open(request(words("M", 1000)), on=other.name, plan=plan)
+    assert ledgers[plan.prefer.name].pending_s == 0.0
+    assert ledgers[other.name].pending_s == pytest.approx(lease.tokens / RATE)
+    lease.first_output()  # its prefill has run
+    assert ledgers[other.name].pending_s == 0.0

@@ -63,10 +63,11 @@ def judge_us(
         req = reqs[r % len(reqs)]
         charged = {name: s.charged_s for name, s in policy.streams.items()}
         t = time.perf_counter_ns()
-        policy.judge(req, pool, 5.0)
+        plan = policy.judge(req, pool, 5.0)
         times.append(time.perf_counter_ns() - t)
         # A judged prompt is charged to its engine's ledger: taken back, so that every
         # round judges the same fleet (400 rounds would otherwise spend every allowance).
+        plan.settle()
         for name, s in policy.streams.items():
             s.charged_s = charged[name]
     return statistics.median(times) / 1000

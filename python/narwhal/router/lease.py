@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from narwhal.router.engines import Engine
     from narwhal.router.pipeline.intake import Intake
     from narwhal.router.policies import Plan
+    from narwhal.router.policies.tpot import Tally
 
 
 class Phase(enum.Enum):
@@ -96,6 +97,7 @@ class Lease:
         "prefer",
         "prompt_tokens",
         "sent_at",
+        "tally",
         "tokens",
     )
 
@@ -133,6 +135,7 @@ class Lease:
         self.output_tokens = 0
         self.fence: int | None = None  # the leader's fencing token it was placed under
         self.plan: Plan | None = None  # what the policy decided before placement
+        self.tally: Tally | None = None  # the relay's count of output tokens, while it runs
 
     @property
     def on(self) -> Engine:

@@ -89,8 +89,11 @@ class Flow:
             except ApiError as e:
                 e.ended("refused", e.code or "predictive")
                 raise
-            busy = self.gate.cannot_serve(req)
-            await self.placer.serve(req, send, arrived, deadline, plan, busy, end)
+            try:
+                busy = self.gate.cannot_serve(req)
+                await self.placer.serve(req, send, arrived, deadline, plan, busy, end)
+            finally:
+                plan.settle()
         except asyncio.CancelledError:
             end.outcome = "client_gone"
             if not watcher.done():

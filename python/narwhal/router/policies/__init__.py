@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from narwhal.router.lease import Events, Lease
     from narwhal.router.pipeline.intake import Intake
     from narwhal.router.policies.prefix_cache import Expectation
+    from narwhal.router.policies.tpot import Charge
 
 
 @dataclass(frozen=True)
@@ -36,9 +37,14 @@ class Plan:
     # nothing of it are absent).
     expected: dict[str, Expectation] = field(default_factory=dict)
     session: str | None = None
-    # The engine whose TPOT ledger was charged this prompt's prefill when it was judged, so
+    # The prompt's prefill, charged to the TPOT ledger of `prefer` when it was judged, so
     # that a request judged before this one is placed does not count on the same headroom.
-    charged_on: str | None = None
+    charge: Charge | None = None
+
+    def settle(self) -> None:
+        """The request is over: a charge its placement did not take up is let go."""
+        if self.charge is not None:
+            self.charge.settle()
 
 
 OPEN_PLAN = Plan()

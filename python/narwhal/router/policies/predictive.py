@@ -21,7 +21,7 @@ from narwhal.router.pipeline.intake import Intake
 from narwhal.router.policies import Plan
 from narwhal.router.policies.prefix_cache import Expectation, PrefixCache
 from narwhal.router.policies.sessions import Sessions
-from narwhal.router.policies.tpot import Streams
+from narwhal.router.policies.tpot import Charge, Streams
 from narwhal.router.predict import Predictor, Projection
 
 # Streams are kept within this share of the TPOT target: a charge is an estimate (a prompt's
@@ -49,7 +49,9 @@ class PredictivePolicy:
         self.tpot_target_s = tpot_target_s
         self.sessions = sessions or Sessions()
         self.streams = {e.name: Streams() for e in engines}
-        self._entries: dict[Lease, int] = {}  # placed streams in the ledger, until released
+        # Placed requests, until released: their stream's entry in the ledger (None for an
+        # answer of one token) and their prompt's charge.
+        self._entries: dict[Lease, tuple[int | None, Charge]] = {}
         self._ended: asyncio.Future[None] | None = None  # resolved when a stream ends
         self._engines = {e.name: e for e in engines}
         self._pool = list(engines)  # in the picture's order
@@ -80,18 +82,15 @@ class PredictivePolicy:
             self._keeps_pace if paced else None,
             self._stall if paced else None,
         )
-        charged_on = None
+        charge = None
         if paced:
             # Charged now, not once placed: requests woken together by a stream's end are
             # judged one after another before any is placed, and each would otherwise count
             # on the headroom the others take.
             rate = self._rate(proj.engine.name)
             if rate is not None:
-                self.streams[proj.engine.name].charge(proj.tokens / rate)
-                charged_on = proj.engine.name
-        return Plan(
-            proj.engine, proj.tokens, proj.total_s, blocks, expected, req.session, charged_on
-        )
+                charge = self.streams[proj.engine.name].charge(proj.tokens / rate)
+        return Plan(proj.engine, proj.tokens, proj.total_s, blocks, expected, req.session, charge)
 
     def _keeps_pace(self, p: Projection) -> bool:
         """Placing there leaves every stream on the engine within the TPOT target."""
@@ -126,8 +125,14 @@ class PredictivePolicy:
             return
         ledger = self.streams[name]
         prof = self.predictor.profiles[name]
-        aim = TPOT_AIM * self.tpot_target_s
-        tau0 = self._tau0(name, aim)
+        # Charged when judged if it went where it was judged for; else charged here, and
+        # the judged engine's pending prefill is let go (what it was charged stays: a little
+        # caution, never too little).
+        charge = lease.plan.charge if lease.plan is not None else None
+        if charge is None or charge.ledger is not ledger:
+            if charge is not None:
+                charge.settle()
+            charge = ledger.charge(lease.tokens / rate)
         # What the stream will run to: its max_tokens, unless answers here typically stop
         # sooner (a stall weighs more on a short stream than on a long one).
         # With neither known, two tokens: its allowance then comes from its decoding.
@@ -135,22 +140,11 @@ class PredictivePolicy:
         if prof.output_tokens is not None:
             typical = max(2, round(prof.output_tokens))
             n = typical if n is None else min(n, typical)
-        allowance = None
-        slope = 0.0
+        entry = None
         if n is None or n > 1:
-            allowance = max(0.0, aim - tau0) * ((n or 2) - 1)
-            # A stream that keeps to its aim makes a token at least every `aim` seconds of
-            # its own steps, each adding (aim - tau0): crediting it 1 / tau0 tokens a second
-            # instead over-admitted under overload (bench/README.md, "Fleet").
-            slope = max(0.0, 1.0 - tau0 / aim)
-        # Charged when judged if it went where it was judged for; else charged here too
-        # (the first charge stays: a little caution, never too little).
-        stall = (
-            0.0 if lease.plan is not None and lease.plan.charged_on == name else lease.tokens / rate
-        )
-        entry = ledger.placed(stall, allowance, slope)
-        if entry is not None:
-            self._entries[lease] = entry
+            aim = TPOT_AIM * self.tpot_target_s
+            entry = ledger.joined(aim, self._tau0(name, aim), n or 2)
+        self._entries[lease] = (entry, charge)
 
     def _tau0(self, name: str, aim: float) -> float:
         """The engine's step without prefill: learned from its clean streams, else its
@@ -177,16 +171,24 @@ class PredictivePolicy:
         return self.predictor.degraded(engines)
 
     def _decoding(self, lease: Lease) -> None:
-        entry = self._entries.get(lease)
+        placed = self._entries.get(lease)
+        if placed is None:
+            return
+        entry, charge = placed
+        charge.settle()  # its prefill has run
         if entry is not None:
-            self.streams[lease.on.name].decoding(entry, lease.first_at)
+            self.streams[lease.on.name].decoding(entry, lease.first_at, lease.tally)
 
     def _finished(self, lease: Lease) -> None:
         if self.cache is not None:
             self._reported(lease)
 
     def _released(self, lease: Lease) -> None:
-        entry = self._entries.pop(lease, None)
+        placed = self._entries.pop(lease, None)
+        if placed is None:
+            return
+        entry, charge = placed
+        charge.settle()
         if entry is None:
             return
         self.streams[lease.on.name].ended(entry, lease.output_tokens, lease.decode_s)

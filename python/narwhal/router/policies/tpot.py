@@ -10,19 +10,25 @@ decodes (or after it has ended), and costs it `1 / R` seconds.
 So each stream has an allowance: the decode time its target leaves beyond its own steps,
 `(target - tau0) x (n - 1)` for `n` output tokens (the request's `max_tokens`, or what
 the engine's answers typically run to when it has none). Per engine, a ledger counts the
-prefill seconds placed there; a stream's allowance is spent by what was placed after it.
-Placing a prompt keeps pace on an engine when its prefill fits the smallest allowance left
-among the streams there: a short stream, nearly spent, is exactly the one a long prefill
-breaks. Counting prefill placed after a stream as if it all ran during its decode is
-conservative: a stream that ends early leaves the ledger then.
+prefill seconds placed there (`charged_s`) and, of those, what has not run yet (`pending_s`:
+prompts placed that have not started to decode). Placing a prompt keeps pace on an engine
+when its prefill fits the smallest allowance left among the streams there: a short stream,
+nearly spent, is exactly the one a long prefill breaks.
 
-`n` is a guess, and a stream that outlives it must not hold its engine to the guess: once
-decoding for `d` seconds, of which at most `c` (the prefill charged since it joined) were
-spent waiting on prefill, a stream that keeps to its target has made at least
-`(d - c) / target` tokens, so its allowance is at least `slope x (d - c)` with
-`slope = 1 - tau0 / target`, whatever `n` was. The heap is keyed by each stream's
-allowance from `n` (a lower bound of its true one, forever); reading it takes streams off
-its top until the smallest true allowance seen is below the next key, then puts them back.
+Until a stream decodes, its allowance is spent by the prefill placed after it, as if all
+of it ran during its decode (conservative: a stream that ends early leaves the ledger then).
+Once it decodes and the relay counts its tokens (`Tally`), the past is measured instead of
+bounded: a stream that has made `k` tokens in `d` seconds and runs to `N = max(n, k)` keeps
+its target while the prefill still to run beside it fits
+`target x (N - 1) - d - tau0 x (N - k)`, so a stream stalled less than charged, or one that
+outlives its expected length, no longer holds its engine to a bound. A stream nothing counts
+falls back on its decoding time: of `d` seconds, at most `c` (the prefill charged since it
+joined) were spent waiting, so it has made at least `(d - c) / target` tokens, and its
+allowance is at least `slope x (d - c)` with `slope = 1 - tau0 / target`.
+
+Each kind has its heap, keyed by a lower bound of its stream's true value (for the measured
+kind, `target x (n - 1) + start - tau0 x n`, which `k` only raises); reading one takes streams
+off its top until the smallest true value seen is below the next key, then puts them back.
 
 `tau0` is learned per engine from streams that shared few steps with prefill: the median
 of the last few, since one stream stalled by something the ledger never saw (a prefill
@@ -35,6 +41,7 @@ import heapq
 import itertools
 import statistics
 from collections import deque
+from typing import Protocol
 
 # Clean samples kept for the median.
 SAMPLES = 7
@@ -43,81 +50,125 @@ SAMPLES = 7
 CLEAN_SHARE = 0.25
 
 
+class Tally(Protocol):
+    """What counts a stream's output tokens as they are relayed (the relay itself)."""
+
+    @property
+    def counted(self) -> int: ...
+
+
+class Charge:
+    """A prompt's prefill charged to an engine's ledger: pending until it has run there (its
+    first token came) or will not (it went elsewhere, or nowhere)."""
+
+    __slots__ = ("ledger", "open", "stall_s")
+
+    def __init__(self, ledger: Streams, stall_s: float) -> None:
+        self.ledger = ledger
+        self.stall_s = stall_s
+        self.open = True
+
+    def settle(self) -> None:
+        """Its prefill is no longer ahead of the streams there (idempotent)."""
+        if self.open:
+            self.open = False
+            ledger = self.ledger
+            ledger.pending_s = max(0.0, ledger.pending_s - self.stall_s)
+
+
 class Streams:
     """Per engine: the prefill placed there and the allowance each stream has left."""
 
-    __slots__ = ("_heap", "_live", "_samples", "charged_s", "tau0_s")
+    __slots__ = ("_bounded", "_live", "_measured", "_samples", "charged_s", "pending_s", "tau0_s")
 
     _order = itertools.count()
 
     def __init__(self) -> None:
         self.charged_s = 0.0  # prefill seconds placed on the engine, ever
+        self.pending_s = 0.0  # of those, prefill that has not run yet
         self.tau0_s: float | None = None  # a step without prefill, learned
         self._samples: deque[float] = deque(maxlen=SAMPLES)
-        # (charge at which the stream's allowance is spent, its entry): the smallest first;
-        # ended streams leave `_live` at once and the heap when they reach its top.
-        self._heap: list[tuple[float, int]] = []
+        # (a lower bound of the stream's value, its entry), the smallest first: streams held
+        # to the charge (in charge units) and streams measured by their tokens (in seconds).
+        # Ended streams leave `_live` at once and a heap when they reach its top.
+        self._bounded: list[tuple[float, int]] = []
+        self._measured: list[tuple[float, int]] = []
         self._live: dict[int, _Stream] = {}
 
     def headroom_s(self, now: float) -> float | None:
         """Prefill seconds the engine can take before some stream there misses its target;
         None with no stream to protect."""
-        heap, live, charged = self._heap, self._live, self.charged_s
-        while heap and heap[0][1] not in live:
+        bounded = self._least(self._bounded, False, now)
+        measured = self._least(self._measured, True, now)
+        if bounded is None:
+            return None if measured is None else measured - now - self.pending_s
+        room = bounded - self.charged_s
+        return room if measured is None else min(room, measured - now - self.pending_s)
+
+    def _least(self, heap: list[tuple[float, int]], measured: bool, now: float) -> float | None:
+        """The smallest true value among the heap's streams."""
+        live = self._live
+        while heap and (heap[0][1] not in live or live[heap[0][1]].measured is not measured):
             heapq.heappop(heap)
         if not heap:
             return None
+        charged = self.charged_s
         key, entry = heap[0]
-        best = live[entry].spent_at(now, charged)
-        if best == key:  # the tightest stream has not outlived its expected length
-            return key - charged
+        best = live[entry].value(now, charged)
+        if best == key:  # the top stream's bound is its value
+            return best
         taken = [heapq.heappop(heap)]
         while heap and heap[0][0] < best:
             key, entry = heapq.heappop(heap)
             stream = live.get(entry)
-            if stream is not None:
+            if stream is not None and stream.measured is measured:
                 taken.append((key, entry))
-                best = min(best, stream.spent_at(now, charged))
+                best = min(best, stream.value(now, charged))
         for x in taken:
             heapq.heappush(heap, x)
-        return best - charged
+        return best
 
     def fits(self, stall_s: float, now: float) -> bool:
         room = self.headroom_s(now)
         return room is None or stall_s <= room
 
-    def charge(self, stall_s: float) -> None:
-        """A prompt whose prefill takes `stall_s` is on its way here (judged, not placed
-        yet): every stream here now will wait it out."""
+    def charge(self, stall_s: float) -> Charge:
+        """A prompt whose prefill takes `stall_s` is on its way here (judged or placed):
+        every stream here now will wait it out."""
         self.charged_s += stall_s
+        self.pending_s += stall_s
+        return Charge(self, stall_s)
 
-    def placed(self, stall_s: float, allowance_s: float | None, slope: float = 0.0) -> int | None:
-        """A prompt whose prefill takes `stall_s` was placed here; its stream, when it has
-        an allowance, joins the ledger after its own prefill. `slope` is what a second of
-        its own decoding adds to its allowance. Returns its entry."""
-        self.charged_s += stall_s
-        if allowance_s is None:
-            return None
+    def joined(self, aim_s: float, tau0_s: float, n: int) -> int:
+        """A stream held to `aim_s` a token, expected to run to `n` tokens on steps of
+        `tau0_s`, joins the ledger (after its own prompt was charged). Returns its entry."""
         entry = next(self._order)
-        stream = _Stream(self.charged_s, allowance_s, slope)
+        stream = _Stream(self.charged_s, aim_s, tau0_s, n)
         self._live[entry] = stream
-        heapq.heappush(self._heap, (stream.joined + allowance_s, entry))
+        heapq.heappush(self._bounded, (stream.joined + stream.allowance, entry))
         return entry
 
-    def decoding(self, entry: int, since: float) -> None:
-        """The stream's first token arrived at `since`: its allowance grows from then."""
+    def decoding(self, entry: int, since: float, tally: Tally | None = None) -> None:
+        """The stream's first token arrived at `since`: its allowance grows from then, by the
+        tokens `tally` counts when something counts them."""
         stream = self._live.get(entry)
-        if stream is not None:
-            stream.since = since
+        if stream is None:
+            return
+        stream.since = since
+        if tally is not None:
+            stream.tally = tally
+            stream.measured = True
+            heapq.heappush(self._measured, (stream.floor(), entry))
 
     def ended(self, entry: int, output_tokens: int, decode_s: float) -> None:
         """The stream left; what it measured teaches `tau0`."""
         stream = self._live.pop(entry, None)
-        if len(self._heap) > 4 * len(self._live) + 64:
-            # Ended entries leave the heap when they reach its top; one long-lived stream
-            # at the top would let the rest pile up behind it.
-            self._heap = [x for x in self._heap if x[1] in self._live]
-            heapq.heapify(self._heap)
+        for heap in (self._bounded, self._measured):
+            if len(heap) > 4 * len(self._live) + 64:
+                # Ended entries leave a heap when they reach its top; one long-lived stream
+                # at the top would let the rest pile up behind it.
+                heap[:] = [x for x in heap if x[1] in self._live]
+                heapq.heapify(heap)
         if stream is None or output_tokens < 2 or decode_s <= 0:
             return
         charge = self.charged_s - stream.joined
@@ -131,19 +182,34 @@ class Streams:
 
 
 class _Stream:
-    __slots__ = ("allowance", "joined", "since", "slope")
+    __slots__ = ("aim", "allowance", "joined", "measured", "n", "since", "slope", "tally", "tau0")
 
-    def __init__(self, joined: float, allowance: float, slope: float) -> None:
+    def __init__(self, joined: float, aim: float, tau0: float, n: int) -> None:
         self.joined = joined  # the engine's charge when the stream joined
-        self.allowance = allowance  # from the length it was expected to run to
-        self.slope = slope
+        self.aim = aim
+        self.tau0 = tau0
+        self.n = n
+        self.allowance = max(0.0, aim - tau0) * (n - 1)  # from the length it was expected to run to
+        self.slope = max(0.0, 1.0 - tau0 / aim) if aim > 0 else 0.0
         self.since: float | None = None  # when it started decoding
+        self.tally: Tally | None = None  # its tokens so far, while it decodes
+        self.measured = False  # in the measured heap (its tokens are counted)
 
-    def spent_at(self, now: float, charged: float) -> float:
-        """The engine's charge at which this stream's allowance is spent, as of `now` with
-        `charged` placed on the engine so far."""
+    def value(self, now: float, charged: float) -> float:
+        """Measured: the time by which the prefill still to run beside it must end for it to
+        keep its target. Else the engine's charge at which its allowance is spent."""
+        if self.tally is not None:
+            assert self.since is not None
+            k = self.tally.counted
+            n = max(self.n, k)
+            return self.aim * (n - 1) + self.since - self.tau0 * (n - k)
         if self.since is None:
             return self.joined + self.allowance
         waited = charged - self.joined  # the most it can have waited on prefill
         grown = self.slope * (now - self.since - waited)
         return self.joined + max(self.allowance, grown)
+
+    def floor(self) -> float:
+        """`value` with no token counted yet: counting tokens only raises it."""
+        assert self.since is not None
+        return self.aim * (self.n - 1) + self.since - self.tau0 * self.n

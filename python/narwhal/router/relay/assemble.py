@@ -24,6 +24,7 @@ async def assemble(rl: Relayer, lease: Lease, resp: Exchange, send: Send) -> str
         keep_token_ids=lease.intake.wants_token_ids,
         require_token_ids=e.spec.token_ids,
     )
+    lease.tally = _Counted(asm)
     chunk = b""
     try:
         while not asm.done:
@@ -55,3 +56,16 @@ async def assemble(rl: Relayer, lease: Lease, resp: Exchange, send: Send) -> str
     await asgi.send_bytes(send, 200, body)
     lease.finished(asm.measured_output_tokens)
     return "completed"
+
+
+class _Counted:
+    """The assembler's count of output tokens so far, as a `Tally`."""
+
+    __slots__ = ("asm",)
+
+    def __init__(self, asm: Assembler) -> None:
+        self.asm = asm
+
+    @property
+    def counted(self) -> int:
+        return self.asm.measured_output_tokens

@@ -98,6 +98,7 @@ async def stream(rl: Relayer, lease: Lease, resp: Exchange, send: Send) -> bool:
         require_token_ids=e.spec.token_ids,
         drop_usage=not lease.intake.include_usage,
     )
+    lease.tally = relay
     st = Stream(lease, relay, resp.complete)
     # Until the first bytes are out, a fault can still be an HTTP error and the deadline
     # applies: the stream is pulled read by read.
