@@ -157,8 +157,9 @@ async def one(
                     out.tokens += n
                 if b"cached_tokens" in chunk and (m := CACHED.search(chunk)):
                     out.cached = int(m.group(1))
-    except (aiohttp.ClientError, asyncio.TimeoutError):
+    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
         out.failed = True
+        out.code = type(exc).__name__  # in the dump: a reset, say, or a timeout
         return
     if out.tokens < r.output_length:
         out.failed = True
@@ -174,7 +175,11 @@ async def offer(
     """Every request at its time (open loop): the trace's pace times `load`, spread over
     `urls` in turn (a door's one URL, or the engines themselves for `direct`)."""
     outs = [Outcome() for _ in trace]
-    conn = aiohttp.TCPConnector(limit=0)
+    # A pooled connection is let go after 5 s idle (httpx's default; aiohttp's is 15 s): a
+    # door that closes idle connections sooner than its client (Narwhal after its
+    # `header_timeout_s`, 10 s) races the client's reuse of one and the request is lost
+    # before it reaches the door, which is a client's fault, not the door's.
+    conn = aiohttp.TCPConnector(limit=0, keepalive_timeout=5)
     async with aiohttp.ClientSession(connector=conn) as s:
         start = time.monotonic()
         tasks = []
