@@ -179,3 +179,10 @@ def test_equal_hash_ids_are_equal_text_and_the_rate_is_the_fleet_s_capacity() ->
     assert describe(more)["rate_per_s"] == pytest.approx(2 * d["rate_per_s"], rel=0.01)
     again = generate("production", 400, engines=8, seed=3, model=GpuModel())
     assert [r.line() for r in again] == [r.line() for r in reqs]  # a seed is one trace
+
+
+def test_the_placement_cost_bench_judges_a_paced_fleet() -> None:
+    # bench/README.md's placement figures come from this; it drives the ledger's own API.
+    from bench.fleet.placement_cost import judge_us
+
+    assert judge_us(4, 400, True, tpot=True, rounds=5) > 0

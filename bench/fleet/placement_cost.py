@@ -37,6 +37,13 @@ def _request(i: int, words: int) -> intake.Intake:
     return intake.check(intake.CHAT, orjson.dumps(body), "m")
 
 
+class _Counted:
+    """A stream's token count, as the relay keeps it."""
+
+    def __init__(self, counted: int) -> None:
+        self.counted = counted
+
+
 def judge_us(
     engines: int, words: int, cache_on: bool, tpot: bool = False, rounds: int = 400
 ) -> float:
@@ -46,12 +53,12 @@ def judge_us(
         p.prefill_tps, p.bytes_per_token = 10_000.0, 4.0
     cache = PrefixCache(pool, 400_000, 512) if cache_on else None
     policy = PredictivePolicy(predictor, pool, cache, 0.1 if tpot else None)
-    if tpot:  # 32 streams on every engine, each with an allowance in the ledger, decoding
+    if tpot:  # 32 streams on every engine, each in the ledger, decoding, tokens counted
         for streams in policy.streams.values():
             for k in range(32):
-                entry = streams.placed(0.01, 2.0 + k / 10, slope=0.8)
-                assert entry is not None
-                streams.decoding(entry, time.monotonic())
+                streams.charge(0.01)
+                entry = streams.joined(0.09, 0.01, 26 + k)
+                streams.decoding(entry, time.monotonic(), _Counted(1 + k))
     reqs = [_request(i, words) for i in range(64)]
     if cache is not None:  # every engine's picture full of other prompts, and this family
         for e in pool:

@@ -293,14 +293,21 @@ class Predictor:
             slack = budget_s - (at_home.guarded_s or 0.0)
             if slack > HOLD_HOME_MIN_S:
                 raise NoEngineKeepsPace(slack)
-        if keeps_pace is not None:
-            paced = [p for p in fit if keeps_pace(p)]
-            if not paced:
-                raise NoEngineKeepsPace(budget_s - min((p.guarded_s or 0.0) for p in fit))
-            fit = paced
+        rank = _rank
         if stall is not None:
-            return min(fit, key=lambda p: (stall(p) + (p.guarded_s or 0.0), p.engine.inflight))
-        return min(fit, key=_rank)
+            cost = stall
+
+            def rank(p: Projection) -> tuple[float, int]:
+                return (cost(p) + (p.guarded_s or 0.0), p.engine.inflight)
+
+        if keeps_pace is None:
+            return min(fit, key=rank)
+        # The best-ranked engine that keeps pace: asked in rank order, so that a fleet
+        # where the best keeps pace (the common case) reads one engine's ledger, not all.
+        for p in sorted(fit, key=rank):
+            if keeps_pace(p):
+                return p
+        raise NoEngineKeepsPace(budget_s - min((p.guarded_s or 0.0) for p in fit))
 
 
 def _within_budget(ps: list[Projection], budget_s: float) -> list[Projection]:

@@ -117,6 +117,11 @@ class Streams:
         best = live[entry].value(now, charged)
         if best == key:  # the top stream's bound is its value
             return best
+        # No other stream's bound is below the top's children's: when neither is below the
+        # top's value, it is the smallest (the common case, without a pop).
+        n = len(heap)
+        if (n < 2 or heap[1][0] >= best) and (n < 3 or heap[2][0] >= best):
+            return best
         taken = [heapq.heappop(heap)]
         while heap and heap[0][0] < best:
             key, entry = heapq.heappop(heap)
