@@ -108,7 +108,7 @@ class Streams:
     def _least(self, heap: list[tuple[float, int]], measured: bool, now: float) -> float | None:
         """The smallest true value among the heap's streams."""
         live = self._live
-        while heap and (heap[0][1] not in live or live[heap[0][1]].measured is not measured):
+        while heap and (heap[0][1] not in live or (live[heap[0][1]].tally is not None) != measured):
             heapq.heappop(heap)
         if not heap:
             return None
@@ -117,16 +117,11 @@ class Streams:
         best = live[entry].value(now, charged)
         if best == key:  # the top stream's bound is its value
             return best
-        # No other stream's bound is below the top's children's: when neither is below the
-        # top's value, it is the smallest (the common case, without a pop).
-        n = len(heap)
-        if (n < 2 or heap[1][0] >= best) and (n < 3 or heap[2][0] >= best):
-            return best
         taken = [heapq.heappop(heap)]
         while heap and heap[0][0] < best:
             key, entry = heapq.heappop(heap)
             stream = live.get(entry)
-            if stream is not None and stream.measured is measured:
+            if stream is not None and (stream.tally is not None) == measured:
                 taken.append((key, entry))
                 best = min(best, stream.value(now, charged))
         for x in taken:
@@ -162,7 +157,6 @@ class Streams:
         stream.since = since
         if tally is not None:
             stream.tally = tally
-            stream.measured = True
             heapq.heappush(self._measured, (stream.floor(), entry))
 
     def ended(self, entry: int, output_tokens: int, decode_s: float) -> None:
@@ -187,7 +181,7 @@ class Streams:
 
 
 class _Stream:
-    __slots__ = ("aim", "allowance", "joined", "measured", "n", "since", "slope", "tally", "tau0")
+    __slots__ = ("aim", "allowance", "joined", "n", "since", "slope", "tally", "tau0")
 
     def __init__(self, joined: float, aim: float, tau0: float, n: int) -> None:
         self.joined = joined  # the engine's charge when the stream joined
@@ -197,8 +191,8 @@ class _Stream:
         self.allowance = max(0.0, aim - tau0) * (n - 1)  # from the length it was expected to run to
         self.slope = max(0.0, 1.0 - tau0 / aim) if aim > 0 else 0.0
         self.since: float | None = None  # when it started decoding
-        self.tally: Tally | None = None  # its tokens so far, while it decodes
-        self.measured = False  # in the measured heap (its tokens are counted)
+        # Its tokens so far, while it decodes; set, the stream is in the measured heap.
+        self.tally: Tally | None = None
 
     def value(self, now: float, charged: float) -> float:
         """Measured: the time by which the prefill still to run beside it must end for it to
