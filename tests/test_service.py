@@ -10,6 +10,7 @@ import os
 import signal
 import socket
 import subprocess
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -321,3 +322,23 @@ def test_up_passes_engine_options_through(model_path: str) -> None:
         assert ids == ["main", "up-name"]  # the router's model name, then the one passed
     finally:
         s.stop()
+
+
+def test_a_config_file_left_by_a_killed_main_process_is_removed_by_the_next_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # SIGKILL leaves no chance to remove the file the worker read its config from (it may
+    # hold API keys); the next start of either program removes it.
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setenv("TEST_CONFIG_FILE", "")
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    stale = tmp_path / f"{service.CONFIG_PREFIX}{gone.pid}-x1.json"
+    living = tmp_path / f"{service.CONFIG_PREFIX}{os.getppid()}-x2.json"
+    unrelated = tmp_path / f"{service.CONFIG_PREFIX}notapid.json"
+    for f in (stale, living, unrelated):
+        f.write_bytes(b"{}")
+    service.hand_off("TEST_CONFIG_FILE", b'{"a": 1}')
+    assert not stale.exists()
+    assert living.exists() and unrelated.exists()
+    assert service.taken_over("TEST_CONFIG_FILE") == b'{"a": 1}'

@@ -106,16 +106,52 @@ def crash_signal(code: int) -> int:
     return -code if code < 0 else code - 128 if 128 < code < 160 else 0
 
 
+CONFIG_PREFIX = "narwhal-config-"
+
+
 def hand_off(env: str, config_json: bytes) -> None:
     """Leave the validated config for the worker process: a 0600 file whose path is in
-    `env`, removed when this (main) process exits."""
-    fd, path = tempfile.mkstemp(prefix="narwhal-config-", suffix=".json")
+    `env`, removed when this (main) process exits. A main process killed outright (SIGKILL,
+    the OOM killer) cannot remove its file: the file names its process, and whoever hands
+    off next removes those of processes that are gone."""
+    _sweep(tempfile.gettempdir())
+    fd, path = tempfile.mkstemp(prefix=f"{CONFIG_PREFIX}{os.getpid()}-", suffix=".json")
     try:
         os.write(fd, config_json)
     finally:
         os.close(fd)
     atexit.register(_unlink, path)
     os.environ[env] = path
+
+
+def _sweep(folder: str) -> None:
+    """Remove config files this user's dead main processes left behind."""
+    uid = os.getuid()
+    with contextlib.suppress(OSError), os.scandir(folder) as entries:
+        for entry in entries:
+            pid = _owner_pid(entry.name)
+            if pid is None or _alive(pid):
+                continue
+            with contextlib.suppress(OSError):
+                if entry.stat(follow_symlinks=False).st_uid == uid:
+                    os.unlink(entry.path)
+
+
+def _owner_pid(name: str) -> int | None:
+    if not (name.startswith(CONFIG_PREFIX) and name.endswith(".json")):
+        return None
+    pid, sep, _ = name[len(CONFIG_PREFIX) :].partition("-")
+    return int(pid) if sep and pid.isdigit() else None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True  # another user's process: alive, and not ours to judge
+    return True
 
 
 def _unlink(path: str) -> None:
