@@ -504,3 +504,27 @@ def test_a_charge_is_let_go_when_its_request_ends_unplaced_or_goes_elsewhere() -
     assert ledgers[other.name].pending_s == pytest.approx(lease.tokens / RATE)
     lease.first_output()  # its prefill has run
     assert ledgers[other.name].pending_s == 0.0
+
+
+def test_a_family_waits_for_the_engine_holding_its_prefix_when_only_pace_keeps_it_out() -> None:
+    f = Fleet(n=2, tpot_target_s=0.05)
+    f.learn_tau0(0.02)
+    system = words("sys", 1200)  # 1,920 tokens at 5 bytes a token
+    holder = f.serve(request(system + " " + words("q", 20)))
+    # A short answer streams where the family is cached: it cannot take even the tail's
+    # prefill (240 tokens, 0.24 s), which the other engine could take whole (2.2 s).
+    short = f.open(request(words("s", 10), max_tokens=5), on=holder)
+    short.first_output()
+    member = request(system + " " + words("m", 200))
+    with pytest.raises(NoEngineKeepsPace) as waiting:
+        f.judge(member)
+    assert waiting.value.slack_s > 1  # the other engine still fits after the wait
+    short.finished(5)
+    short.release()
+    assert f.judge(member).prefer.name == holder
+    # When waiting would push the other engine past the budget, the prompt goes there now.
+    short = f.open(request(words("t", 10), max_tokens=5), on=holder)
+    short.first_output()
+    other = next(e for e in f.engines if e.name != holder)
+    other.prefill_tokens = 2000  # 2 s queued there: 4.2 s for the whole prompt
+    assert f.judge(member).prefer is other
