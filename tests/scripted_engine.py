@@ -246,6 +246,7 @@ async def stats(request: web.Request) -> web.Response:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--port", type=int, required=True)
+    p.add_argument("--host", default="127.0.0.1")
     p.add_argument(
         "--prefill-ms-per-token",
         type=float,
@@ -267,7 +268,7 @@ def main() -> None:
     app.router.add_post("/health", set_health)
     app.router.add_get("/stats", stats)
     # A deep accept queue: benches open hundreds of connections at once.
-    web.run_app(app, host="127.0.0.1", port=args.port, print=None, backlog=2048)
+    web.run_app(app, host=args.host, port=args.port, print=None, backlog=2048)
 
 
 if __name__ == "__main__":

@@ -41,6 +41,7 @@ class KeyValue:
     create_revision: int
     mod_revision: int
     lease: int
+    key: bytes = b""
 
 
 def _b64(b: bytes) -> str:
@@ -53,6 +54,7 @@ def _kv(raw: dict[str, Any]) -> KeyValue:
         int(raw.get("create_revision", 0)),
         int(raw.get("mod_revision", 0)),
         int(raw.get("lease", 0)),
+        base64.b64decode(raw.get("key", "")),
     )
 
 
@@ -162,6 +164,26 @@ class Etcd:
             lambda r: int(r["header"]["revision"]) if r.get("succeeded") else None,
         )
 
+    async def under_at(self, prefix: bytes) -> tuple[list[KeyValue], int]:
+        """Every key under `prefix` and the store's revision they were read at (a watch
+        from the next revision misses nothing)."""
+        end = _prefix_end(prefix)
+
+        def parse(r: Any) -> tuple[list[KeyValue], int]:
+            return [_kv(kv) for kv in r.get("kvs", [])], int(r["header"]["revision"])
+
+        return await self._answer(
+            "/v3/kv/range", {"key": _b64(prefix), "range_end": _b64(end)}, parse
+        )
+
+    async def put_guarded(
+        self, key: bytes, value: bytes, guard: bytes, create_revision: int
+    ) -> bool:
+        """Put `key` only while `guard` is the key created at `create_revision` (the
+        leader key this router holds)."""
+        answer = await self.put_if(key, value, guard, "CREATE", create_revision)
+        return answer is not None
+
     async def get(self, key: bytes) -> KeyValue | None:
         def parse(r: Any) -> KeyValue | None:
             kvs = r.get("kvs", [])
@@ -189,14 +211,17 @@ class Etcd:
     async def delete(self, key: bytes) -> None:
         await self._call("/v3/kv/deleterange", {"key": _b64(key)})
 
-    async def watch(self, key: bytes, start_revision: int) -> AsyncIterator[list[Change]]:
-        """The changes to `key` from `start_revision` on, as etcd reports them, for as
-        long as the caller reads (the gateway streams one JSON object a line). Connecting
-        is bounded by `timeout_s`; the wait for changes is not. Raises EtcdError when no
-        endpoint streams, or when the stream breaks."""
-        body = orjson.dumps(
-            {"create_request": {"key": _b64(key), "start_revision": str(start_revision)}}
-        )
+    async def watch(
+        self, key: bytes, start_revision: int, prefix: bool = False
+    ) -> AsyncIterator[list[Change]]:
+        """The changes to `key` (every key under it, with `prefix`) from `start_revision`
+        on, as etcd reports them, for as long as the caller reads (the gateway streams one
+        JSON object a line). Connecting is bounded by `timeout_s`; the wait for changes is
+        not. Raises EtcdError when no endpoint streams, or when the stream breaks."""
+        request = {"key": _b64(key), "start_revision": str(start_revision)}
+        if prefix:
+            request["range_end"] = _b64(_prefix_end(key))
+        body = orjson.dumps({"create_request": request})
         timeout = aiohttp.ClientTimeout(
             total=None, connect=self.timeout.total, sock_connect=self.timeout.total
         )

@@ -19,6 +19,7 @@ module is the part they share:
 
 from __future__ import annotations
 
+import asyncio
 import atexit
 import contextlib
 import errno
@@ -29,6 +30,7 @@ import signal
 import socket
 import sys
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -165,6 +167,21 @@ def taken_over(env: str) -> bytes:
         return f.read()
 
 
+def on_stop_signal(callback: Callable[[], object]) -> None:
+    """In a worker: the main process says a stop began (`serve(notify_stop=True)` sends
+    SIGUSR1 before Granian drains): the router resigns its leadership, an engine withdraws
+    its registration, before in-flight requests drain."""
+    with contextlib.suppress(NotImplementedError, RuntimeError):
+        asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, callback)
+
+
+def on_reload_signal(callback: Callable[[], object]) -> None:
+    """In a worker: the main process got SIGHUP (`serve(notify_reload=True)` passes it on
+    as SIGUSR2 rather than let Granian restart the worker, which would drop every stream)."""
+    with contextlib.suppress(NotImplementedError, RuntimeError):
+        asyncio.get_running_loop().add_signal_handler(signal.SIGUSR2, callback)
+
+
 def guard_worker() -> None:
     """In a Granian worker, first thing: die with the main process, and print the Python
     stack of a fatal signal (a crash inside a C library otherwise leaves no trace)."""
@@ -172,6 +189,7 @@ def guard_worker() -> None:
     # SIGUSR1 (a stop notice, see serve) must never kill a worker that has not yet
     # installed its handler.
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    signal.signal(signal.SIGUSR2, signal.SIG_IGN)  # a reload notice, likewise
     if not sys.platform.startswith("linux"):
         return
     import ctypes
@@ -189,11 +207,13 @@ def serve(
     addr: Address,
     limits: Limits,
     notify_stop: bool = False,
+    notify_reload: bool = False,
     **granian: Any,
 ) -> int:
     """Run `target` (an ASGI app factory) under Granian until it stops; the exit status.
     `notify_stop`: the first stop signal is passed on to the worker as SIGUSR1 before
-    Granian drains it (the router resigns its leadership there; see router/app.py)."""
+    Granian drains it (the router resigns its leadership there; see router/app.py);
+    `notify_reload`: SIGHUP is passed on as SIGUSR2 (the router reads its config again)."""
     from granian import Granian
     from granian.http import HTTP1Settings
 
@@ -210,6 +230,13 @@ def serve(
                 w.inner.exitcode for w in self.wrks if not w.is_alive() and w.inner.exitcode
             ]
             super()._stop_workers()
+
+        def signal_handler_reload(self, *args: Any, **kwargs: Any) -> None:
+            if not notify_reload:
+                return  # no restart of the worker on SIGHUP: it would cut every stream
+            for w in self.wrks:
+                with contextlib.suppress(Exception):
+                    os.kill(w.inner.pid, signal.SIGUSR2)
 
         def signal_handler_interrupt(self, *args: Any, **kwargs: Any) -> None:
             self.interrupted += 1

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import orjson
@@ -19,7 +21,7 @@ from prometheus_client import (
     generate_latest,
 )
 
-from narwhal import asgi, bearer, logs, silent
+from narwhal import asgi, bearer, logs, registrar, service, silent
 from narwhal.asgi import Receive, Scope, Send
 from narwhal.background import Background
 from narwhal.engine.batch import DecodeLoop
@@ -32,7 +34,7 @@ from narwhal.engine.render import Output, ToolCallFailed
 from narwhal.engine.routes import JOBS, writer_for
 from narwhal.engine.slots import Busy, Slots
 from narwhal.errors import ApiError, json_object
-from narwhal.etcd import Etcd
+from narwhal.etcd import Etcd, EtcdError
 
 log = logging.getLogger("lexi_engine")
 access_log = logging.getLogger("lexi.access")
@@ -120,6 +122,8 @@ class LexiEngine:
             else None
         )
         self.background = Background(self.metrics.background_errors)
+        self.stopping = False
+        self.registrar = _registrar(config, self._healthy)
 
     # -- ASGI ---------------------------------------------------------------------------
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -179,9 +183,25 @@ class LexiEngine:
         )
         if self.fence is not None and c.fence_etcd is not None:
             self.background.start("fence_follower", self.fence.follow_etcd_forever)
+        if self.registrar is not None:
+            self.background.start("registration", self.registrar.run_forever)
+            service.on_stop_signal(lambda: asyncio.ensure_future(self._withdraw()))
+
+    async def _withdraw(self) -> None:
+        """A stop began: routers stop placing here before the engine drains."""
+        self.stopping = True
+        if self.registrar is not None:
+            with contextlib.suppress(EtcdError):
+                await self.registrar.withdraw()
+
+    async def _healthy(self) -> bool:
+        return not self.stopping
 
     async def _shutdown(self) -> None:
+        self.stopping = True
         await self.background.stop()
+        if self.registrar is not None:
+            await self.registrar.close()
         await asyncio.to_thread(self.decoder.stop)
 
     def _authorize(self, scope: Scope) -> None:
@@ -378,9 +398,25 @@ async def _settled(gen: Request) -> None:
     await asyncio.shield(gen.done)
 
 
+def _registrar(
+    c: EngineConfig, healthy: Callable[[], Awaitable[bool]]
+) -> registrar.Registrar | None:
+    """`--register-etcd`: this engine's key, held while it serves."""
+    if c.register_etcd is None or c.register_key is None:
+        return None
+    url = c.advertise or f"http://{c.host}:{c.port}"
+    name = c.register_key.rstrip("/").rsplit("/", 1)[-1]
+    return registrar.Registrar(
+        c.register_etcd.split(","),
+        c.register_key,
+        registrar.value(url, "lexi", name),
+        healthy,
+        c.register_ttl_s,
+    )
+
+
 def create_app() -> LexiEngine:
     """Granian factory: reads the validated config the CLI handed off (service.hand_off)."""
-    from narwhal import service
     from narwhal.engine.cli import CONFIG_ENV
 
     service.guard_worker()

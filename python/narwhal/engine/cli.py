@@ -64,7 +64,12 @@ def main(argv: list[str] | None = None) -> int:
         config.shutdown_grace_s, config.header_timeout_s, config.max_connections
     )
     return service.serve(
-        "lexi-engine", "narwhal.engine.app:create_app", addr, limits, interface=Interfaces.ASGI
+        "lexi-engine",
+        "narwhal.engine.app:create_app",
+        addr,
+        limits,
+        interface=Interfaces.ASGI,
+        notify_stop=True,  # a registered engine withdraws its key before it drains
     )
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -57,6 +58,10 @@ class EngineConfig:
     fence_etcd: str | None = None  # read the leader key's token from this etcd as well
     fence_key: str = "/narwhal/main/leader"
     fence_state: str | None = None  # keep the floor in this file across restarts
+    register_etcd: str | None = None  # hold a key in this etcd while serving
+    register_key: str | None = None
+    advertise: str | None = None  # the URL routers reach it at (default http://host:port)
+    register_ttl_s: int = 10
 
     def to_json(self) -> bytes:
         return orjson.dumps(dataclasses.asdict(self))
@@ -100,6 +105,7 @@ def from_args(ns: argparse.Namespace) -> EngineConfig:
     template = _template(ns)
     _check_limits(ns)
     _check_fencing(ns)
+    _check_registration(ns)
     aliases = tuple(ns.alias)
     for a in aliases:
         if not a.strip():
@@ -130,6 +136,10 @@ def from_args(ns: argparse.Namespace) -> EngineConfig:
         fence_etcd=ns.fence_etcd,
         fence_key=ns.fence_key,
         fence_state=ns.fence_state,
+        register_etcd=ns.register_etcd,
+        register_key=ns.register_key,
+        advertise=ns.advertise,
+        register_ttl_s=ns.register_ttl,
     )
 
 
@@ -230,6 +240,31 @@ def _check_fencing(ns: argparse.Namespace) -> None:
         raise EngineConfigError(
             "--fence-etcd", "must be http(s):// URLs of etcd endpoints, comma-separated"
         )
+
+
+def _check_registration(ns: argparse.Namespace) -> None:
+    if ns.register_etcd is None:
+        for flag, v in (("--register-key", ns.register_key), ("--advertise", ns.advertise)):
+            if v is not None:
+                raise EngineConfigError(flag, "needs --register-etcd")
+        return
+    if not all(u.startswith(("http://", "https://")) for u in ns.register_etcd.split(",")):
+        raise EngineConfigError(
+            "--register-etcd", "must be http(s):// URLs of etcd endpoints, comma-separated"
+        )
+    name = (ns.register_key or "").rstrip("/").rsplit("/", 1)[-1]
+    if not ns.register_key or not ns.register_key.startswith("/") or not _NAME.fullmatch(name):
+        raise EngineConfigError(
+            "--register-key",
+            "must be /PREFIX/NAME, NAME letters, digits or `_.-` (the engine's name)",
+        )
+    if ns.advertise is not None and not ns.advertise.startswith(("http://", "https://")):
+        raise EngineConfigError("--advertise", "must be an http(s):// URL")
+    if not 2 <= ns.register_ttl <= 300:
+        raise EngineConfigError("--register-ttl", "must be between 2 and 300 seconds")
+
+
+_NAME = re.compile(r"[A-Za-z0-9_.-]{1,128}")
 
 
 def _check_fence_state(path: str) -> None:

@@ -19,6 +19,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     _batching_arguments(p)
     _limits_arguments(p)
     _fencing_arguments(p)
+    _registration_arguments(p)
 
 
 def _model_arguments(p: argparse.ArgumentParser) -> None:
@@ -181,6 +182,34 @@ def _fencing_arguments(p: argparse.ArgumentParser) -> None:
         metavar="PATH",
         help="with --fence, keep the highest accepted token in this file (written before "
         "it is acted on), so a restarted engine does not take a deposed leader's token again",
+    )
+
+
+def _registration_arguments(p: argparse.ArgumentParser) -> None:
+    """A key in etcd, held while the engine serves, for routers with engines_from.etcd."""
+    p.add_argument(
+        "--register-etcd",
+        metavar="URL[,URL...]",
+        help="hold this engine's key in this etcd while it serves (deleted at shutdown, "
+        "before it drains; expired within --register-ttl if it dies)",
+    )
+    p.add_argument(
+        "--register-key",
+        metavar="PREFIX/NAME",
+        help="with --register-etcd: the key (routers follow PREFIX; NAME is the engine's)",
+    )
+    p.add_argument(
+        "--advertise",
+        metavar="URL",
+        help="with --register-etcd: the URL routers reach this engine at "
+        "(default http://HOST:PORT)",
+    )
+    p.add_argument(
+        "--register-ttl",
+        type=int,
+        default=default("register_ttl_s"),
+        metavar="S",
+        help="the key's lease in seconds (default %(default)d)",
     )
 
 

@@ -1,4 +1,5 @@
-"""The admin API: maintenance waves, behind a Bearer token (`admin: {token_env: NAME}`).
+"""The admin API: maintenance waves and the fleet's engines (`router/fleet/admin.py`),
+behind a Bearer token (`admin: {token_env: NAME}`).
 
 Without an admin token configured there are no admin routes (404). The token is compared in
 constant time; a missing or wrong one is 401 in the envelope.
@@ -6,6 +7,7 @@ constant time; a missing or wrong one is 401 in the envelope.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import orjson
@@ -14,20 +16,50 @@ from narwhal import asgi, bearer
 from narwhal.asgi import Receive, Scope, Send
 from narwhal.errors import ApiError, invalid
 from narwhal.etcd import EtcdError
+from narwhal.router.fleet import admin as engines_admin
 from narwhal.router.ha.maintenance import Maintenance, WaveChanged
 
-ROUTES = frozenset({"/admin/maintenance"})
+ROUTES = frozenset({"/admin/maintenance", "/admin/reload", engines_admin.PATH})
+
+
+def routes(path: str) -> bool:
+    return path in ROUTES or path.startswith(engines_admin.PATH + "/")
 
 
 class Admin:
-    def __init__(self, token: str, maintenance: Maintenance) -> None:
+    def __init__(
+        self,
+        token: str,
+        maintenance: Maintenance,
+        engines: engines_admin.EnginesAdmin,
+        reload: Callable[[], str | None],
+    ) -> None:
         self.token = token.encode()
         self.maintenance = maintenance
+        self.engines = engines
+        self.reload = reload
 
     async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
-        method = scope["method"]
+        method, path = scope["method"], scope["path"]
+        if path == "/admin/reload":
+            if method != "POST":
+                raise asgi.method_not_allowed(method, path, "POST")
+            bearer.require(scope, (self.token,), "admin token")
+            refused = self.reload()
+            if refused is not None:
+                raise ApiError(
+                    400,
+                    f"the config file was not reloaded (the running config stays): {refused}",
+                    code="invalid_config",
+                )
+            await asgi.send_json(send, 200, {"reloaded": True})
+            return
+        if path != "/admin/maintenance":
+            bearer.require(scope, (self.token,), "admin token")
+            await self.engines.handle(path, method, receive, send)
+            return
         if method not in ("GET", "POST", "DELETE"):
-            raise asgi.method_not_allowed(method, scope["path"], "GET, POST, DELETE")
+            raise asgi.method_not_allowed(method, path, "GET, POST, DELETE")
         bearer.require(scope, (self.token,), "admin token")
         m = self.maintenance
         try:

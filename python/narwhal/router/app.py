@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import sys
@@ -14,15 +13,20 @@ from typing import Any
 import aiohttp
 from prometheus_client import generate_latest
 
-from narwhal import asgi, bearer, logs, silent
+from narwhal import asgi, bearer, logs, service, silent
 from narwhal.asgi import Receive, Scope, Send
 from narwhal.background import Background
 from narwhal.errors import ApiError
-from narwhal.etcd import EtcdError
+from narwhal.etcd import Etcd, EtcdError
 from narwhal.router import admin as admin_api
 from narwhal.router.admission import Admission
 from narwhal.router.config import RouterConfig
 from narwhal.router.engines import Engine, Pool
+from narwhal.router.fleet.admin import EnginesAdmin
+from narwhal.router.fleet.dns_source import DnsSource
+from narwhal.router.fleet.etcd_source import EtcdSource
+from narwhal.router.fleet.membership import Hooks, Membership
+from narwhal.router.fleet.reload import Reloader
 from narwhal.router.ha.leadership import Leadership
 from narwhal.router.ha.maintenance import Maintenance
 from narwhal.router.ha.profiles import SharedProfiles
@@ -102,8 +106,32 @@ class Router:
         self.leadership.on_step_aside = self._turn_away
         self.gate = Gate(self.leadership, self.maintenance, self.pool, self.policy)
         self.judge = Judge(self.policy, self.pool, self.metrics.paced_waits.inc)
+        self.membership = self._membership()
         token = os.environ.get(config.admin_token_env, "") if config.admin_token_env else ""
-        self.admin = admin_api.Admin(token, self.maintenance) if token else None
+        engines_admin = EnginesAdmin(
+            self.membership,
+            self.leadership,
+            self.leadership.etcd,
+            ha.sibling("engines") + "/" if ha else None,
+        )
+        self.admin = (
+            admin_api.Admin(token, self.maintenance, engines_admin, self.reload) if token else None
+        )
+        self.reloader = Reloader(
+            os.environ.get(CONFIG_PATH_ENV), config, self.membership, self._settings
+        )
+        self.sources: dict[str, EtcdSource | DnsSource] = {}
+        if config.etcd_source is not None:
+            src = config.etcd_source
+            self.sources["etcd"] = EtcdSource(
+                Etcd(list(src.endpoints)), src.prefix, self.membership
+            )
+        if config.dns_source is not None:
+            self.sources["dns"] = DnsSource(config.dns_source, self.membership)
+        if ha is not None and self.leadership.etcd is not None:
+            self.sources["admin"] = EtcdSource(
+                self.leadership.etcd, ha.sibling("engines") + "/", self.membership, "admin"
+            )
         self.client_keys = tuple(k.encode() for k in client_keys(config))
         from narwhal import __version__
 
@@ -120,6 +148,48 @@ class Router:
         self.background = Background(self.metrics.background_errors)
         self.session: aiohttp.ClientSession | None = None
 
+    def _membership(self) -> Membership:
+        """Engines joining and leaving while the router runs, and who hears of it."""
+        hooks = Hooks()
+        changes = self.metrics.membership
+        hooks.added += [
+            self.policy.added,
+            lambda e: self.pool.probe_soon(),
+            lambda e: changes.labels("added", e.source).inc(),
+        ]
+        hooks.cut.append(self.relayer.cut)
+        hooks.removed += [
+            self.policy.removed,
+            self.relayer.forget,
+            lambda e: self.metrics.forget(e.name),
+            lambda e: changes.labels("removed", e.source).inc(),
+        ]
+        return Membership(self.pool, self.config.drain_timeout_s, hooks)
+
+    def reload(self) -> str | None:
+        """The config file read again (SIGHUP, POST /admin/reload); why it was refused."""
+        return self.reloader.reload()
+
+    def _settings(self, new: RouterConfig) -> None:
+        """A reloaded config's settings, for requests from now on."""
+        self.config = self.flow.config = new
+        a = self.admission
+        a.retention_limit, a.queue_size, a.wait_s = (
+            new.http_retention_limit,
+            new.queue_size,
+            new.queue_wait_s,
+        )
+        self.pool.prefill_limit, self.pool.decode_limit = (
+            new.prefill_concurrency,
+            new.decode_concurrency,
+        )
+        self.pool.eject_after = new.eject_after
+        self.membership.drain_timeout_s = new.drain_timeout_s
+        self.relayer.idle_s = new.stream_idle_timeout_s
+        if isinstance(self.policy, PredictivePolicy):
+            self.policy.tpot_target_s = new.tpot_target_s
+        self.pool.notify()  # a larger queue or more seats may take waiting requests
+
     # -- lifecycle ----------------------------------------------------------------------
     async def startup(self) -> None:
         connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=60, ttl_dns_cache=300)
@@ -132,11 +202,15 @@ class Router:
             lambda: self.pool.probe_forever(session, c.health_interval_s, c.health_timeout_s),
         )
         bg.start("queue_drain", self.admission.drain_forever)
+        bg.start("engine_drains", self.membership.drain_forever)
+        for name, source in self.sources.items():
+            bg.start(f"engines_from_{name}", source.follow_forever)
         bg.start("leadership", self.leadership.run_forever)
         bg.start("maintenance_follower", self.maintenance.follow_forever)
         if self.profiles is not None:
             bg.start("profile_sharing", self.profiles.publish_forever)
-        _on_stop_signal(lambda: asyncio.ensure_future(self._resign()))
+        service.on_stop_signal(lambda: asyncio.ensure_future(self._resign()))
+        service.on_reload_signal(self.reload)
         bg.start(
             "silent_reaper",
             lambda: silent.close_silent_forever(c.header_timeout_s, self.metrics.silent_closed.inc),
@@ -153,6 +227,7 @@ class Router:
                 self.leadership,
             )
             bg.start("profiling", profiler.run_forever)
+            self.pool.on_healthy.append(lambda e: profiler.wake())
 
     async def _take_over(self) -> None:
         """Before a new leader's first placement: the wave and the last leader's profiles
@@ -179,6 +254,9 @@ class Router:
         await asyncio.gather(*(me.stop() for me in self.managed))
         self.relayer.close()
         await self.leadership.close()
+        etcd_source = self.sources.get("etcd")
+        if isinstance(etcd_source, EtcdSource):
+            await etcd_source.etcd.close()
         if self.session is not None:
             await self.session.close()
 
@@ -213,7 +291,7 @@ class Router:
             if method != "POST":
                 raise asgi.method_not_allowed(method, path, "POST")
             await self.flow(path, scope, receive, send)
-        elif path in admin_api.ROUTES and self.admin is not None:
+        elif self.admin is not None and admin_api.routes(path):
             await self.admin.handle(scope, receive, send)
         elif path.startswith("/v1/models/"):
             if method != "GET":
@@ -269,6 +347,11 @@ class Router:
         body["ready"] = reason is None
         if reason is not None:
             body["reason"] = reason
+        if self.reloader.error is not None:
+            body["reload_error"] = self.reloader.error  # the running config stays
+        stale = {name: src.error for name, src in self.sources.items() if src.error}
+        if stale:
+            body["engines_from_stale"] = stale  # the last good set serves meanwhile
         failing = self.background.failing()
         if failing:
             body["background_failing"] = failing
@@ -295,15 +378,6 @@ def client_keys(config: RouterConfig) -> list[str]:
     return keys
 
 
-def _on_stop_signal(callback: Callable[[], object]) -> None:
-    """The main process tells the worker a stop began (service.serve sends SIGUSR1 before it
-    stops the worker): the router resigns its leadership at once, then drains."""
-    import signal
-
-    with contextlib.suppress(NotImplementedError, RuntimeError):
-        asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, callback)
-
-
 def _exited(pool: Pool, engine: Engine, restarts: Any) -> Callable[[str], None]:
     """A managed engine's process ended: counted, and out of placement at once rather than
     at the next health probe (until then /ready would call a dead engine ready)."""
@@ -327,12 +401,11 @@ FATAL_EXIT = 3
 
 
 CONFIG_ENV = "NARWHAL_ROUTER_CONFIG_FILE"
+CONFIG_PATH_ENV = "NARWHAL_ROUTER_CONFIG_PATH"  # the YAML itself, for reloads
 
 
 def create_app() -> Router:
     """Granian factory: the CLI validated the config and handed it off (service.hand_off)."""
-    from narwhal import service
-
     service.guard_worker()
     logs.setup()
     config = RouterConfig.from_json(service.taken_over(CONFIG_ENV))

@@ -1,4 +1,4 @@
-"""`narwhal`: the router's command line (`serve`, `up`)."""
+"""`narwhal`: the router's command line (`serve`, `up`, `register`)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,15 @@ import os
 import sys
 
 from narwhal import __version__, logs, service
-from narwhal.router.config import EngineSpec, Launch, RouterConfig, RouterConfigError, load
+from narwhal.registrar import DEFAULT_TTL_S
+from narwhal.router.config import (
+    DIALECTS,
+    EngineSpec,
+    Launch,
+    RouterConfig,
+    RouterConfigError,
+    load,
+)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -52,7 +60,56 @@ def _parser() -> argparse.ArgumentParser:
         help="engine decode threads (default: one fewer than the CPUs, so the "
         "router keeps one; see docs/DECISIONS.md)",
     )
+    r = sub.add_parser(
+        "register",
+        help="beside an engine: hold its key in etcd while its /health answers "
+        "(for routers with engines_from.etcd)",
+    )
+    r.add_argument("--etcd", required=True, action="append", metavar="URL", help="repeatable")
+    r.add_argument("--key", required=True, help="PREFIX/NAME: the engine's name is the last part")
+    r.add_argument("--url", required=True, help="the engine's URL, as routers reach it")
+    r.add_argument("--dialect", default="vllm", choices=DIALECTS)
+    r.add_argument("--ttl", type=int, default=DEFAULT_TTL_S, help="the lease's TTL in seconds")
+    logs.add_arguments(r)
     return p
+
+
+def register(args: argparse.Namespace) -> int:
+    """`narwhal register`: the sidecar (narwhal/registrar.py), until SIGTERM or SIGINT."""
+    import asyncio
+    import signal
+
+    from narwhal import registrar
+    from narwhal.router.fleet import spec as specs
+
+    name = args.key.rstrip("/").rsplit("/", 1)[-1]
+    try:
+        spec = specs.of({"name": name, "url": args.url, "dialect": args.dialect})
+    except specs.BadSpec as e:
+        print(f"narwhal: error: {e}", file=sys.stderr)
+        return 2
+    if args.ttl < 2:
+        print("narwhal: error: --ttl: at least 2 seconds", file=sys.stderr)
+        return 2
+    logs.choose(args.log_format, args.log_level)
+
+    async def run() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        reg = registrar.Registrar(
+            args.etcd,
+            args.key,
+            registrar.value(spec.url or "", spec.dialect, spec.name),
+            registrar.http_health(args.url),
+            args.ttl,
+        )
+        await registrar.sidecar(reg, stop)
+
+    print(f"narwhal register: {args.key} -> {args.url} while its /health answers", file=sys.stderr)
+    asyncio.run(run())
+    return 0
 
 
 def up_threads(cpus: int) -> int:
@@ -111,6 +168,8 @@ def _up_config(args: argparse.Namespace) -> RouterConfig:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.command == "register":
+        return register(args)
     try:
         config = load(args.config) if args.command == "serve" else _up_config(args)
     except RouterConfigError as e:
@@ -151,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     from granian.constants import Interfaces, Loops
 
     from narwhal.router import affinity
-    from narwhal.router.app import CONFIG_ENV
+    from narwhal.router.app import CONFIG_ENV, CONFIG_PATH_ENV
 
     try:
         addr = service.resolve(config.host, config.port)
@@ -165,6 +224,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"narwhal: config error: {e}", file=sys.stderr)
         return 2
     service.hand_off(CONFIG_ENV, config.to_json())
+    if args.command == "serve":  # what a reload (SIGHUP, POST /admin/reload) reads again
+        os.environ[CONFIG_PATH_ENV] = os.path.abspath(args.config)
     logs.choose(args.log_format, args.log_level)
     engines = ", ".join(e.name + (f" ({e.url})" if e.url else " (managed)") for e in config.engines)
     print(
@@ -185,6 +246,7 @@ def main(argv: list[str] | None = None) -> int:
         interface=Interfaces.ASGI,
         loop=Loops.uvloop,
         notify_stop=True,
+        notify_reload=True,
     )
 
 

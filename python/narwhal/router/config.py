@@ -20,7 +20,6 @@ _env_name = {"type": "string", "pattern": "^[A-Za-z_][A-Za-z0-9_]*$"}
 SCHEMA: dict[str, Any] = {
     "type": "object",
     "additionalProperties": False,
-    "required": ["engines"],
     "properties": {
         "model": {"type": "string", "minLength": 1},
         "listen": {
@@ -44,6 +43,7 @@ SCHEMA: dict[str, Any] = {
                 "body_timeout_s": _pos_num,
                 "max_connections": _pos_int,
                 "stream_idle_timeout_s": _pos_num,
+                "drain_timeout_s": _pos_num,
                 "native_relay": {"type": "boolean"},
                 "cpu_affinity": {
                     "anyOf": [
@@ -122,9 +122,41 @@ SCHEMA: dict[str, Any] = {
             "required": ["token_env"],
             "properties": {"token_env": {"type": "string", "pattern": "^[A-Za-z_][A-Za-z0-9_]*$"}},
         },
+        "engines_from": {
+            "type": "object",
+            "additionalProperties": False,
+            "minProperties": 1,
+            "properties": {
+                "etcd": {
+                    "type": "object",
+                    "additionalProperties": False,
+                    "required": ["endpoints", "prefix"],
+                    "properties": {
+                        "endpoints": {
+                            "type": "array",
+                            "minItems": 1,
+                            "items": {"type": "string", "pattern": "^https?://"},
+                        },
+                        "prefix": {"type": "string", "pattern": "^/"},
+                    },
+                },
+                "dns": {
+                    "type": "object",
+                    "additionalProperties": False,
+                    "required": ["name", "port"],
+                    "properties": {
+                        "name": {"type": "string", "minLength": 1, "maxLength": 253},
+                        "port": {"type": "integer", "minimum": 1, "maximum": 65535},
+                        "dialect": {"enum": list(DIALECTS)},
+                        "every_s": _pos_num,
+                        "nameserver": {"type": "string", "minLength": 1},
+                        "api_key_env": _env_name,
+                    },
+                },
+            },
+        },
         "engines": {
             "type": "array",
-            "minItems": 1,
             "items": {
                 "type": "object",
                 "additionalProperties": False,
@@ -178,6 +210,26 @@ class EngineSpec:
     @property
     def token_ids(self) -> bool:
         return self.dialect in TOKEN_ID_DIALECTS
+
+
+@dataclass(frozen=True)
+class EtcdSource:
+    """Engines registered under a prefix in etcd (each key's last segment is a name)."""
+
+    endpoints: tuple[str, ...]
+    prefix: str
+
+
+@dataclass(frozen=True)
+class DnsSource:
+    """Engines at the addresses a DNS name resolves to (a Kubernetes headless Service)."""
+
+    name: str
+    port: int
+    dialect: str = "lexi"
+    every_s: float = 5.0
+    nameserver: str | None = None  # host[:port]; None: the system's resolver
+    api_key_env: str | None = None
 
 
 @dataclass(frozen=True)
@@ -241,6 +293,11 @@ class RouterConfig:
     health_timeout_s: float = 2.0
     eject_after: int = 3  # request faults in a row that take an engine out until a probe
     ha: HA | None = None  # several routers; None: this router is its own leader
+    etcd_source: EtcdSource | None = None  # engines_from.etcd
+    dns_source: DnsSource | None = None  # engines_from.dns
+    # A removed engine's in-flight requests have this long to finish; then they end with
+    # an error event.
+    drain_timeout_s: float = 60.0
     admin_token_env: str | None = None  # the admin API's token, by environment variable
     api_keys: tuple[str, ...] = ()  # client keys (auth.api_keys); none: no client auth
     api_keys_env: str | None = None  # a variable holding more, comma-separated
@@ -262,6 +319,11 @@ class RouterConfig:
         d["api_keys"] = tuple(d["api_keys"])
         if d["ha"] is not None:
             d["ha"] = HA(**{**d["ha"], "etcd": tuple(d["ha"]["etcd"])})
+        if d["etcd_source"] is not None:
+            src = d["etcd_source"]
+            d["etcd_source"] = EtcdSource(tuple(src["endpoints"]), src["prefix"])
+        if d["dns_source"] is not None:
+            d["dns_source"] = DnsSource(**d["dns_source"])
         return cls(engines=tuple(engines), **d)
 
 
@@ -289,6 +351,13 @@ def parse(data: Any) -> RouterConfig:
     errors = sorted(_VALIDATOR.iter_errors(data), key=lambda e: list(map(str, e.instance_path)))
     if errors:
         raise RouterConfigError("; ".join(f"{_path(e)}: {_plain(e, data)}" for e in errors))
+    if "engines" not in data:
+        data = {**data, "engines": []}
+    if not data["engines"] and "engines_from" not in data and "admin" not in data:
+        raise RouterConfigError(
+            "engines: no engines: list them, or give `engines_from` (etcd or DNS) or an "
+            "admin token (`admin`) to add them while the router runs"
+        )
     names = [e["name"] for e in data["engines"]]
     dupes = {n for n in names if names.count(n) > 1}
     if dupes:
@@ -323,6 +392,20 @@ def parse(data: Any) -> RouterConfig:
         )
     if "admin" in data:
         given["admin_token_env"] = data["admin"]["token_env"]
+    sources = data.get("engines_from", {})
+    if "etcd" in sources:
+        src = sources["etcd"]
+        given["etcd_source"] = EtcdSource(tuple(src["endpoints"]), src["prefix"])
+    if "dns" in sources:
+        src = sources["dns"]
+        given["dns_source"] = DnsSource(
+            src["name"],
+            src["port"],
+            src.get("dialect", DnsSource.dialect),
+            float(src.get("every_s", DnsSource.every_s)),
+            src.get("nameserver"),
+            src.get("api_key_env"),
+        )
     auth = data.get("auth", {})
     if auth.get("api_keys"):
         given["api_keys"] = tuple(auth["api_keys"])
@@ -346,6 +429,7 @@ _FIELDS = {
     ("serving", "body_timeout_s"): "body_timeout_s",
     ("serving", "max_connections"): "max_connections",
     ("serving", "stream_idle_timeout_s"): "stream_idle_timeout_s",
+    ("serving", "drain_timeout_s"): "drain_timeout_s",
     ("serving", "native_relay"): "native_relay",
     ("serving", "cpu_affinity"): "cpu_affinity",
     ("queue", "size"): "queue_size",

@@ -9,7 +9,15 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from narwhal.router.config import _FIELDS, HA, SCHEMA, EngineSpec, Launch, RouterConfig
+from narwhal.router.config import (
+    _FIELDS,
+    HA,
+    SCHEMA,
+    DnsSource,
+    EngineSpec,
+    Launch,
+    RouterConfig,
+)
 
 # What each key means, by its dotted path (`[]` for a list's items). Every key of the schema
 # must be here: render() refuses to leave one out.
@@ -32,6 +40,9 @@ MEANINGS = {
     "serving.max_connections": "client connections served at once (more wait in the backlog)",
     "serving.stream_idle_timeout_s": "an engine silent this long mid-answer has stalled: the "
     "stream ends with an `engine_stalled` error event",
+    "serving.drain_timeout_s": "an engine being removed (`DELETE /admin/engines/NAME`, its "
+    "key gone from etcd, its address gone from DNS) gets nothing new; its in-flight requests "
+    "have this long to finish, then end with an `engine_removed` error event",
     "serving.native_relay": "relay streams from the upstream socket's read callback in Rust "
     "where the ASGI server allows (Granian); `false`: each chunk sent from Python",
     "serving.cpu_affinity": "`auto` (one CPU, the highest-numbered allowed), `none`, or a list "
@@ -76,9 +87,29 @@ MEANINGS = {
     "auth.api_keys": "accepted client keys",
     "auth.api_keys_env": "an environment variable holding more keys, comma-separated (keeps "
     "them out of the file)",
-    "admin": "the admin API (`/admin/maintenance`); without it there are no admin routes",
+    "admin": "the admin API (`/admin/maintenance`, `/admin/engines`); without it there are "
+    "no admin routes",
     "admin.token_env": "the environment variable that holds the admin Bearer token",
-    "engines": "the engines requests are placed on (at least one)",
+    "engines_from": "engines that come and go while the router runs (README: Running a "
+    "fleet); with `engines` too, both sets serve",
+    "engines_from.etcd": "engines registered in etcd (`lexi-engine serve --register-etcd`, or "
+    "`narwhal register` beside any engine): a key added is an engine added, a key deleted or "
+    "expired an engine drained",
+    "engines_from.etcd.endpoints": "etcd endpoints (`http://host:2379`)",
+    "engines_from.etcd.prefix": "the keys under it name engines (the last segment is the "
+    'engine\'s name); each value is JSON: `{"url": ..., "dialect": ...}`',
+    "engines_from.dns": "engines at every address a DNS name resolves to (A and AAAA: a "
+    "Kubernetes headless Service), named `LABEL-ADDRESS` (the name's first label)",
+    "engines_from.dns.name": "the name to resolve",
+    "engines_from.dns.port": "the engines' port",
+    "engines_from.dns.dialect": "the engines' dialect",
+    "engines_from.dns.every_s": "time between resolutions; an address gone is drained, a new "
+    "one added; a failed resolution keeps the last good set (and says so on `/ready`)",
+    "engines_from.dns.nameserver": "`host[:port]` of the DNS server to ask (default: the "
+    "system's resolver)",
+    "engines_from.dns.api_key_env": "an environment variable holding the engines' API key",
+    "engines": "the engines requests are placed on (none only with `engines_from` or "
+    "`admin`: engines are then added while the router runs)",
     "engines[].name": "a unique name: letters, digits, `_.-`",
     "engines[].url": "an engine to call (`http(s)://host:port`, optional `user:pass@`); "
     "give `url` or `launch`, not both",
@@ -130,6 +161,17 @@ engines:
   - {name: local, launch: {model: path/to/model.gguf, parallel: 4}}
 ```
 
+Engines that register in etcd and engines a DNS name resolves to, added and drained while
+the router runs (README: Running a fleet):
+
+```yaml
+model: main
+admin: {token_env: NARWHAL_ADMIN_TOKEN}
+engines_from:
+  etcd: {endpoints: ["http://10.0.0.5:2379"], prefix: /narwhal/main/engines/}
+  dns: {name: engines.default.svc.cluster.local, port: 8000, dialect: vllm, every_s: 5}
+```
+
 Two routers sharing leadership on etcd, with the admin API:
 
 ```yaml
@@ -177,7 +219,12 @@ def _defaults() -> dict[str, str]:
     out = {
         ".".join(p for p in key if p): _fmt(getattr(base, name)) for key, name in _FIELDS.items()
     }
-    for prefix, cls in (("engines[].", EngineSpec), ("engines[].launch.", Launch), ("ha.", HA)):
+    for prefix, cls in (
+        ("engines[].", EngineSpec),
+        ("engines[].launch.", Launch),
+        ("ha.", HA),
+        ("engines_from.dns.", DnsSource),
+    ):
         for f in dataclasses.fields(cls):
             if f.default is not dataclasses.MISSING:
                 out[prefix + f.name] = _fmt(f.default)

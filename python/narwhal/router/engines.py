@@ -1,9 +1,16 @@
-"""The engine pool: per-engine state, health probing and least-loaded placement."""
+"""The engine pool: per-engine state, health probing and least-loaded placement.
+
+Which engines exist changes while the router runs (`router/fleet/`): the pool is the one
+list of them, and an engine being drained stays in it, out of placement, until its
+in-flight requests are done.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit, urlunsplit
@@ -31,6 +38,15 @@ class Engine:
     strikes: int = 0  # request faults in a row (reset by a full answer or a probe's return)
     managed: ManagedEngine | None = None  # the process behind it, when the router runs it
     api_key: str | None = field(default=None, repr=False)  # sent upstream; never shown
+    draining: bool = False  # being removed: nothing new, in-flight requests finish
+    cut: bool = False  # drained past its timeout: its streams were ended by the router
+    source: str = "config"  # where it came from: config, admin, etcd, dns
+
+    @property
+    def state(self) -> str:
+        if self.draining:
+            return "draining"
+        return "serving" if self.healthy else "unhealthy"
 
     @property
     def name(self) -> str:
@@ -51,6 +67,8 @@ class Engine:
             "url": redact(self.url),
             "dialect": self.spec.dialect,
             "healthy": self.healthy,
+            "state": self.state,
+            "source": self.source,
             "reason": reason,
             "token_accounting": self.token_accounting,
             "prefill": self.prefill,
@@ -84,10 +102,26 @@ class Pool:
         self.prefill_limit = prefill_limit
         self.decode_limit = decode_limit
         self.changed = asyncio.Event()  # set whenever capacity may have freed up
+        self.on_healthy: list[Callable[[Engine], None]] = []  # an engine became healthy
+        self._probe_now = asyncio.Event()
         self.maintenance: frozenset[str] = frozenset()  # engine names in the wave (no new work)
 
     def eligible(self) -> list[Engine]:
-        return [e for e in self.engines if e.healthy and e.name not in self.maintenance]
+        return [
+            e
+            for e in self.engines
+            if e.healthy and not e.draining and e.name not in self.maintenance
+        ]
+
+    def named(self, name: str) -> Engine | None:
+        return next((e for e in self.engines if e.name == name), None)
+
+    def add(self, e: Engine) -> None:
+        # A new list, not an append: loops over the old one (a probe round) run on.
+        self.engines = [*self.engines, e]
+
+    def remove(self, e: Engine) -> None:
+        self.engines = [x for x in self.engines if x is not e]
 
     def pick(
         self, prefer: Engine | None = None, exclude: frozenset[str] = frozenset()
@@ -114,8 +148,14 @@ class Pool:
         self, session: aiohttp.ClientSession, interval: float, timeout: float
     ) -> None:
         while True:
+            self._probe_now.clear()
             await asyncio.gather(*(self.probe(session, e, timeout) for e in self.engines))
-            await asyncio.sleep(interval)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._probe_now.wait(), interval)
+
+    def probe_soon(self) -> None:
+        """An engine joined: the next probe round starts now."""
+        self._probe_now.set()
 
     async def probe(self, session: aiohttp.ClientSession, e: Engine, timeout: float) -> None:
         was = e.healthy
@@ -134,6 +174,9 @@ class Pool:
         if ok != was:
             log.info("engine %s is %s (%s)", e.name, "healthy" if ok else "unhealthy", e.reason)
             self.notify()
+            if ok:
+                for hook in self.on_healthy:
+                    hook(e)
 
     def process_exited(self, e: Engine) -> None:
         """The engine's process is gone; a probe brings it back once the restart answers."""

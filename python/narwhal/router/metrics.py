@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -107,8 +108,8 @@ class RouterMetrics:
         self.stream_faults = Counter(
             "narwhal_stream_faults",
             "Engine answers that ended in a fault, by reason "
-            "(engine_disconnected, engine_stalled, connect, assembly, engine_error, "
-            "deadline_exceeded, or the frame check that refused the stream)",
+            "(engine_disconnected, engine_stalled, engine_removed, connect, assembly, "
+            "engine_error, deadline_exceeded, or the frame check that refused the stream)",
             ["engine", "reason"],
             registry=r,
         )
@@ -130,6 +131,19 @@ class RouterMetrics:
             "narwhal_engine_healthy",
             "1 when the engine is eligible for placement",
             ["engine"],
+            registry=r,
+        )
+        self.engines = Gauge(
+            "narwhal_engines",
+            "Engines in the fleet, by state (serving, draining, unhealthy)",
+            ["state"],
+            registry=r,
+        )
+        self.membership = Counter(
+            "narwhal_engine_membership_changes",
+            "Engines added, drained and removed while the router runs, by where the change "
+            "came from (config, admin, etcd, dns)",
+            ["change", "source"],
             registry=r,
         )
 
@@ -268,8 +282,12 @@ class RouterMetrics:
     def refresh(self, pool: Pool, admission: Admission, predictor: Predictor | None) -> None:
         """The gauges, read from their owners when `/metrics` is scraped."""
         eligible = pool.eligible()
+        states = dict.fromkeys(("serving", "draining", "unhealthy"), 0)
         for e in pool.engines:
             self.engine_healthy.labels(e.name).set(1 if e in eligible else 0)
+            states[e.state] += 1
+        for state, n in states.items():
+            self.engines.labels(state).set(n)
         self.retained.set(admission.retained)
         self.queued.set(admission.queued)
         for e in pool.engines:
@@ -279,6 +297,18 @@ class RouterMetrics:
                 prof = predictor.profiles[e.name]
                 self.prediction_drift.labels(e.name).set(prof.drift or 0.0)
                 self.sizing_error.labels(e.name).set(prof.sizing_error or 0.0)
+
+    def forget(self, name: str) -> None:
+        """A removed engine's gauges go (its counters stay: what it served happened)."""
+        for gauge, labels in (
+            (self.engine_healthy, (name,)),
+            (self.inflight, (name, "prefill")),
+            (self.inflight, (name, "decode")),
+            (self.prediction_drift, (name,)),
+            (self.sizing_error, (name,)),
+        ):
+            with contextlib.suppress(KeyError):
+                gauge.remove(*labels)
 
 
 class EngineMetrics:

@@ -11,6 +11,7 @@ and requests are admitted (cold start).
 from __future__ import annotations
 
 import math
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -148,6 +149,25 @@ class Predictor:
         self.drift_min_samples = drift_min_samples
         self.stale_after_s = stale_after_s
 
+    def add(self, e: Engine) -> None:
+        """A new engine's profile starts from the median of the fleet's measured ones (the
+        same model): it takes its share of work at once, and its own measurements take
+        over within a few requests. Its last measurement is 'never', so the profiler
+        probes it first."""
+        if e.name in self.profiles:
+            return
+        prof = Profile()
+        measured = [p for p in self.profiles.values() if p.prefill_tps is not None]
+        if measured:
+            for k in ("bytes_per_token", "prefill_tps", "tpot_s", "output_tokens", "correction"):
+                values = [getattr(p, k) for p in measured if getattr(p, k) is not None]
+                if values:
+                    setattr(prof, k, statistics.median(values))
+        self.profiles[e.name] = prof
+
+    def remove(self, e: Engine) -> None:
+        self.profiles.pop(e.name, None)
+
     # What a new leader takes over (router HA): the learned rates, not the drift state.
     _SHARED = (
         "bytes_per_token",
@@ -193,9 +213,12 @@ class Predictor:
         events.subscribe(finished=self._learn, fault=self._discard)
 
     def _learn(self, lease: Lease) -> None:
+        prof = self.profiles.get(lease.on.name)
+        if prof is None:
+            return  # its engine left the fleet while it ran
         ttft = lease.first_at - lease.sent_at if lease.first_at else None
         exp = lease.plan.expected.get(lease.on.name) if lease.plan is not None else None
-        self.profiles[lease.on.name].observe(
+        prof.observe(
             lease.intake.prompt_bytes,
             lease.prompt_tokens,
             ttft,
@@ -208,8 +231,9 @@ class Predictor:
         )
 
     def _discard(self, lease: Lease, kind: str, against_engine: str | None) -> None:
-        if kind != "engine_error":  # the engine's own answer is not a bad measurement
-            self.profiles[lease.on.name].discarded += 1
+        prof = self.profiles.get(lease.on.name)
+        if prof is not None and kind != "engine_error":  # its own answer is no bad measurement
+            prof.discarded += 1
 
     def degraded(self, engines: list[Engine]) -> str | None:
         """Why the predictor cannot be trusted now, or None. Only engines with a measured

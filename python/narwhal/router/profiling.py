@@ -8,6 +8,7 @@ relayed to nowhere; the predictor learns from it through the same events.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import secrets
 import time
@@ -72,6 +73,11 @@ class Profiler:
         self.interval_s = interval_s
         self.degraded = degraded
         self.leadership = leadership  # only the leader probes, under its fencing token
+        self._woken = asyncio.Event()
+
+    def wake(self) -> None:
+        """An engine joined: measure it now, not at the next round."""
+        self._woken.set()
 
     async def run_forever(self) -> None:
         await asyncio.sleep(0.2)  # the first measurement as soon as engines are healthy
@@ -88,7 +94,9 @@ class Profiler:
                 if e.inflight or (age < self.interval_s and not degraded):
                     continue
                 await self.measure(e, rebase=degraded)
-            await asyncio.sleep(self.interval_s)
+            self._woken.clear()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._woken.wait(), self.interval_s)
 
     async def measure(self, e: Engine, rebase: bool = False) -> None:
         req = probe_request(self.model, e)

@@ -32,8 +32,12 @@ class Maintenance:
         self.pool = pool
         self.etcd = etcd
         self.key = key.encode() if key else b""
-        self.names = frozenset(e.name for e in pool.engines)
         self.revision = 0  # of the wave as last read or written (etcd's mod revision)
+
+    @property
+    def names(self) -> frozenset[str]:
+        """The engines there are now (engines join and leave: router/fleet/)."""
+        return frozenset(e.name for e in self.pool.engines)
 
     @property
     def wave(self) -> frozenset[str]:

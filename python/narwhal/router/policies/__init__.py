@@ -61,6 +61,12 @@ class Policy(Protocol):
 
     def placed(self, lease: Lease) -> None: ...
 
+    def added(self, engine: Engine) -> None:
+        """An engine joined the fleet (before it is placed on)."""
+
+    def removed(self, engine: Engine) -> None:
+        """An engine left the fleet (leases on it may still end after this)."""
+
     def watch(self, events: Events) -> None: ...
 
     def degraded(self, engines: list[Engine]) -> str | None:

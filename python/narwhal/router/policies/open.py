@@ -20,6 +20,12 @@ class OpenPolicy:
     def placed(self, lease: Lease) -> None:
         pass
 
+    def added(self, engine: Engine) -> None:
+        pass
+
+    def removed(self, engine: Engine) -> None:
+        pass
+
     def watch(self, events: Events) -> None:
         pass
 

@@ -22,7 +22,7 @@ from narwhal.router.policies import Plan
 from narwhal.router.policies.prefix_cache import Expectation, PrefixCache
 from narwhal.router.policies.sessions import Sessions
 from narwhal.router.policies.tpot import Charge, Streams
-from narwhal.router.predict import Predictor, Projection
+from narwhal.router.predict import Predictor, Profile, Projection
 
 # Streams are kept within this share of the TPOT target: a charge is an estimate (a prompt's
 # sizing is off by 10-20 % from one prompt to the next, an eviction the picture learns of
@@ -54,8 +54,35 @@ class PredictivePolicy:
         self._entries: dict[Lease, tuple[int | None, Charge]] = {}
         self._ended: asyncio.Future[None] | None = None  # resolved when a stream ends
         self._engines = {e.name: e for e in engines}
-        self._pool = list(engines)  # in the picture's order
-        self._profiles = [predictor.profiles[e.name] for e in engines]
+        # Per slot of the picture, its engine and that engine's profile (None: a slot an
+        # engine left), so judging reads them without a lookup an engine.
+        self._slots: list[Engine | None] = list(engines)
+        self._profiles: list[Profile | None] = [predictor.profiles[e.name] for e in engines]
+
+    def added(self, engine: Engine) -> None:
+        self.predictor.add(engine)
+        self.streams.setdefault(engine.name, Streams())
+        self._engines[engine.name] = engine
+        if self.cache is not None:
+            self.cache.add(engine.name)
+        self._align()
+
+    def removed(self, engine: Engine) -> None:
+        # Leases still on it end later: what they report finds no ledger, picture or
+        # profile, and is dropped.
+        self.predictor.remove(engine)
+        self.streams.pop(engine.name, None)
+        self._engines.pop(engine.name, None)
+        if self.cache is not None:
+            self.cache.remove(engine.name)
+        self._align()
+
+    def _align(self) -> None:
+        names = self.cache.names if self.cache is not None else list(self._engines)
+        self._slots = [self._engines.get(n) if n is not None else None for n in names]
+        self._profiles = [
+            self.predictor.profiles[e.name] if e is not None else None for e in self._slots
+        ]
 
     def judge(self, req: Intake, engines: list[Engine], budget_s: float) -> Plan:
         blocks = None
@@ -64,11 +91,14 @@ class PredictivePolicy:
             text = req.prefix_text()
             blocks = self.cache.blocks(text)
             if len(blocks):
-                bpt = [p.bytes_per_token for p in self._profiles]
-                sized = [self.predictor.size(req.prompt_bytes, e) for e in self._pool]
+                bpt = [p.bytes_per_token if p is not None else None for p in self._profiles]
+                size = self.predictor.size
+                sized = [size(req.prompt_bytes, e) if e is not None else 0 for e in self._slots]
                 held = self.cache.expect(blocks, len(text), sized, bpt)
                 expected = {
-                    name: x for name, x in zip(self.cache.names, held, strict=True) if x.blocks
+                    name: x
+                    for name, x in zip(self.cache.names, held, strict=True)
+                    if x.blocks and name is not None
                 }
         cached = {name: x.tokens for name, x in expected.items()}
         home = self.sessions.engine(req.session)
@@ -176,8 +206,9 @@ class PredictivePolicy:
             return
         entry, charge = placed
         charge.settle()  # its prefill has run
-        if entry is not None:
-            self.streams[lease.on.name].decoding(entry, lease.first_at, lease.tally)
+        ledger = self.streams.get(lease.on.name)
+        if entry is not None and ledger is not None:
+            ledger.decoding(entry, lease.first_at, lease.tally)
 
     def _finished(self, lease: Lease) -> None:
         if self.cache is not None:
@@ -189,9 +220,10 @@ class PredictivePolicy:
             return
         entry, charge = placed
         charge.settle()
-        if entry is None:
+        ledger = self.streams.get(lease.on.name)
+        if entry is None or ledger is None:
             return
-        self.streams[lease.on.name].ended(entry, lease.output_tokens, lease.decode_s)
+        ledger.ended(entry, lease.output_tokens, lease.decode_s)
         if self._ended is not None:
             if not self._ended.done():
                 self._ended.set_result(None)

@@ -50,13 +50,39 @@ class PrefixCache:
     def __init__(self, engines: list[Engine], tokens_per_engine: int, block_bytes: int) -> None:
         self.block_bytes = block_bytes
         self.tokens_per_engine = tokens_per_engine
-        self.names = [e.name for e in engines]
-        self.index = {name: i for i, name in enumerate(self.names)}
+        # Per slot of the picture, the engine it is for (None: a slot an engine left).
+        self.names: list[str | None] = [e.name for e in engines]
+        self.index = {e.name: i for i, e in enumerate(engines)}
         self.map = PrefixMap(len(engines), self._capacity(DEFAULT_BYTES_PER_TOKEN))
         self.realised = [1.0] * len(engines)
         self._bpt = [DEFAULT_BYTES_PER_TOKEN] * len(engines)
         # Per process: a client cannot aim a hash collision at another tenant's prefix.
         self._seed = int.from_bytes(secrets.token_bytes(8), "little")
+
+    def add(self, name: str) -> None:
+        """A new engine, holding nothing yet: the slot of one that left, or a new one."""
+        if name in self.index:
+            return
+        free = next((i for i, n in enumerate(self.names) if n is None), None)
+        if free is None:
+            free = self.map.add_engine(self._capacity(DEFAULT_BYTES_PER_TOKEN))
+            self.names.append(name)
+            self.realised.append(1.0)
+            self._bpt.append(DEFAULT_BYTES_PER_TOKEN)
+        else:
+            self.names[free] = name
+            self.realised[free] = 1.0
+            self._bpt[free] = DEFAULT_BYTES_PER_TOKEN
+            self.map.set_capacity(free, self._capacity(DEFAULT_BYTES_PER_TOKEN))
+        self.index[name] = free
+
+    def remove(self, name: str) -> None:
+        """The engine left: its picture goes (its slot is kept for the next one)."""
+        i = self.index.pop(name, None)
+        if i is None:
+            return
+        self.names[i] = None
+        self.map.set_capacity(i, 0)  # evicts every block it held
 
     def _capacity(self, bytes_per_token: float) -> int:
         return max(1, int(self.tokens_per_engine * bytes_per_token / self.block_bytes))
@@ -95,7 +121,9 @@ class PrefixCache:
 
     def placed(self, engine: str, blocks: PromptBlocks) -> None:
         """The prompt went to `engine`: once prefilled, its blocks are there."""
-        self.map.record(self.index[engine], blocks)
+        i = self.index.get(engine)
+        if i is not None:
+            self.map.record(i, blocks)
 
     def reported(
         self,
@@ -107,7 +135,9 @@ class PrefixCache:
     ) -> None:
         """The engine said it served `cached_tokens` of the `prompt_tokens` it counted
         (None: it did not say) from its cache."""
-        i = self.index[engine]
+        i = self.index.get(engine)
+        if i is None:
+            return  # it left the fleet while the request ran
         # Against the engine's own count of the prompt, so that the sizing's error is not
         # learned as the cache's.
         held = (prompt_tokens or expected.sized) * expected.share

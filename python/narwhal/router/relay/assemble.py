@@ -30,6 +30,9 @@ async def assemble(rl: Relayer, lease: Lease, resp: Exchange, send: Send) -> str
         while not asm.done:
             chunk = await rl.read(lease, resp)
             if not chunk:
+                if e.cut:
+                    lease.fault("engine_removed")
+                    raise EngineFailed("the engine was removed before the answer ended")
                 lease.fault("engine_disconnected", "stream ended early")
                 raise EngineFailed("the engine stream ended before [DONE]")
             if asm.feed(chunk):

@@ -61,6 +61,19 @@ class Relayer:
         for up in self.upstreams.values():
             up.close()
 
+    def cut(self, e: Engine) -> None:
+        """Close every connection to `e`: the answers still running there end now (an
+        engine drained past its timeout)."""
+        up = self.upstreams.get(e.url)
+        if up is not None:
+            up.close()
+
+    def forget(self, e: Engine) -> None:
+        """`e` left the fleet: its connections go (another engine may come at its URL)."""
+        up = self.upstreams.pop(e.url, None)
+        if up is not None:
+            up.close()
+
     async def run(
         self,
         lease: Lease,

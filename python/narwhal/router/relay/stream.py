@@ -37,8 +37,15 @@ class Stream:
         self.ended = False  # the stream's end was seen (later reads change nothing)
 
     def broken(self) -> bytes:
-        """The engine closed the stream without `[DONE]`: it broke mid-stream."""
+        """The engine closed the stream without `[DONE]`: it broke mid-stream (or the router
+        cut it: its engine was drained past the timeout)."""
         self.ended = True
+        if self.lease.on.cut:
+            self.lease.fault("engine_removed")
+            return error_event(
+                "the engine was removed from the fleet before the answer ended",
+                "engine_removed",
+            )
         self.lease.fault("engine_disconnected", "stream ended early")
         return error_event("the engine stream ended early", "engine_disconnected")
 

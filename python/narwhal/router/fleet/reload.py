@@ -1,0 +1,76 @@
+"""Reload: the config file read again while the router runs (SIGHUP, or `POST
+/admin/reload`).
+
+A file that does not load, or that changes what only a restart can (where the router
+listens, its model, admission, `ha`, the managed engines), is refused: the running config
+stays, the error is logged and shown on `/ready` (`reload_error`) until a good reload.
+Otherwise the config-file engines are made to match (new ones added, gone ones drained,
+changed ones drained and added again) and the admission and serving settings apply to
+requests from then on.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from narwhal.router.config import RouterConfig, RouterConfigError, load
+from narwhal.router.fleet.membership import Conflict, Membership
+
+log = logging.getLogger("narwhal.fleet")
+
+# What a running router cannot take on without a restart.
+FIXED = ("host", "port", "model", "admission", "ha", "cpu_affinity", "native_relay")
+
+
+class Reloader:
+    def __init__(
+        self,
+        path: str | None,
+        config: RouterConfig,
+        membership: Membership,
+        apply: Callable[[RouterConfig], None],
+    ) -> None:
+        self.path = path  # None: no file (`narwhal up`), nothing to reload
+        self.config = config
+        self.membership = membership
+        self.apply = apply  # the settings, to whoever reads them per request
+        self.error: str | None = None
+
+    def reload(self) -> str | None:
+        """Read the file again and apply it; the error that refused it, or None."""
+        if self.path is None:
+            return self._refuse("this router was not started from a config file")
+        try:
+            new = load(self.path)
+        except RouterConfigError as e:
+            return self._refuse(str(e))
+        fixed = [k for k in FIXED if getattr(new, k) != getattr(self.config, k)]
+        if fixed:
+            return self._refuse(f"{', '.join(fixed)}: a change here needs a restart")
+        old_managed = [e for e in self.config.engines if e.launch is not None]
+        if [e for e in new.engines if e.launch is not None] != old_managed:
+            return self._refuse("managed engines (`launch`) change only with a restart")
+        self._engines(new)
+        self.config = new
+        self.apply(new)
+        self.error = None
+        log.info("config reloaded from %s", self.path)
+        return None
+
+    def _engines(self, new: RouterConfig) -> None:
+        before = {e.name: e for e in self.config.engines if e.launch is None}
+        after = {e.name: e for e in new.engines if e.launch is None}
+        for name in before.keys() - after.keys():
+            if self.membership.pool.named(name) is not None:
+                self.membership.drain(name, "gone from the config file")
+        for spec in after.values():
+            try:
+                self.membership.replace(spec, "config")
+            except Conflict as e:
+                log.warning("reload: %s", e)
+
+    def _refuse(self, why: str) -> str:
+        self.error = why
+        log.error("config reload refused, the running config stays: %s", why)
+        return why

@@ -1,0 +1,142 @@
+"""Membership in-process (router/fleet/): engines joining and leaving the pool, the
+policy's picture and profiles following them, and what runtime sources parse."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from narwhal.router.config import EngineSpec
+from narwhal.router.engines import Engine, Pool
+from narwhal.router.fleet import spec as specs
+from narwhal.router.fleet.dns_source import DnsError, nameserver, parse_answer
+from narwhal.router.fleet.membership import Conflict, Hooks, Membership
+from narwhal.router.policies.predictive import PredictivePolicy
+from narwhal.router.policies.prefix_cache import PrefixCache
+from narwhal.router.predict import Predictor
+from tests.test_placement import request, words
+
+
+def _engine(name: str) -> Engine:
+    return Engine(EngineSpec(name, url=f"http://{name}"), f"http://{name}", healthy=True)
+
+
+def _spec(name: str, url: str | None = None) -> EngineSpec:
+    return EngineSpec(name, url=url or f"http://{name}")
+
+
+def test_a_new_engine_starts_from_the_fleets_median_profile_and_is_probed_first() -> None:
+    fleet = [_engine(n) for n in ("a", "b", "c")]
+    p = Predictor(fleet)
+    for e, rate in zip(fleet, (100.0, 200.0, 900.0), strict=True):
+        p.profiles[e.name].prefill_tps = rate
+        p.profiles[e.name].bytes_per_token = 4.0
+    p.add(_engine("d"))
+    new = p.profiles["d"]
+    assert new.prefill_tps == 200.0 and new.bytes_per_token == 4.0
+    assert new.measured_at == 0.0  # the profiler measures it before any other
+    assert p.project(4000, _engine("d")).total_s == pytest.approx(1000 / 200.0)
+
+
+def test_an_engine_that_left_takes_its_picture_and_ledger_with_it() -> None:
+    fleet = [_engine(n) for n in ("e0", "e1")]
+    predictor = Predictor(fleet)
+    for prof in predictor.profiles.values():
+        prof.prefill_tps, prof.bytes_per_token = 1000.0, 5.0
+    cache = PrefixCache(fleet, tokens_per_engine=100_000, block_bytes=256)
+    policy = PredictivePolicy(predictor, fleet, cache, tpot_target_s=0.1)
+    system = words("sys", 1000)
+    cache.placed("e1", cache.blocks(request(system).prefix_text()))
+    plan = policy.judge(request(system + " q"), fleet, 5.0)
+    assert plan.prefer is fleet[1]  # its prefix is there
+    policy.removed(fleet[1])
+    newcomer = _engine("e2")
+    policy.added(newcomer)
+    assert cache.names == ["e0", "e2"]  # the slot is reused, empty
+    live = [fleet[0], newcomer]
+    plan = policy.judge(request(system + " q"), live, 5.0)
+    assert "e2" not in plan.expected and plan.tokens >= 1000
+    assert set(policy.streams) == {"e0", "e2"}
+
+
+def test_membership_adds_drains_and_removes_and_a_name_comes_back_after_its_drain() -> None:
+    async def run() -> None:
+        a = _engine("a")
+        pool = Pool([a], prefill_limit=4, decode_limit=4)
+        hooks = Hooks()
+        seen: list[str] = []
+        hooks.added.append(lambda e: seen.append(f"+{e.name}"))
+        hooks.removed.append(lambda e: seen.append(f"-{e.name}"))
+        m = Membership(pool, drain_timeout_s=60, hooks=hooks)
+        drains = asyncio.create_task(m.drain_forever())
+        b = m.add(_spec("b"), "admin")
+        assert b is not None and b in pool.engines and m.add(_spec("b"), "admin") is b
+        with pytest.raises(Conflict):
+            m.add(_spec("b", "http://elsewhere"), "admin")
+        a.prefill = 1  # a request in flight holds `a` in the pool while it drains
+        m.drain("a", "test")
+        assert a.state == "draining" and a not in pool.eligible()
+        assert m.add(_spec("a", "http://a2"), "admin") is None  # waits for the drain
+        await asyncio.sleep(0.3)
+        assert a in pool.engines
+        a.prefill = 0
+        for _ in range(50):
+            if a not in pool.engines:
+                break
+            await asyncio.sleep(0.05)
+        back = pool.named("a")
+        assert back is not None and back is not a and back.url == "http://a2"
+        assert seen == ["+b", "-a", "+a"]
+        drains.cancel()
+
+    asyncio.run(run())
+
+
+@given(st.binary(max_size=600))
+def test_a_dns_answer_of_any_bytes_parses_or_is_a_dns_error(data: bytes) -> None:
+    try:
+        out = parse_answer(data, 1)
+    except DnsError:
+        return
+    assert isinstance(out, set)
+
+
+def test_a_dns_answer_gives_its_addresses() -> None:
+    head = bytes.fromhex("abcd818000010002 00000000".replace(" ", ""))
+    question = b"\x07engines\x04test\x00\x00\x01\x00\x01"
+    records = b"".join(
+        b"\xc0\x0c\x00\x01\x00\x01\x00\x00\x00\x05\x00\x04" + bytes(ip)
+        for ip in ([10, 0, 0, 1], [10, 0, 0, 2])
+    )
+    assert parse_answer(head + question + records, 1) == {"10.0.0.1", "10.0.0.2"}
+    assert nameserver("10.0.0.53") == ("10.0.0.53", 53)
+    assert nameserver("127.0.0.1:5353") == ("127.0.0.1", 5353)
+    assert nameserver("[fd00::53]:5300") == ("fd00::53", 5300)
+
+
+@given(st.binary(max_size=300))
+def test_an_engine_value_of_any_bytes_parses_or_is_refused_with_a_reason(raw: bytes) -> None:
+    try:
+        spec = specs.parse(raw, "n")
+    except specs.BadSpec as e:
+        assert str(e)
+        return
+    assert spec.name == "n" and spec.url is not None
+
+
+@given(
+    st.dictionaries(
+        st.sampled_from(["name", "url", "dialect", "api_key_env", "other"]),
+        st.one_of(st.text(max_size=40), st.integers(), st.none(), st.booleans()),
+    )
+)
+def test_an_engine_of_any_shape_parses_or_is_refused_with_a_reason(body: dict[str, object]) -> None:
+    try:
+        spec = specs.of(body)
+    except specs.BadSpec as e:
+        assert str(e)
+        return
+    assert spec.url is not None and spec.url.startswith(("http://", "https://"))
