@@ -465,3 +465,30 @@ def test_a_reload_applies_engine_changes_and_a_bad_file_changes_nothing(
         assert "reload_error" not in httpx.get(router.url + "/ready", timeout=5).json()
     finally:
         router.stop()
+
+
+def test_an_added_engine_starts_from_the_fleets_profile_and_is_measured_at_once(
+    tmp_path: Path, engines: list[Server]
+) -> None:
+    a, b = engines
+    text = router_config(
+        f"\n  - {{name: a, url: '{a.url}'}}\n", extra="predictive: {probe_interval_s: 600}\n"
+    ).replace("admission: open", "admission: predictive")
+    router = start_router(tmp_path, text)
+
+    def profiles() -> dict[str, dict[str, Any]]:
+        ready = httpx.get(router.url + "/ready", timeout=5).json()
+        return {e["name"]: e["profile"] for e in ready["engines"]}
+
+    try:
+        wait_until(lambda: profiles()["a"]["prefill_samples"] >= 1, 15)
+        r = httpx.post(
+            router.url + "/admin/engines", headers=ADMIN, json={"name": "b", "url": b.url}
+        )
+        assert r.status_code == 201
+        # Not cold (which admits everything): the fleet's figures until its own come...
+        assert profiles()["b"]["prefill_tokens_per_s"] is not None
+        # ... and those come from a probe now, not at the next round, 10 minutes away.
+        wait_until(lambda: profiles()["b"]["prefill_samples"] >= 1, 15)
+    finally:
+        router.stop()
