@@ -12,13 +12,23 @@ from narwhal.errors import ApiError
 
 
 def require(scope: Scope, keys: Sequence[bytes], what: str = "API key") -> None:
+    match(scope, keys, what)
+
+
+def match(scope: Scope, keys: Sequence[bytes], what: str = "API key") -> int:
+    """The index of the key the request came with, or 401."""
     auth = asgi.header(scope, b"authorization") or ""
     given = auth[7:].encode() if auth[:7].lower() == "bearer " else b""
     # Every key compared, each in constant time: which one matched does not show.
-    if not sum(hmac.compare_digest(given, k) for k in keys):
+    found = -1
+    for i, k in enumerate(keys):
+        if hmac.compare_digest(given, k):
+            found = i
+    if found < 0:
         raise ApiError(
             401,
             f"invalid or missing {what} (Authorization: Bearer ...)",
             type="authentication_error",
             code="invalid_api_key",
         )
+    return found

@@ -45,6 +45,7 @@ from narwhal.router.predict import Predictor
 from narwhal.router.profiling import Profiler
 from narwhal.router.relay.relayer import Relayer
 from narwhal.router.supervisor import ManagedEngine
+from narwhal.router.tenants.registry import Tenants
 
 log = logging.getLogger("narwhal.router")
 access_log = logging.getLogger("narwhal.access")
@@ -132,7 +133,11 @@ class Router:
             self.sources["admin"] = EtcdSource(
                 self.leadership.etcd, ha.sibling("engines") + "/", self.membership, "admin"
             )
-        self.client_keys = tuple(k.encode() for k in client_keys(config))
+        keys, self.key_tenants = client_keys(config)
+        self.client_keys = tuple(k.encode() for k in keys)
+        self.tenants = Tenants(
+            list(config.tenant_keys), self.metrics.tenant_requests, self.metrics.tenant_tokens
+        )
         from narwhal import __version__
 
         self.metrics.info.labels(config.model, __version__).set(1)
@@ -144,7 +149,9 @@ class Router:
             self.relayer,
             self.metrics.queue_time.labels(config.model),
         )
-        self.flow = Flow(config, self.metrics, self.admission, self.gate, self.judge, self.placer)
+        self.flow = Flow(
+            config, self.metrics, self.admission, self.gate, self.judge, self.placer, self.tenants
+        )
         self.background = Background(self.metrics.background_errors)
         self.session: aiohttp.ClientSession | None = None
 
@@ -285,12 +292,13 @@ class Router:
     async def _route(
         self, path: str, method: str, scope: Scope, receive: Receive, send: Send
     ) -> None:
+        tenant = None
         if self.client_keys and path.startswith("/v1/"):
-            bearer.require(scope, self.client_keys)
+            tenant = self.key_tenants[bearer.match(scope, self.client_keys)]
         if path in COMPLETION_ROUTES:
             if method != "POST":
                 raise asgi.method_not_allowed(method, path, "POST")
-            await self.flow(path, scope, receive, send)
+            await self.flow(path, scope, receive, send, tenant)
         elif self.admin is not None and admin_api.routes(path):
             await self.admin.handle(scope, receive, send)
         elif path.startswith("/v1/models/"):
@@ -370,12 +378,19 @@ def _policy(config: RouterConfig, engines: list[Engine], predictor: Predictor | 
     return PredictivePolicy(predictor, engines, cache, config.tpot_target_s)
 
 
-def client_keys(config: RouterConfig) -> list[str]:
-    """The accepted client keys: `auth.api_keys` and those in `auth.api_keys_env`."""
+def client_keys(config: RouterConfig) -> tuple[list[str], list[str | None]]:
+    """The accepted client keys (`auth.api_keys`, those in `auth.api_keys_env`, the
+    tenants' keys), and the tenant each key is for (None: no tenant)."""
     keys = list(config.api_keys)
     if config.api_keys_env:
         keys += [k.strip() for k in os.environ.get(config.api_keys_env, "").split(",") if k.strip()]
-    return keys
+    tenants: list[str | None] = [None] * len(keys)
+    for t in config.tenant_keys:
+        key = t.key if t.key is not None else os.environ.get(t.key_env or "", "")
+        if key:
+            keys.append(key)
+            tenants.append(t.tenant)
+    return keys, tenants
 
 
 def _exited(pool: Pool, engine: Engine, restarts: Any) -> Callable[[str], None]:

@@ -190,6 +190,7 @@ def main(argv: list[str] | None = None) -> int:
         for where, name in [
             ("auth.api_keys_env", config.api_keys_env),
             *((f"engines.{e.name}.api_key_env", e.api_key_env) for e in config.engines),
+            *((f"auth.api_keys[{t.tenant}].key_env", t.key_env) for t in config.tenant_keys),
         ]
         if name and not os.environ.get(name)
     ]

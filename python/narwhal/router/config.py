@@ -112,7 +112,31 @@ SCHEMA: dict[str, Any] = {
             "type": "object",
             "additionalProperties": False,
             "properties": {
-                "api_keys": {"type": "array", "items": {"type": "string", "minLength": 1}},
+                "api_keys": {
+                    "type": "array",
+                    "items": {
+                        "anyOf": [
+                            {"type": "string", "minLength": 1},
+                            {
+                                "type": "object",
+                                "additionalProperties": False,
+                                "required": ["tenant"],
+                                "properties": {
+                                    "key": {"type": "string", "minLength": 1},
+                                    "key_env": _env_name,
+                                    "tenant": {
+                                        "type": "string",
+                                        "pattern": "^[A-Za-z0-9_.-]{1,64}$",
+                                    },
+                                    "rpm": _pos_int,
+                                    "tpm": _pos_int,
+                                    "max_concurrent": _pos_int,
+                                },
+                                "oneOf": [{"required": ["key"]}, {"required": ["key_env"]}],
+                            },
+                        ]
+                    },
+                },
                 "api_keys_env": _env_name,
             },
         },
@@ -213,6 +237,18 @@ class EngineSpec:
 
 
 @dataclass(frozen=True)
+class TenantKey:
+    """A client key that names a tenant, with the tenant's limits (None: no limit)."""
+
+    tenant: str
+    key: str | None = None
+    key_env: str | None = None  # the variable holding the key
+    rpm: int | None = None
+    tpm: int | None = None
+    max_concurrent: int | None = None
+
+
+@dataclass(frozen=True)
 class EtcdSource:
     """Engines registered under a prefix in etcd (each key's last segment is a name)."""
 
@@ -301,6 +337,7 @@ class RouterConfig:
     admin_token_env: str | None = None  # the admin API's token, by environment variable
     api_keys: tuple[str, ...] = ()  # client keys (auth.api_keys); none: no client auth
     api_keys_env: str | None = None  # a variable holding more, comma-separated
+    tenant_keys: tuple[TenantKey, ...] = ()  # auth.api_keys entries that name a tenant
 
     def to_json(self) -> bytes:
         """The validated config as JSON: its fields, by name (the worker hand-off)."""
@@ -317,6 +354,7 @@ class RouterConfig:
         if isinstance(d["cpu_affinity"], list):
             d["cpu_affinity"] = tuple(d["cpu_affinity"])
         d["api_keys"] = tuple(d["api_keys"])
+        d["tenant_keys"] = tuple(TenantKey(**t) for t in d["tenant_keys"])
         if d["ha"] is not None:
             d["ha"] = HA(**{**d["ha"], "etcd": tuple(d["ha"]["etcd"])})
         if d["etcd_source"] is not None:
@@ -407,8 +445,11 @@ def parse(data: Any) -> RouterConfig:
             src.get("api_key_env"),
         )
     auth = data.get("auth", {})
-    if auth.get("api_keys"):
-        given["api_keys"] = tuple(auth["api_keys"])
+    keys = auth.get("api_keys") or []
+    if any(isinstance(k, str) for k in keys):
+        given["api_keys"] = tuple(k for k in keys if isinstance(k, str))
+    if any(isinstance(k, dict) for k in keys):
+        given["tenant_keys"] = tuple(TenantKey(**k) for k in keys if isinstance(k, dict))
     if "api_keys_env" in auth:
         given["api_keys_env"] = auth["api_keys_env"]
     return replace(_DEFAULTS, engines=tuple(engines), **given)

@@ -84,7 +84,10 @@ MEANINGS = {
     "aside when another router reaches one, and stays out of the next election for a while",
     "auth": "client authentication: requests to `/v1/...` need `Authorization: Bearer KEY` "
     "(401 otherwise); `/health`, `/ready` and `/metrics` stay open",
-    "auth.api_keys": "accepted client keys",
+    "auth.api_keys": "accepted client keys: a key as a string, or a tenant's key with its "
+    "limits, `{key_env: NAME (or key: ...), tenant: team-a, rpm: 600, tpm: 2000000, "
+    "max_concurrent: 32}` (requests a minute, prompt + output tokens a minute, requests at "
+    "once; each optional): past one, 429 `tenant_rate_limited` with `Retry-After`",
     "auth.api_keys_env": "an environment variable holding more keys, comma-separated (keeps "
     "them out of the file)",
     "admin": "the admin API (`/admin/maintenance`, `/admin/engines`); without it there are "

@@ -133,6 +133,19 @@ class RouterMetrics:
             ["engine"],
             registry=r,
         )
+        self.tenant_requests = Counter(
+            "narwhal_tenant_requests",
+            "Requests of each tenant (auth.api_keys), by result: admitted, refused_rpm, "
+            "refused_tpm, refused_concurrency",
+            ["tenant", "result"],
+            registry=r,
+        )
+        self.tenant_tokens = Counter(
+            "narwhal_tenant_tokens",
+            "Prompt and output tokens each tenant's requests used, as the router measured them",
+            ["tenant"],
+            registry=r,
+        )
         self.engines = Gauge(
             "narwhal_engines",
             "Engines in the fleet, by state (serving, draining, unhealthy)",

@@ -22,12 +22,13 @@ class Ending:
     """How one request ended: exactly one outcome each, so `narwhal_finished_total` adds
     up to `narwhal_offered_total`, and the label of the refusal counter it adds to."""
 
-    __slots__ = ("label", "outcome", "status")
+    __slots__ = ("label", "outcome", "status", "tokens")
 
     def __init__(self) -> None:
         self.outcome = "client_gone"
         self.label: str | None = None
         self.status = 0
+        self.tokens: int | None = None  # prompt + output tokens, when an engine answered
 
     def by(self, e: ApiError) -> None:
         """Ended by `e` (an error nobody said the outcome of is the request's own fault)."""

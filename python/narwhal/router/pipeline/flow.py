@@ -23,6 +23,7 @@ from narwhal.router.pipeline.intake import Intake
 from narwhal.router.pipeline.judge import Judge
 from narwhal.router.pipeline.place import Placer
 from narwhal.router.pipeline.read import read
+from narwhal.router.tenants.registry import Tenants
 
 
 class Flow:
@@ -34,6 +35,7 @@ class Flow:
         gate: Gate,
         judge: Judge,
         placer: Placer,
+        tenants: Tenants,
     ) -> None:
         self.config = config
         self.metrics = metrics
@@ -41,9 +43,13 @@ class Flow:
         self.gate = gate
         self.judge = judge
         self.placer = placer
+        self.tenants = tenants
 
-    async def __call__(self, path: str, scope: Scope, receive: Receive, send: Send) -> None:
-        """One completion request, from its arrival to its one outcome."""
+    async def __call__(
+        self, path: str, scope: Scope, receive: Receive, send: Send, tenant: str | None = None
+    ) -> None:
+        """One completion request, from its arrival to its one outcome; `tenant`: the one
+        its key is for (its limits apply)."""
         m = self.metrics
         arrived = time.monotonic()
         m.offered.inc()
@@ -56,7 +62,11 @@ class Flow:
                 raise
             try:
                 req, deadline, budget = await read(path, scope, receive, self.config, m, arrived)
-                await self._serve(req, receive, send, arrived, deadline, budget, end)
+                ticket = self.tenants.admit(tenant, req.estimated_prompt_tokens())
+                try:
+                    await self._serve(req, receive, send, arrived, deadline, budget, end)
+                finally:
+                    self.tenants.end(ticket, end.tokens)
             finally:
                 self.admission.release_retention()
         except ApiError as e:

@@ -55,7 +55,7 @@ class Placer:
         """Placed and relayed; `busy` names the engines not to place on."""
         while True:
             try:
-                end.outcome = await self._once(req, send, arrived, deadline, plan, busy)
+                end.outcome = await self._once(req, send, arrived, deadline, plan, busy, end)
                 return
             except EngineBusy as e:
                 busy = busy | {e.engine}
@@ -77,6 +77,7 @@ class Placer:
         deadline: float,
         plan: Plan,
         busy: frozenset[str],
+        end: Ending,
     ) -> str:
         placed = False
         try:
@@ -98,7 +99,7 @@ class Placer:
                 self.policy.placed(lease)
                 placed = True
                 self.queue_time.observe(time.monotonic() - arrived)
-                return await self._relay(lease, send)
+                return await self._relay(lease, send, end)
         except EngineFenced as e:
             self.leadership.fence(str(e))
             raise ApiError(
@@ -123,7 +124,7 @@ class Placer:
                 e.ended("rejected", e.code or "capacity")
             raise
 
-    async def _relay(self, lease: Lease, send: Send) -> str:
+    async def _relay(self, lease: Lease, send: Send, end: Ending) -> str:
         try:
             # Checked again once a connection is ready, just before the bytes go:
             # connecting (a fresh connection, or a retried one) may take longer than
@@ -138,6 +139,8 @@ class Placer:
             ) from None
         finally:
             _note(lease)
+            prompt = lease.prompt_tokens or lease.intake.estimated_prompt_tokens()
+            end.tokens = prompt + lease.output_tokens
 
 
 def _note(lease: Lease) -> None:

@@ -1,0 +1,118 @@
+"""Per-tenant limits: requests a minute, tokens a minute, requests at once.
+
+A request is let in when its tenant is under all three; it then counts against the
+minute from when it was let in: one request, and its prompt's estimated tokens at once
+(so a burst cannot pass the limit before the first answers come), replaced by what the
+router measured (prompt and output tokens, the engine's token IDs where it gives them)
+when the request ends. A tenant past a limit is refused with 429 `tenant_rate_limited`
+and `Retry-After`: the seconds until its window lets the request in.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from narwhal.errors import ApiError
+
+WINDOW_S = 60.0
+
+
+@dataclass(frozen=True)
+class Limits:
+    rpm: int | None = None
+    tpm: int | None = None
+    max_concurrent: int | None = None
+
+
+class TenantLimited(ApiError):
+    def __init__(self, tenant: str, reason: str, retry_after_s: float, detail: str) -> None:
+        super().__init__(
+            429,
+            f"tenant {tenant!r} is over its {detail}; retry in {math.ceil(retry_after_s)} s",
+            type="rate_limit_error",
+            code="tenant_rate_limited",
+            headers={"retry-after": str(max(1, math.ceil(retry_after_s)))},
+        )
+        self.reason = reason
+        self.ended("rejected", "tenant")
+
+
+class _Entry:
+    __slots__ = ("at", "live", "tokens")
+
+    def __init__(self, at: float, tokens: int) -> None:
+        self.at = at
+        self.tokens = tokens
+        self.live = True  # still in the window
+
+
+class Tenant:
+    """One tenant's last minute: an entry per request let in (when, its tokens)."""
+
+    def __init__(self, name: str, limits: Limits) -> None:
+        self.name = name
+        self.limits = limits
+        self.window: deque[_Entry] = deque()
+        self.tokens = 0  # in the window
+        self.inflight = 0
+
+    def _expire(self, now: float) -> None:
+        while self.window and now - self.window[0].at >= WINDOW_S:
+            gone = self.window.popleft()
+            gone.live = False
+            self.tokens -= gone.tokens
+
+    def admit(self, estimate: int, now: float | None = None) -> Ticket:
+        now = time.monotonic() if now is None else now
+        self._expire(now)
+        lim = self.limits
+        if lim.max_concurrent is not None and self.inflight >= lim.max_concurrent:
+            raise TenantLimited(
+                self.name, "concurrency", 1.0, f"{lim.max_concurrent} requests at once"
+            )
+        if lim.rpm is not None and len(self.window) >= lim.rpm:
+            wait = self.window[len(self.window) - lim.rpm].at + WINDOW_S - now
+            raise TenantLimited(self.name, "rpm", wait, f"{lim.rpm} requests a minute")
+        if lim.tpm is not None and self.tokens + estimate > lim.tpm:
+            raise TenantLimited(
+                self.name, "tpm", self._tokens_free_in(estimate, now), f"{lim.tpm} tokens a minute"
+            )
+        entry = _Entry(now, estimate)
+        self.window.append(entry)
+        self.tokens += estimate
+        self.inflight += 1
+        return Ticket(self, entry)
+
+    def _tokens_free_in(self, estimate: int, now: float) -> float:
+        """Seconds until the window holds room for `estimate` more tokens (a minute when
+        it never will: a prompt larger than the limit itself)."""
+        assert self.limits.tpm is not None
+        need = self.tokens + estimate - self.limits.tpm
+        for e in self.window:
+            need -= e.tokens
+            if need <= 0:
+                return e.at + WINDOW_S - now
+        return WINDOW_S
+
+
+class Ticket:
+    """A request let in: `end` with what it measured, once."""
+
+    __slots__ = ("entry", "tenant")
+
+    def __init__(self, tenant: Tenant, entry: _Entry) -> None:
+        self.tenant = tenant
+        self.entry: _Entry | None = entry
+
+    def end(self, tokens: int | None) -> None:
+        entry, self.entry = self.entry, None
+        if entry is None:
+            return
+        t = self.tenant
+        t.inflight -= 1
+        if tokens is not None and entry.live:
+            t.tokens += tokens - entry.tokens
+            entry.tokens = tokens
