@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
+from narwhal.router.tenants.fair_queue import RANK, FairQueue
 from narwhal.router.tenants.limits import Limits, Tenant, TenantLimited
 from tests.support import Server, start_router, start_test_engine
 
@@ -67,9 +69,13 @@ KEYS = {
 }
 
 
+ENGINE: list[Server] = []
+
+
 @pytest.fixture(scope="module")
 def router(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     engine = start_test_engine("tests.scripted_engine")
+    ENGINE.append(engine)
     os.environ.update(KEYS)
     try:
         r = start_router(
@@ -115,8 +121,13 @@ def test_a_tenant_past_its_requests_a_minute_is_refused_while_others_are_served(
     assert "team-a" in r.json()["error"]["message"]
     assert ask(router, "plain-key").status_code == 200  # a key with no tenant: no limit
     metrics = httpx.get(router.url + "/metrics", timeout=5).text
-    assert 'narwhal_tenant_requests_total{result="admitted",tenant="team-a"} 3.0' in metrics
-    assert 'narwhal_tenant_requests_total{result="refused_rpm",tenant="team-a"} 1.0' in metrics
+    admitted = (
+        'narwhal_tenant_requests_total{priority="standard",result="admitted",tenant="team-a"}'
+    )
+    refused = (
+        'narwhal_tenant_requests_total{priority="standard",result="refused_rpm",tenant="team-a"}'
+    )
+    assert f"{admitted} 3.0" in metrics and f"{refused} 1.0" in metrics
     assert "key-of-team" not in metrics
 
 
@@ -139,10 +150,12 @@ def test_a_tenant_is_held_to_its_requests_at_once(router: Server) -> None:
     )
     stream.start()
     try:
-        for _ in range(100):  # until the stream holds its one seat
-            r = ask(router, key)
-            if r.status_code == 429:
+        engine = ENGINE[0]
+        for _ in range(200):  # until the stream is running
+            if httpx.get(engine.url + "/stats", timeout=5).json()["active"]:
                 break
+            time.sleep(0.01)
+        r = ask(router, key)
         assert r.status_code == 429 and "at once" in r.json()["error"]["message"]
     finally:
         stream.join(30)
@@ -158,3 +171,116 @@ def test_a_tenants_key_must_be_set_at_start(tmp_path: Path) -> None:
         "engines: [{name: e, url: 'http://x'}]\n",
     )
     assert "auth.api_keys[t].key_env: the environment variable NARWHAL_TEST_NOT_SET" in stderr
+
+
+def test_the_queue_serves_higher_classes_first_and_the_earliest_deadline_in_a_tenant() -> None:
+    q: FairQueue[str] = FairQueue()
+    q.push("shed", RANK["sheddable"], "t", 1.0, 10)
+    q.push("std-late", RANK["standard"], "t", 9.0, 10)
+    q.push("std-soon", RANK["standard"], "t", 2.0, 10)
+    q.push("crit", RANK["critical"], "u", 5.0, 10)
+    assert [q.pop() for _ in range(4)] == ["crit", "std-soon", "std-late", "shed"]
+
+
+def test_two_backlogged_tenants_take_equal_shares_of_tokens_whatever_each_sends() -> None:
+    q: FairQueue[str] = FairQueue()
+    for i in range(100):  # a burst ten times the other's
+        q.push("heavy", 1, "heavy", float(i), 100)
+    for i in range(10):
+        q.push("light", 1, "light", 1000.0 + i, 100)
+    served = [q.pop() for _ in range(20)]
+    assert served.count("heavy") == served.count("light") == 10
+    # A tenant back from idle takes its turn from now on, not for the time it was away.
+    q.push("light", 1, "light", 0.0, 100)
+    served = [q.pop() for _ in range(4)]
+    assert served.count("light") == 1
+
+
+def test_a_request_whose_wait_ended_does_not_use_its_tenants_turn() -> None:
+    q: FairQueue[str] = FairQueue()
+    q.push("a1", 1, "a", 0.0, 100)
+    q.push("b1", 1, "b", 1.0, 100)
+    assert q.pop(served=False) == "a1"  # gone before it was placed
+    q.push("a2", 1, "a", 0.5, 100)
+    assert q.pop() == "a2"  # a was not charged for a1: its turn, and the earlier deadline
+
+
+def test_a_critical_request_waiting_is_placed_before_sheddable_ones_that_came_first(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine = start_test_engine("tests.scripted_engine")
+    monkeypatch.setenv("NARWHAL_TEST_KEY_OPS", "key-of-ops")
+    router = start_router(
+        tmp_path,
+        f"""
+listen: {{port: $PORT}}
+admission: open
+phases: {{prefill_concurrency: 1, decode_concurrency: 1}}
+queue: {{size: 8, wait_s: 30}}
+auth:
+  api_keys:
+    - plain-key
+    - {{key_env: NARWHAL_TEST_KEY_OPS, tenant: ops, priority: critical}}
+engines: [{{name: s, url: '{engine.url}'}}]
+""",
+    )
+    done: list[str] = []
+
+    def send(name: str, key: str, content: str, priority: str | None = None) -> None:
+        headers = {"x-narwhal-priority": priority} if priority else {}
+        r = httpx.post(
+            router.url + "/v1/chat/completions",
+            json={"model": "main", "messages": [{"role": "user", "content": content}]},
+            headers={"authorization": f"Bearer {key}", **headers},
+            timeout=60,
+        )
+        assert r.status_code == 200
+        done.append(name)
+
+    def queued() -> float:
+        for line in httpx.get(router.url + "/metrics", timeout=5).text.splitlines():
+            if line.startswith("narwhal_queued "):
+                return float(line.split()[1])
+        return 0.0
+
+    try:
+        r = httpx.post(
+            router.url + "/v1/chat/completions",
+            json={"model": "main", "messages": [{"role": "user", "content": "hi"}]},
+            headers={"authorization": "Bearer plain-key", "x-narwhal-priority": "urgent"},
+            timeout=10,
+        )
+        assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_priority"
+        threads = [threading.Thread(target=send, args=("first", "plain-key", "script:paced:20:50"))]
+        threads[0].start()
+        for _ in range(500):
+            if httpx.get(engine.url + "/stats", timeout=5).json()["active"]:
+                break
+            time.sleep(0.01)
+        for i in range(2):
+            threads.append(
+                threading.Thread(
+                    target=send, args=(f"shed{i}", "plain-key", "script:paced:4:50", "sheddable")
+                )
+            )
+            threads[-1].start()
+        for _ in range(500):
+            if queued() == 2:
+                break
+            time.sleep(0.01)
+        # Critical, from a key that may ask for it (asking without the header: its class).
+        # (Each takes 0.2 s, so the order they end in is the order they were placed.)
+        threads.append(
+            threading.Thread(target=send, args=("ops", "key-of-ops", "script:paced:4:50"))
+        )
+        threads[-1].start()
+        for _ in range(500):
+            if queued() == 3:
+                break
+            time.sleep(0.01)
+        for t in threads:
+            t.join(60)
+        assert done[:2] == ["first", "ops"]
+    finally:
+        router.stop()
+        engine.stop()

@@ -3,7 +3,9 @@
 A request holds a retention seat from intake to its last byte. `place()` gives it a lease on
 an engine (a prefill seat; the first token moves it to decode) and takes it back at the
 lease's exit: this module is the only writer of an engine's seat counters. Requests that
-find no room wait in a FIFO queue of bounded size and bounded wait, oldest placed first.
+find no room wait in a queue of bounded size and bounded wait, placed in the order
+`tenants.fair_queue` gives: higher classes first, tenants taking turns within a class,
+the earliest deadline first within a tenant.
 """
 
 from __future__ import annotations
@@ -11,13 +13,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections import deque
 from collections.abc import AsyncIterator, Callable
 
 from narwhal.errors import ApiError
 from narwhal.router.engines import Engine, Pool
 from narwhal.router.lease import Events, Lease, Phase
 from narwhal.router.pipeline.intake import Intake
+from narwhal.router.tenants.fair_queue import FairQueue
 
 
 def retry_after(
@@ -45,11 +47,11 @@ class Admission:
         self.queue_size = queue_size
         self.wait_s = wait_s
         self.retained = 0
-        self._queue: deque[tuple[asyncio.Future[None], Lease]] = deque()
+        self._queue: FairQueue[tuple[asyncio.Future[None], Lease]] = FairQueue()
 
     @property
     def queued(self) -> int:
-        return sum(1 for f, _ in self._queue if not f.done())
+        return sum(1 for f, _ in self._queue.items() if not f.done())
 
     def retain(self) -> None:
         if self.retained >= self.retention_limit:
@@ -134,7 +136,9 @@ class Admission:
         if self.queued >= self.queue_size:
             raise retry_after("the admission queue is full; retry shortly", code="queue_full")
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._queue.append((fut, lease))
+        cost = lease.tokens or lease.intake.estimated_prompt_tokens()
+        i = lease.intake
+        self._queue.push((fut, lease), i.rank, i.tenant, lease.deadline, cost)
         self._drain()
         timeout = min(self.wait_s, lease.deadline - time.monotonic())
         try:
@@ -178,23 +182,26 @@ class Admission:
         self._drain()
 
     def _drain(self) -> None:
-        while self._queue:
-            fut, lease = self._queue[0]
+        q = self._queue
+        while len(q):
+            top = q.peek()
+            assert top is not None
+            fut, lease = top
             if fut.done():
-                self._queue.popleft()
+                q.pop(served=False)
                 continue
             e = self.pool.pick(lease.prefer, lease.exclude)
             if e is None:
-                return  # FIFO: the oldest waits for room it may take, and the rest behind it
-            self._queue.popleft()
+                return  # the next in turn waits for room it may take, and the rest behind it
+            q.pop()
             self._take(lease, e)
             fut.set_result(None)
 
     def turn_away(self, refusal: Callable[[], ApiError]) -> None:
         """Everyone waiting in the queue is refused now (this router stopped leading: a
         wait that outlasted the shutdown's grace would end in a reset instead)."""
-        while self._queue:
-            fut, _ = self._queue.popleft()
+        while len(self._queue):
+            fut, _ = self._queue.pop(served=False)
             if not fut.done():
                 fut.set_exception(refusal())
 

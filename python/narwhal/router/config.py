@@ -78,6 +78,7 @@ SCHEMA: dict[str, Any] = {
                 "stale_after_s": _pos_num,
                 "probe_interval_s": _pos_num,
                 "tpot_target_s": _pos_num,
+                "sheddable_headroom": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
             },
         },
         "prefix_cache": {
@@ -131,6 +132,7 @@ SCHEMA: dict[str, Any] = {
                                     "rpm": _pos_int,
                                     "tpm": _pos_int,
                                     "max_concurrent": _pos_int,
+                                    "priority": {"enum": ["critical", "standard", "sheddable"]},
                                 },
                                 "oneOf": [{"required": ["key"]}, {"required": ["key_env"]}],
                             },
@@ -246,6 +248,7 @@ class TenantKey:
     rpm: int | None = None
     tpm: int | None = None
     max_concurrent: int | None = None
+    priority: str = "standard"  # its requests' class, the highest x-narwhal-priority may ask
 
 
 @dataclass(frozen=True)
@@ -321,6 +324,9 @@ class RouterConfig:
     # Mean time per output token to keep: placement avoids engines where a new prompt's
     # prefill would push their streams past it; None: TTFT alone decides.
     tpot_target_s: float | None = None
+    # A sheddable request's TTFT budget is this share of its own: as load rises it is
+    # refused before standard and critical work is.
+    sheddable_headroom: float = 0.5
     # What placement assumes each engine's prefix cache holds (0: no cache-aware placement),
     # and the text block its picture is kept in (router/policies/prefix_cache.py).
     prefix_cache_tokens: int = 400_000
@@ -483,6 +489,7 @@ _FIELDS = {
     ("predictive", "stale_after_s"): "stale_after_s",
     ("predictive", "probe_interval_s"): "probe_interval_s",
     ("predictive", "tpot_target_s"): "tpot_target_s",
+    ("predictive", "sheddable_headroom"): "sheddable_headroom",
     ("prefix_cache", "tokens_per_engine"): "prefix_cache_tokens",
     ("prefix_cache", "block_bytes"): "prefix_block_bytes",
     ("health", "interval_s"): "health_interval_s",

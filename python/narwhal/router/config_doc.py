@@ -60,6 +60,8 @@ MEANINGS = {
     "predictive.drift_min_samples": "scored outcomes before drift counts",
     "predictive.stale_after_s": "an engine's profile older than this is stale",
     "predictive.probe_interval_s": "an idle engine is probed when its profile is this old",
+    "predictive.sheddable_headroom": "a `sheddable` request's TTFT budget is this share of "
+    "its own, so as load rises it is refused before standard and critical work",
     "predictive.tpot_target_s": "mean time per output token to keep for every admitted stream: "
     "a prompt is placed only where its prefill pushes no stream decoding there past it; when no "
     "engine within the TTFT budget can take it, it waits for a stream to end while the budget "
@@ -86,8 +88,10 @@ MEANINGS = {
     "(401 otherwise); `/health`, `/ready` and `/metrics` stay open",
     "auth.api_keys": "accepted client keys: a key as a string, or a tenant's key with its "
     "limits, `{key_env: NAME (or key: ...), tenant: team-a, rpm: 600, tpm: 2000000, "
-    "max_concurrent: 32}` (requests a minute, prompt + output tokens a minute, requests at "
-    "once; each optional): past one, 429 `tenant_rate_limited` with `Retry-After`",
+    "max_concurrent: 32, priority: standard}` (requests a minute, prompt + output tokens a "
+    "minute, requests at once, each optional: past one, 429 `tenant_rate_limited` with "
+    "`Retry-After`; `priority`: `critical`, `standard` or `sheddable`, the highest class "
+    "its requests may ask for with `x-narwhal-priority`)",
     "auth.api_keys_env": "an environment variable holding more keys, comma-separated (keeps "
     "them out of the file)",
     "admin": "the admin API (`/admin/maintenance`, `/admin/engines`); without it there are "

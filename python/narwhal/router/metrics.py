@@ -135,9 +135,9 @@ class RouterMetrics:
         )
         self.tenant_requests = Counter(
             "narwhal_tenant_requests",
-            "Requests of each tenant (auth.api_keys), by result: admitted, refused_rpm, "
-            "refused_tpm, refused_concurrency",
-            ["tenant", "result"],
+            "Requests of each tenant (auth.api_keys), by priority class and result: admitted, "
+            "refused_rpm, refused_tpm, refused_concurrency",
+            ["tenant", "priority", "result"],
             registry=r,
         )
         self.tenant_tokens = Counter(

@@ -23,7 +23,10 @@ from narwhal.router.pipeline.intake import Intake
 from narwhal.router.pipeline.judge import Judge
 from narwhal.router.pipeline.place import Placer
 from narwhal.router.pipeline.read import read
+from narwhal.router.tenants.fair_queue import RANK
 from narwhal.router.tenants.registry import Tenants
+
+SHEDDABLE = RANK["sheddable"]
 
 
 class Flow:
@@ -62,7 +65,11 @@ class Flow:
                 raise
             try:
                 req, deadline, budget = await read(path, scope, receive, self.config, m, arrived)
-                ticket = self.tenants.admit(tenant, req.estimated_prompt_tokens())
+                req.tenant = tenant or ""
+                req.rank = self.tenants.rank(tenant, asgi.header(scope, b"x-narwhal-priority"))
+                if req.rank == SHEDDABLE:
+                    budget *= self.config.sheddable_headroom  # refused first as load rises
+                ticket = self.tenants.admit(tenant, req.estimated_prompt_tokens(), req.rank)
                 try:
                     await self._serve(req, receive, send, arrived, deadline, budget, end)
                 finally:

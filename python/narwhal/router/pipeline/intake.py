@@ -27,6 +27,8 @@ class Intake:
     # The conversation's routing key (`x-session-id`, else the body's `user`), if any.
     session: str | None = None
     max_tokens: int | None = None  # the most output tokens asked for, if the body says
+    tenant: str = ""  # whose request (its client key's tenant; "": none)
+    rank: int = 1  # its priority class, 0 critical .. 2 sheddable (tenants.fair_queue)
 
     @property
     def kind(self) -> Literal["chat", "completion"]:

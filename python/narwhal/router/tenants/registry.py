@@ -9,22 +9,42 @@ from __future__ import annotations
 
 from typing import Any
 
+from narwhal.errors import ApiError
 from narwhal.router.config import TenantKey
+from narwhal.router.tenants.fair_queue import CLASSES, RANK
 from narwhal.router.tenants.limits import Limits, Tenant, TenantLimited, Ticket
 
 
 class Tenants:
     def __init__(self, keys: list[TenantKey], requests: Any, tokens: Any) -> None:
         self.by_name: dict[str, Tenant] = {}
+        self.ceiling: dict[str, int] = {}  # the highest class a tenant's requests may take
         for k in keys:
             if k.tenant not in self.by_name:
                 self.by_name[k.tenant] = Tenant(k.tenant, Limits(k.rpm, k.tpm, k.max_concurrent))
+                self.ceiling[k.tenant] = RANK[k.priority]
         self._requests = requests  # Counter(["tenant", "result"])
         self._tokens = tokens  # Counter(["tenant"])
-        for name in self.by_name:
-            self._requests.labels(name, "admitted")
+        for name, rank in self.ceiling.items():
+            self._requests.labels(name, CLASSES[rank], "admitted")
 
-    def admit(self, name: str | None, estimate: int) -> Ticket | None:
+    def rank(self, name: str | None, asked: str | None) -> int:
+        """A request's class: what `x-narwhal-priority` asks, never above its key's
+        (standard for a key without a tenant, or no key); 400 for a class that is none."""
+        ceiling = self.ceiling.get(name or "", RANK["standard"])
+        if asked is None:
+            return ceiling
+        rank = RANK.get(asked.strip().lower())
+        if rank is None:
+            raise ApiError(
+                400,
+                f"x-narwhal-priority must be one of {', '.join(CLASSES)}",
+                param="x-narwhal-priority",
+                code="invalid_priority",
+            ).ended("invalid")
+        return max(rank, ceiling)
+
+    def admit(self, name: str | None, estimate: int, rank: int) -> Ticket | None:
         """Let a request of tenant `name` in (a Ticket to end), or TenantLimited."""
         if name is None:
             return None
@@ -32,9 +52,9 @@ class Tenants:
         try:
             ticket = tenant.admit(estimate)
         except TenantLimited as e:
-            self._requests.labels(name, f"refused_{e.reason}").inc()
+            self._requests.labels(name, CLASSES[rank], f"refused_{e.reason}").inc()
             raise
-        self._requests.labels(name, "admitted").inc()
+        self._requests.labels(name, CLASSES[rank], "admitted").inc()
         return ticket
 
     def end(self, ticket: Ticket | None, tokens: int | None) -> None:
