@@ -3,18 +3,22 @@ clock the test holds, and end to end through the router and a scripted engine.""
 
 from __future__ import annotations
 
+import base64
 import os
+import signal
 import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import orjson
 import pytest
 
+from narwhal.etcd import _b64
 from narwhal.router.tenants.fair_queue import RANK, FairQueue
 from narwhal.router.tenants.limits import Limits, Tenant, TenantLimited
-from tests.support import Server, start_router, start_test_engine
+from tests.support import EtcdServer, Server, start_router, start_test_engine
 
 
 def test_requests_a_minute_refuse_until_the_oldest_leaves_the_window() -> None:
@@ -283,4 +287,59 @@ engines: [{{name: s, url: '{engine.url}'}}]
         assert done[:2] == ["first", "ops"]
     finally:
         router.stop()
+        engine.stop()
+
+
+def test_a_window_handed_to_another_router_keeps_its_ages_and_tokens() -> None:
+    old = Tenant("a", Limits(rpm=2, tpm=1000))
+    old.admit(300, now=100.0).end(300)
+    old.admit(200, now=130.0).end(200)
+    new = Tenant("a", Limits(rpm=2, tpm=1000))
+    new.load(old.export(now=140.0), now=5000.0)  # another clock
+    assert new.tokens == 500
+    with pytest.raises(TenantLimited) as refused:
+        new.admit(10, now=5000.0)
+    assert refused.value.headers["retry-after"] == "20"  # the first is 40 s old
+    new.load([[1, 2, 3], ["x", 1], [-5, 10], [30, 1e300], [10.0, 50]], now=0.0)
+    assert new.tokens == 50  # what is not a pair of sane numbers is dropped
+
+
+@pytest.mark.slow
+def test_a_tenants_limit_holds_across_a_failover(
+    tmp_path: Path, etcd: EtcdServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine = start_test_engine("tests.scripted_engine")
+    monkeypatch.setenv("NARWHAL_TEST_KEY_A", "key-of-team-a")
+    text = f"""
+listen: {{port: $PORT}}
+admission: open
+health: {{interval_s: 0.2}}
+ha: {{etcd: ['{etcd.url}'], key: '/tenants-{os.getpid()}/leader', lease_ttl_s: 2}}
+auth:
+  api_keys: [{{key_env: NARWHAL_TEST_KEY_A, tenant: team-a, rpm: 3}}]
+engines: [{{name: s, url: '{engine.url}'}}]
+"""
+    leader = start_router(tmp_path, text)
+    standby = start_router(tmp_path, text, wait_ready=False)
+    try:
+        for _ in range(3):
+            assert ask(leader, "key-of-team-a").status_code == 200
+        published = f"/tenants-{os.getpid()}/tenants".encode()
+        for _ in range(100):  # the leader publishes its windows every half second
+            r = httpx.post(etcd.url + "/v3/kv/range", json={"key": _b64(published)}, timeout=5)
+            kvs = r.json().get("kvs") or []
+            if kvs and len(orjson.loads(base64.b64decode(kvs[0]["value"]))["team-a"]) == 3:
+                break
+            time.sleep(0.05)
+        os.killpg(leader.proc.pid, signal.SIGKILL)
+        leader.proc.wait()
+        for _ in range(300):
+            if httpx.get(standby.url + "/ready", timeout=5).status_code == 200:
+                break
+            time.sleep(0.05)
+        r = ask(standby, "key-of-team-a")
+        assert r.status_code == 429 and r.json()["error"]["code"] == "tenant_rate_limited"
+    finally:
+        leader.stop()
+        standby.stop()
         engine.stop()

@@ -30,6 +30,7 @@ from narwhal.router.fleet.reload import Reloader
 from narwhal.router.ha.leadership import Leadership
 from narwhal.router.ha.maintenance import Maintenance
 from narwhal.router.ha.profiles import SharedProfiles
+from narwhal.router.ha.tenant_windows import SharedTenantWindows
 from narwhal.router.lease import Events
 from narwhal.router.metrics import RouterMetrics
 from narwhal.router.pipeline import intake
@@ -94,6 +95,11 @@ class Router:
         self.relayer = Relayer(
             config.stream_idle_timeout_s, config.native_relay, lambda path: paths[path].inc()
         )
+        keys, self.key_tenants = client_keys(config)
+        self.client_keys = tuple(k.encode() for k in keys)
+        self.tenants = Tenants(
+            list(config.tenant_keys), self.metrics.tenant_requests, self.metrics.tenant_tokens
+        )
         ha = config.ha
         self.leadership = Leadership(ha)
         self.maintenance = Maintenance(
@@ -102,6 +108,9 @@ class Router:
         self.profiles: SharedProfiles | None = None
         if ha is not None and self.predictor is not None:
             self.profiles = SharedProfiles(ha, self.leadership, self.predictor)
+        self.tenant_windows: SharedTenantWindows | None = None
+        if ha is not None and config.tenant_keys:
+            self.tenant_windows = SharedTenantWindows(ha, self.leadership, self.tenants)
         self.leadership.on_lead = self._take_over
         self.leadership.reaches = lambda: any(e.healthy for e in self.pool.engines)
         self.leadership.on_step_aside = self._turn_away
@@ -133,11 +142,6 @@ class Router:
             self.sources["admin"] = EtcdSource(
                 self.leadership.etcd, ha.sibling("engines") + "/", self.membership, "admin"
             )
-        keys, self.key_tenants = client_keys(config)
-        self.client_keys = tuple(k.encode() for k in keys)
-        self.tenants = Tenants(
-            list(config.tenant_keys), self.metrics.tenant_requests, self.metrics.tenant_tokens
-        )
         from narwhal import __version__
 
         self.metrics.info.labels(config.model, __version__).set(1)
@@ -216,6 +220,8 @@ class Router:
         bg.start("maintenance_follower", self.maintenance.follow_forever)
         if self.profiles is not None:
             bg.start("profile_sharing", self.profiles.publish_forever)
+        if self.tenant_windows is not None:
+            bg.start("tenant_window_sharing", self.tenant_windows.publish_forever)
         service.on_stop_signal(lambda: asyncio.ensure_future(self._resign()))
         service.on_reload_signal(self.reload)
         bg.start(
@@ -245,6 +251,8 @@ class Router:
             log.warning("the maintenance wave could not be read on taking the lead: %s", e)
         if self.profiles is not None:
             await self.profiles.take_over()
+        if self.tenant_windows is not None:
+            await self.tenant_windows.take_over()
 
     async def _resign(self) -> None:
         """Stop leading at once; those waiting in the queue are told to retry (elsewhere)."""

@@ -86,6 +86,28 @@ class Tenant:
         self.inflight += 1
         return Ticket(self, entry)
 
+    def export(self, now: float) -> list[list[float]]:
+        """The window as [seconds ago, tokens] pairs (clocks differ between routers)."""
+        self._expire(now)
+        return [[round(now - e.at, 3), e.tokens] for e in self.window]
+
+    def load(self, entries: list[list[float]], now: float) -> None:
+        """Take over another router's window (its requests count here from now on)."""
+        taken = []
+        for pair in entries:
+            if not (isinstance(pair, list) and len(pair) == 2):
+                continue
+            age, tokens = pair
+            if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in pair):
+                continue
+            if 0 <= age < WINDOW_S and 0 <= tokens < 2**53:
+                taken.append(_Entry(now - age, int(tokens)))
+        for e in self.window:
+            e.live = False
+        taken.sort(key=lambda e: e.at)
+        self.window = deque(taken)
+        self.tokens = sum(e.tokens for e in taken)
+
     def _tokens_free_in(self, estimate: int, now: float) -> float:
         """Seconds until the window holds room for `estimate` more tokens (a minute when
         it never will: a prompt larger than the limit itself)."""

@@ -7,7 +7,10 @@ Tenants are metric labels by name; keys never are.
 
 from __future__ import annotations
 
+import time
 from typing import Any
+
+import orjson
 
 from narwhal.errors import ApiError
 from narwhal.router.config import TenantKey
@@ -56,6 +59,29 @@ class Tenants:
             raise
         self._requests.labels(name, CLASSES[rank], "admitted").inc()
         return ticket
+
+    def export(self) -> bytes:
+        """Every tenant's last minute, for the next leader."""
+        now = time.monotonic()
+        return orjson.dumps({name: t.export(now) for name, t in self.by_name.items()})
+
+    def load(self, raw: bytes) -> int:
+        """Take over the last leader's windows: a tenant cannot double its limits by
+        hitting a new leader. How many tenants it knew."""
+        try:
+            data = orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            return 0
+        if not isinstance(data, dict):
+            return 0
+        now = time.monotonic()
+        taken = 0
+        for name, entries in data.items():
+            tenant = self.by_name.get(name)
+            if tenant is not None and isinstance(entries, list):
+                tenant.load(entries, now)
+                taken += 1
+        return taken
 
     def end(self, ticket: Ticket | None, tokens: int | None) -> None:
         if ticket is None:
