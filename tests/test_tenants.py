@@ -300,8 +300,8 @@ def test_a_window_handed_to_another_router_keeps_its_ages_and_tokens() -> None:
     with pytest.raises(TenantLimited) as refused:
         new.admit(10, now=5000.0)
     assert refused.value.headers["retry-after"] == "20"  # the first is 40 s old
-    new.load([[1, 2, 3], ["x", 1], [-5, 10], [30, 1e300], [10.0, 50]], now=0.0)
-    assert new.tokens == 50  # what is not a pair of sane numbers is dropped
+    new.load([[1, 2], ["x", 1, 1], [-5, 10, 1], [30, 1e300, 1], [1, 1, 0], [10.0, 50, 2]], 0.0)
+    assert new.tokens == 50 and len(new.window) == 2  # what is not sane is dropped
 
 
 @pytest.mark.slow
@@ -328,7 +328,8 @@ engines: [{{name: s, url: '{engine.url}'}}]
         for _ in range(100):  # the leader publishes its windows every half second
             r = httpx.post(etcd.url + "/v3/kv/range", json={"key": _b64(published)}, timeout=5)
             kvs = r.json().get("kvs") or []
-            if kvs and len(orjson.loads(base64.b64decode(kvs[0]["value"]))["team-a"]) == 3:
+            window = orjson.loads(base64.b64decode(kvs[0]["value"]))["team-a"] if kvs else []
+            if sum(count for _, _, count in window) == 3:
                 break
             time.sleep(0.05)
         os.killpg(leader.proc.pid, signal.SIGKILL)

@@ -54,6 +54,7 @@ class Outcome:
     tokens: int = 0
     cached: int | None = None  # as the engine's usage said
     failed: bool = False
+    klass: str = ""  # its priority class (--classes), sent as its tenant's key
 
 
 @dataclass
@@ -102,6 +103,15 @@ class Result:
             "missed_tpot": sum(1 for x in served if (x.tpot_s or 0.0) > tpot_s),
             "prefix_hit": self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0,
             "cpu_ms_per_request": 1000 * self.cpu_s / len(o) if o else 0.0,
+            "by_class": {
+                k: {
+                    "offered": sum(1 for x in o if x.klass == k),
+                    "refused": sum(1 for x in refused if x.klass == k),
+                    "within_slo": sum(1 for x in met if x.klass == k),
+                }
+                for k in dict.fromkeys(x.klass for x in o)
+                if k
+            },
         }
 
 
@@ -127,6 +137,8 @@ async def one(
         "stream_options": {"include_usage": True},
     }
     headers = {"content-type": "application/json"}
+    if out.klass:
+        headers["authorization"] = f"Bearer key-{out.klass}"
     if r.session:
         headers["x-session-id"] = r.session
         body["user"] = r.session
@@ -170,11 +182,16 @@ async def one(
 
 
 async def offer(
-    urls: list[str], trace: list[Request], load: float, scale: float
+    urls: list[str],
+    trace: list[Request],
+    load: float,
+    scale: float,
+    classes: list[tuple[str, float]] | None = None,
 ) -> tuple[list[Outcome], float]:
     """Every request at its time (open loop): the trace's pace times `load`, spread over
-    `urls` in turn (a door's one URL, or the engines themselves for `direct`)."""
-    outs = [Outcome() for _ in trace]
+    `urls` in turn (a door's one URL, or the engines themselves for `direct`); with
+    `classes`, each request of a class (in those shares, the same requests every run)."""
+    outs = [Outcome(klass=klass_of(i, classes)) for i in range(len(trace))]
     # A pooled connection is let go after 5 s idle (httpx's default; aiohttp's is 15 s): a
     # door that closes idle connections sooner than its client (Narwhal after its
     # `header_timeout_s`, 10 s) races the client's reuse of one and the request is lost
@@ -196,13 +213,25 @@ async def offer(
     return outs, span
 
 
-async def warm(url: str, n: int, scale: float) -> None:
+def klass_of(i: int, classes: list[tuple[str, float]] | None) -> str:
+    """Request `i`'s class: a fixed scramble of the index against the shares."""
+    if not classes:
+        return ""
+    u = ((i * 2654435761) % 2**32) / 2**32
+    for name, share in classes:
+        if u < share:
+            return name
+        u -= share
+    return classes[-1][0]
+
+
+async def warm(url: str, n: int, scale: float, keyed: bool = False) -> None:
     """Unique prompts a learning door measures its engines on (not counted, not cached)."""
     warmup = [
         Request(i * 150.0, 600 + 400 * (i % 4), 24, [10**9 + i * 100 + k for k in range(3)])
         for i in range(n)
     ]
-    await offer([url], warmup, 1.0, scale)
+    await offer([url], warmup, 1.0, scale, [("critical", 1.0)] if keyed else None)
 
 
 async def engine_stats(urls: list[str]) -> tuple[int, int]:
@@ -248,8 +277,16 @@ def doors(a: argparse.Namespace, engines: list[str], tmp: Path) -> list[Door]:
                 f'  - {{name: e{i}, url: "{u}", dialect: vllm}}' for i, u in enumerate(engines)
             )
             tpot = f", tpot_target_s: {a.tpot_target_ms / 1000 * a.time_scale}" if a.tpot else ""
+            if a.predictive_extra:
+                tpot += ", " + a.predictive_extra
+            auth = ""
+            if a.classes:  # a tenant a class, its key `key-CLASS`, of that priority
+                keys = ", ".join(
+                    f"{{key: key-{k}, tenant: {k}, priority: {k}}}" for k, _ in classes(a)
+                )
+                auth = f"auth: {{api_keys: [{keys}]}}\n"
             cfg.write_text(
-                f"model: main\nlisten: {{port: {port}}}\nadmission: {mode}\n"
+                auth + f"model: main\nlisten: {{port: {port}}}\nadmission: {mode}\n"
                 f"predictive: {{ttft_budget_s: {a.ttft_budget_s * a.time_scale}{tpot}}}\n"
                 "serving: {http_retention_limit: 8192, request_timeout_s: 3600}\n"
                 "queue: {size: 4096, wait_s: 600}\n"
@@ -286,11 +323,13 @@ def run_door(
             )
             url = f"http://127.0.0.1:{door.port}"
             wait_http(url + door.health, proc, 60)
-            asyncio.run(warm(url, a.warmup, a.time_scale))
+            asyncio.run(warm(url, a.warmup, a.time_scale, bool(a.classes)))
         asyncio.run(reset_counters_only(engines))
         cpu0 = tree_cpu(proc.pid) if proc else 0.0
         urls = engines if door.cmd is None else [f"http://127.0.0.1:{door.port}"]
-        res.outcomes, res.span_s = asyncio.run(offer(urls, trace, load, a.time_scale))
+        res.outcomes, res.span_s = asyncio.run(
+            offer(urls, trace, load, a.time_scale, classes(a) or None)
+        )
         res.cpu_s = (tree_cpu(proc.pid) - cpu0) if proc else 0.0
         res.prompt_tokens, res.cached_tokens = asyncio.run(engine_stats(engines))
     finally:
@@ -382,6 +421,29 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
     fig.savefig(path, dpi=110)
 
 
+def classes(a: argparse.Namespace) -> list[tuple[str, float]]:
+    """`--classes critical:0.2,standard:0.5,sheddable:0.3` as (class, share) pairs."""
+    out = []
+    for part in (a.classes or "").split(","):
+        if part:
+            name, _, share = part.partition(":")
+            out.append((name, float(share)))
+    return out
+
+
+def class_table(rows: list[dict[str, Any]]) -> str:
+    out = ["| load | door | class | offered | refused | within SLO (of the class's offered) |"]
+    out.append("|---|---|---|---|---|---|")
+    for r in rows:
+        for k, c in r.get("by_class", {}).items():
+            o = c["offered"] or 1
+            out.append(
+                f"| {r['load']:g}x | {r['door']} | {k} | {c['offered']} | "
+                f"{100 * c['refused'] / o:.1f} % | {100 * c['within_slo'] / o:.1f} % |"
+            )
+    return "\n".join(out)
+
+
 def start_fleet(a: argparse.Namespace) -> tuple[subprocess.Popen[bytes], list[str]]:
     """The simulated engines on N consecutive ports; another run of ports when one of them
     was taken (the first free port says nothing of the N - 1 after it)."""
@@ -427,6 +489,17 @@ def main() -> None:
     ap.add_argument("--plot", type=Path)
     ap.add_argument("--sim-args", default="", help="extra flags for bench.fleet.server")
     ap.add_argument(
+        "--predictive-extra",
+        default="",
+        help="more of Narwhal's `predictive:` settings, e.g. 'critical_reserve: 0'",
+    )
+    ap.add_argument(
+        "--classes",
+        help="priority classes and their shares of the requests, e.g. "
+        "critical:0.2,standard:0.5,sheddable:0.3: Narwhal gets a tenant a class (key-CLASS), "
+        "each request carries its class's key, and the figures are given by class too",
+    )
+    ap.add_argument(
         "--dump", type=Path, help="a folder: one JSONL per door and load, a line a request"
     )
     a = ap.parse_args()
@@ -454,6 +527,8 @@ def main() -> None:
     )
     print(title)
     print(table(rows))
+    if a.classes:
+        print(class_table(rows))
     if a.json:
         a.json.write_bytes(orjson.dumps(rows, option=orjson.OPT_INDENT_2))
     if a.plot:

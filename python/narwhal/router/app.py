@@ -17,16 +17,12 @@ from narwhal import asgi, bearer, logs, service, silent
 from narwhal.asgi import Receive, Scope, Send
 from narwhal.background import Background
 from narwhal.errors import ApiError
-from narwhal.etcd import Etcd, EtcdError
+from narwhal.etcd import EtcdError
 from narwhal.router import admin as admin_api
 from narwhal.router.admission import Admission
 from narwhal.router.config import RouterConfig
 from narwhal.router.engines import Engine, Pool
-from narwhal.router.fleet.admin import EnginesAdmin
-from narwhal.router.fleet.dns_source import DnsSource
-from narwhal.router.fleet.etcd_source import EtcdSource
-from narwhal.router.fleet.membership import Hooks, Membership
-from narwhal.router.fleet.reload import Reloader
+from narwhal.router.fleet.wiring import Fleet
 from narwhal.router.ha.leadership import Leadership
 from narwhal.router.ha.maintenance import Maintenance
 from narwhal.router.ha.profiles import SharedProfiles
@@ -38,15 +34,13 @@ from narwhal.router.pipeline.flow import Flow
 from narwhal.router.pipeline.gate import Gate, Unavailable
 from narwhal.router.pipeline.judge import Judge
 from narwhal.router.pipeline.place import Placer
-from narwhal.router.policies import Policy
-from narwhal.router.policies.open import OpenPolicy
+from narwhal.router.policies.choose import choose
 from narwhal.router.policies.predictive import PredictivePolicy
-from narwhal.router.policies.prefix_cache import PrefixCache
 from narwhal.router.predict import Predictor
 from narwhal.router.profiling import Profiler
 from narwhal.router.relay.relayer import Relayer
 from narwhal.router.supervisor import ManagedEngine
-from narwhal.router.tenants.registry import Tenants
+from narwhal.router.tenants.registry import Tenants, client_keys
 
 log = logging.getLogger("narwhal.router")
 access_log = logging.getLogger("narwhal.access")
@@ -87,7 +81,7 @@ class Router:
             if config.admission == "predictive"
             else None
         )
-        self.policy = _policy(config, engines, self.predictor)
+        self.policy = choose(config, engines, self.predictor)
         self.pool.watch(events)
         self.metrics.watch(events)
         self.policy.watch(events)
@@ -116,32 +110,22 @@ class Router:
         self.leadership.on_step_aside = self._turn_away
         self.gate = Gate(self.leadership, self.maintenance, self.pool, self.policy)
         self.judge = Judge(self.policy, self.pool, self.metrics.paced_waits.inc)
-        self.membership = self._membership()
-        token = os.environ.get(config.admin_token_env, "") if config.admin_token_env else ""
-        engines_admin = EnginesAdmin(
-            self.membership,
+        self.fleet = Fleet(
+            config,
+            self.pool,
+            self.policy,
+            self.relayer,
+            self.metrics,
             self.leadership,
-            self.leadership.etcd,
-            ha.sibling("engines") + "/" if ha else None,
+            self._settings,
         )
+        self.membership = self.fleet.membership
+        token = os.environ.get(config.admin_token_env, "") if config.admin_token_env else ""
         self.admin = (
-            admin_api.Admin(token, self.maintenance, engines_admin, self.reload) if token else None
+            admin_api.Admin(token, self.maintenance, self.fleet.admin, self.reload)
+            if token
+            else None
         )
-        self.reloader = Reloader(
-            os.environ.get(CONFIG_PATH_ENV), config, self.membership, self._settings
-        )
-        self.sources: dict[str, EtcdSource | DnsSource] = {}
-        if config.etcd_source is not None:
-            src = config.etcd_source
-            self.sources["etcd"] = EtcdSource(
-                Etcd(list(src.endpoints)), src.prefix, self.membership
-            )
-        if config.dns_source is not None:
-            self.sources["dns"] = DnsSource(config.dns_source, self.membership)
-        if ha is not None and self.leadership.etcd is not None:
-            self.sources["admin"] = EtcdSource(
-                self.leadership.etcd, ha.sibling("engines") + "/", self.membership, "admin"
-            )
         from narwhal import __version__
 
         self.metrics.info.labels(config.model, __version__).set(1)
@@ -159,27 +143,9 @@ class Router:
         self.background = Background(self.metrics.background_errors)
         self.session: aiohttp.ClientSession | None = None
 
-    def _membership(self) -> Membership:
-        """Engines joining and leaving while the router runs, and who hears of it."""
-        hooks = Hooks()
-        changes = self.metrics.membership
-        hooks.added += [
-            self.policy.added,
-            lambda e: self.pool.probe_soon(),
-            lambda e: changes.labels("added", e.source).inc(),
-        ]
-        hooks.cut.append(self.relayer.cut)
-        hooks.removed += [
-            self.policy.removed,
-            self.relayer.forget,
-            lambda e: self.metrics.forget(e.name),
-            lambda e: changes.labels("removed", e.source).inc(),
-        ]
-        return Membership(self.pool, self.config.drain_timeout_s, hooks)
-
     def reload(self) -> str | None:
         """The config file read again (SIGHUP, POST /admin/reload); why it was refused."""
-        return self.reloader.reload()
+        return self.fleet.reloader.reload()
 
     def _settings(self, new: RouterConfig) -> None:
         """A reloaded config's settings, for requests from now on."""
@@ -213,9 +179,7 @@ class Router:
             lambda: self.pool.probe_forever(session, c.health_interval_s, c.health_timeout_s),
         )
         bg.start("queue_drain", self.admission.drain_forever)
-        bg.start("engine_drains", self.membership.drain_forever)
-        for name, source in self.sources.items():
-            bg.start(f"engines_from_{name}", source.follow_forever)
+        self.fleet.start(bg)
         bg.start("leadership", self.leadership.run_forever)
         bg.start("maintenance_follower", self.maintenance.follow_forever)
         if self.profiles is not None:
@@ -269,9 +233,7 @@ class Router:
         await asyncio.gather(*(me.stop() for me in self.managed))
         self.relayer.close()
         await self.leadership.close()
-        etcd_source = self.sources.get("etcd")
-        if isinstance(etcd_source, EtcdSource):
-            await etcd_source.etcd.close()
+        await self.fleet.close()
         if self.session is not None:
             await self.session.close()
 
@@ -363,42 +325,15 @@ class Router:
         body["ready"] = reason is None
         if reason is not None:
             body["reason"] = reason
-        if self.reloader.error is not None:
-            body["reload_error"] = self.reloader.error  # the running config stays
-        stale = {name: src.error for name, src in self.sources.items() if src.error}
+        if self.fleet.reloader.error is not None:
+            body["reload_error"] = self.fleet.reloader.error  # the running config stays
+        stale = self.fleet.stale()
         if stale:
             body["engines_from_stale"] = stale  # the last good set serves meanwhile
         failing = self.background.failing()
         if failing:
             body["background_failing"] = failing
         await asgi.send_json(send, 200 if reason is None else 503, body)
-
-
-def _policy(config: RouterConfig, engines: list[Engine], predictor: Predictor | None) -> Policy:
-    """The admission and placement policy, chosen once."""
-    if predictor is None:
-        return OpenPolicy()
-    cache = (
-        PrefixCache(engines, config.prefix_cache_tokens, config.prefix_block_bytes)
-        if config.prefix_cache_tokens
-        else None
-    )
-    return PredictivePolicy(predictor, engines, cache, config.tpot_target_s)
-
-
-def client_keys(config: RouterConfig) -> tuple[list[str], list[str | None]]:
-    """The accepted client keys (`auth.api_keys`, those in `auth.api_keys_env`, the
-    tenants' keys), and the tenant each key is for (None: no tenant)."""
-    keys = list(config.api_keys)
-    if config.api_keys_env:
-        keys += [k.strip() for k in os.environ.get(config.api_keys_env, "").split(",") if k.strip()]
-    tenants: list[str | None] = [None] * len(keys)
-    for t in config.tenant_keys:
-        key = t.key if t.key is not None else os.environ.get(t.key_env or "", "")
-        if key:
-            keys.append(key)
-            tenants.append(t.tenant)
-    return keys, tenants
 
 
 def _exited(pool: Pool, engine: Engine, restarts: Any) -> Callable[[str], None]:
@@ -424,7 +359,6 @@ FATAL_EXIT = 3
 
 
 CONFIG_ENV = "NARWHAL_ROUTER_CONFIG_FILE"
-CONFIG_PATH_ENV = "NARWHAL_ROUTER_CONFIG_PATH"  # the YAML itself, for reloads
 
 
 def create_app() -> Router:

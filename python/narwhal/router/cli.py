@@ -211,7 +211,8 @@ def main(argv: list[str] | None = None) -> int:
     from granian.constants import Interfaces, Loops
 
     from narwhal.router import affinity
-    from narwhal.router.app import CONFIG_ENV, CONFIG_PATH_ENV
+    from narwhal.router.app import CONFIG_ENV
+    from narwhal.router.fleet.wiring import CONFIG_PATH_ENV
 
     try:
         addr = service.resolve(config.host, config.port)

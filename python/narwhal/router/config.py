@@ -79,6 +79,7 @@ SCHEMA: dict[str, Any] = {
                 "probe_interval_s": _pos_num,
                 "tpot_target_s": _pos_num,
                 "sheddable_headroom": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
+                "critical_reserve": {"type": "number", "minimum": 0, "exclusiveMaximum": 1},
             },
         },
         "prefix_cache": {
@@ -327,6 +328,9 @@ class RouterConfig:
     # A sheddable request's TTFT budget is this share of its own: as load rises it is
     # refused before standard and critical work is.
     sheddable_headroom: float = 0.5
+    # Where a key may send critical work, standard work is judged against this much less
+    # of its budget: under overload the engines keep that room for critical requests.
+    critical_reserve: float = 0.2
     # What placement assumes each engine's prefix cache holds (0: no cache-aware placement),
     # and the text block its picture is kept in (router/policies/prefix_cache.py).
     prefix_cache_tokens: int = 400_000
@@ -490,6 +494,7 @@ _FIELDS = {
     ("predictive", "probe_interval_s"): "probe_interval_s",
     ("predictive", "tpot_target_s"): "tpot_target_s",
     ("predictive", "sheddable_headroom"): "sheddable_headroom",
+    ("predictive", "critical_reserve"): "critical_reserve",
     ("prefix_cache", "tokens_per_engine"): "prefix_cache_tokens",
     ("prefix_cache", "block_bytes"): "prefix_block_bytes",
     ("health", "interval_s"): "health_interval_s",

@@ -26,7 +26,7 @@ from narwhal.router.pipeline.read import read
 from narwhal.router.tenants.fair_queue import RANK
 from narwhal.router.tenants.registry import Tenants
 
-SHEDDABLE = RANK["sheddable"]
+SHEDDABLE, STANDARD = RANK["sheddable"], RANK["standard"]
 
 
 class Flow:
@@ -67,8 +67,7 @@ class Flow:
                 req, deadline, budget = await read(path, scope, receive, self.config, m, arrived)
                 req.tenant = tenant or ""
                 req.rank = self.tenants.rank(tenant, asgi.header(scope, b"x-narwhal-priority"))
-                if req.rank == SHEDDABLE:
-                    budget *= self.config.sheddable_headroom  # refused first as load rises
+                budget *= self._headroom(req.rank)
                 ticket = self.tenants.admit(tenant, req.estimated_prompt_tokens(), req.rank)
                 try:
                     await self._serve(req, receive, send, arrived, deadline, budget, end)
@@ -117,6 +116,16 @@ class Flow:
                 raise  # not the client's doing: shutting down
         finally:
             watcher.cancel()
+
+    def _headroom(self, rank: int) -> float:
+        """The share of its TTFT budget a request of this class is admitted against:
+        sheddable work is refused first as load rises; standard work leaves critical
+        work room where a key may send it."""
+        if rank == SHEDDABLE:
+            return self.config.sheddable_headroom
+        if rank == STANDARD and self.tenants.critical:
+            return 1.0 - self.config.critical_reserve
+        return 1.0
 
     def _count(self, end: Ending) -> None:
         m = self.metrics

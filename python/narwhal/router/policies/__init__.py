@@ -1,4 +1,4 @@
-"""Admission and placement policies, one a module, chosen once at start (`choose`).
+"""Admission and placement policies, one a module, chosen once at start (`choose.py`).
 
 A policy judges a request before it is placed (refusing it, or saying which engine it
 prefers and what it expects there: a `Plan`), hears where it was placed, and learns from

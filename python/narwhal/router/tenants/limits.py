@@ -87,21 +87,34 @@ class Tenant:
         return Ticket(self, entry)
 
     def export(self, now: float) -> list[list[float]]:
-        """The window as [seconds ago, tokens] pairs (clocks differ between routers)."""
+        """The window as [seconds ago, tokens, requests] per second of it (clocks differ
+        between routers; a second's grain keeps it 60 entries at most, whatever the
+        request rate, and Retry-After is in whole seconds anyway)."""
         self._expire(now)
-        return [[round(now - e.at, 3), e.tokens] for e in self.window]
+        buckets: dict[int, list[float]] = {}
+        for e in self.window:
+            age = int(now - e.at)
+            b = buckets.setdefault(age, [age, 0, 0])
+            b[1] += e.tokens
+            b[2] += 1
+        return sorted(buckets.values(), reverse=True)
 
-    def load(self, entries: list[list[float]], now: float) -> None:
+    def load(self, buckets: list[list[float]], now: float) -> None:
         """Take over another router's window (its requests count here from now on)."""
-        taken = []
-        for pair in entries:
-            if not (isinstance(pair, list) and len(pair) == 2):
+        taken: list[_Entry] = []
+        for b in buckets:
+            if not (isinstance(b, list) and len(b) == 3):
                 continue
-            age, tokens = pair
-            if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in pair):
+            if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in b):
                 continue
-            if 0 <= age < WINDOW_S and 0 <= tokens < 2**53:
-                taken.append(_Entry(now - age, int(tokens)))
+            age, tokens, count = b
+            if not (0 <= age < WINDOW_S and 0 <= tokens < 2**53 and 1 <= count <= 1_000_000):
+                continue
+            n = int(count)
+            share, extra = divmod(int(tokens), n)
+            # Each request of the bucket, as old as the bucket's oldest could be: it leaves
+            # the window no later than it would have on the last leader.
+            taken += [_Entry(now - age, share + (i < extra)) for i in range(n)]
         for e in self.window:
             e.live = False
         taken.sort(key=lambda e: e.at)

@@ -7,13 +7,14 @@ Tenants are metric labels by name; keys never are.
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
 import orjson
 
 from narwhal.errors import ApiError
-from narwhal.router.config import TenantKey
+from narwhal.router.config import RouterConfig, TenantKey
 from narwhal.router.tenants.fair_queue import CLASSES, RANK
 from narwhal.router.tenants.limits import Limits, Tenant, TenantLimited, Ticket
 
@@ -26,7 +27,9 @@ class Tenants:
             if k.tenant not in self.by_name:
                 self.by_name[k.tenant] = Tenant(k.tenant, Limits(k.rpm, k.tpm, k.max_concurrent))
                 self.ceiling[k.tenant] = RANK[k.priority]
-        self._requests = requests  # Counter(["tenant", "result"])
+        # Whether any key may send critical work (standard work then leaves it room).
+        self.critical = RANK["critical"] in self.ceiling.values()
+        self._requests = requests  # Counter(["tenant", "priority", "result"])
         self._tokens = tokens  # Counter(["tenant"])
         for name, rank in self.ceiling.items():
             self._requests.labels(name, CLASSES[rank], "admitted")
@@ -89,3 +92,18 @@ class Tenants:
         ticket.end(tokens)
         if tokens:
             self._tokens.labels(ticket.tenant.name).inc(tokens)
+
+
+def client_keys(config: RouterConfig) -> tuple[list[str], list[str | None]]:
+    """The accepted client keys (`auth.api_keys`, those in `auth.api_keys_env`, the
+    tenants' keys), and the tenant each key is for (None: no tenant)."""
+    keys = list(config.api_keys)
+    if config.api_keys_env:
+        keys += [k.strip() for k in os.environ.get(config.api_keys_env, "").split(",") if k.strip()]
+    tenants: list[str | None] = [None] * len(keys)
+    for t in config.tenant_keys:
+        key = t.key if t.key is not None else os.environ.get(t.key_env or "", "")
+        if key:
+            keys.append(key)
+            tenants.append(t.tenant)
+    return keys, tenants

@@ -1,0 +1,79 @@
+"""The fleet's parts, built once for a router: membership and who hears of its changes,
+the sources that feed it (etcd, DNS, the admin edits of `ha`), the admin routes and the
+reloader."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+from narwhal.background import Background
+from narwhal.etcd import Etcd
+from narwhal.router.config import RouterConfig
+from narwhal.router.engines import Pool
+from narwhal.router.fleet.admin import EnginesAdmin
+from narwhal.router.fleet.dns_source import DnsSource
+from narwhal.router.fleet.etcd_source import EtcdSource
+from narwhal.router.fleet.membership import Hooks, Membership
+from narwhal.router.fleet.reload import Reloader
+from narwhal.router.ha.leadership import Leadership
+from narwhal.router.metrics import RouterMetrics
+from narwhal.router.policies import Policy
+from narwhal.router.relay.relayer import Relayer
+
+CONFIG_PATH_ENV = "NARWHAL_ROUTER_CONFIG_PATH"  # the YAML itself, for reloads
+
+
+class Fleet:
+    def __init__(
+        self,
+        config: RouterConfig,
+        pool: Pool,
+        policy: Policy,
+        relayer: Relayer,
+        metrics: RouterMetrics,
+        leadership: Leadership,
+        settings: Callable[[RouterConfig], None],
+    ) -> None:
+        hooks = Hooks()
+        changes = metrics.membership
+        hooks.added += [
+            policy.added,
+            lambda e: pool.probe_soon(),
+            lambda e: changes.labels("added", e.source).inc(),
+        ]
+        hooks.cut.append(relayer.cut)
+        hooks.removed += [
+            policy.removed,
+            relayer.forget,
+            lambda e: metrics.forget(e.name),
+            lambda e: changes.labels("removed", e.source).inc(),
+        ]
+        self.membership = Membership(pool, config.drain_timeout_s, hooks)
+        ha = config.ha
+        edits = ha.sibling("engines") + "/" if ha is not None else None
+        self.admin = EnginesAdmin(self.membership, leadership, leadership.etcd, edits)
+        self.reloader = Reloader(os.environ.get(CONFIG_PATH_ENV), config, self.membership, settings)
+        self.sources: dict[str, EtcdSource | DnsSource] = {}
+        if config.etcd_source is not None:
+            src = config.etcd_source
+            etcd = Etcd(list(src.endpoints))
+            self.sources["etcd"] = EtcdSource(etcd, src.prefix, self.membership)
+        if config.dns_source is not None:
+            self.sources["dns"] = DnsSource(config.dns_source, self.membership)
+        if edits is not None and leadership.etcd is not None:
+            self.sources["admin"] = EtcdSource(leadership.etcd, edits, self.membership, "admin")
+
+    def start(self, bg: Background) -> None:
+        bg.start("engine_drains", self.membership.drain_forever)
+        for name, source in self.sources.items():
+            bg.start(f"engines_from_{name}", source.follow_forever)
+
+    def stale(self) -> dict[str, str]:
+        """Sources whose last read failed (the last good set serves meanwhile)."""
+        return {name: src.error for name, src in self.sources.items() if src.error}
+
+    async def close(self) -> None:
+        source = self.sources.get("etcd")
+        if isinstance(source, EtcdSource):
+            await source.etcd.close()
