@@ -344,3 +344,19 @@ engines: [{{name: s, url: '{engine.url}'}}]
         leader.stop()
         standby.stop()
         engine.stop()
+
+
+def test_each_class_is_admitted_against_its_share_of_the_budget() -> None:
+    from narwhal.router.config import parse
+    from narwhal.router.pipeline.flow import headroom
+
+    config = parse(
+        {
+            "engines": [{"name": "e", "url": "http://x"}],
+            "predictive": {"sheddable_headroom": 0.4, "critical_reserve": 0.25},
+        }
+    )
+    crit, std, shed = RANK["critical"], RANK["standard"], RANK["sheddable"]
+    assert [headroom(r, config, critical=True) for r in (crit, std, shed)] == [1.0, 0.75, 0.4]
+    # Where no key may send critical work, standard work keeps its whole budget.
+    assert headroom(std, config, critical=False) == 1.0

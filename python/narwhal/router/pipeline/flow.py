@@ -67,7 +67,7 @@ class Flow:
                 req, deadline, budget = await read(path, scope, receive, self.config, m, arrived)
                 req.tenant = tenant or ""
                 req.rank = self.tenants.rank(tenant, asgi.header(scope, b"x-narwhal-priority"))
-                budget *= self._headroom(req.rank)
+                budget *= headroom(req.rank, self.config, self.tenants.critical)
                 ticket = self.tenants.admit(tenant, req.estimated_prompt_tokens(), req.rank)
                 try:
                     await self._serve(req, receive, send, arrived, deadline, budget, end)
@@ -117,16 +117,6 @@ class Flow:
         finally:
             watcher.cancel()
 
-    def _headroom(self, rank: int) -> float:
-        """The share of its TTFT budget a request of this class is admitted against:
-        sheddable work is refused first as load rises; standard work leaves critical
-        work room where a key may send it."""
-        if rank == SHEDDABLE:
-            return self.config.sheddable_headroom
-        if rank == STANDARD and self.tenants.critical:
-            return 1.0 - self.config.critical_reserve
-        return 1.0
-
     def _count(self, end: Ending) -> None:
         m = self.metrics
         if end.outcome == "rejected":
@@ -135,3 +125,14 @@ class Flow:
             m.refused.labels(end.label or "predictive").inc()
         elif end.outcome == "invalid" and end.status in (400, 413):
             m.invalid_requests.inc()
+
+
+def headroom(rank: int, config: RouterConfig, critical: bool) -> float:
+    """The share of its TTFT budget a request of this class is admitted against:
+    sheddable work is refused first as load rises; standard work leaves critical work
+    room where a key may send it (`critical`)."""
+    if rank == SHEDDABLE:
+        return config.sheddable_headroom
+    if rank == STANDARD and critical:
+        return 1.0 - config.critical_reserve
+    return 1.0
