@@ -18,6 +18,7 @@ import pytest
 from narwhal.etcd import _b64
 from narwhal.router.tenants.fair_queue import RANK, FairQueue
 from narwhal.router.tenants.limits import Limits, Tenant, TenantLimited
+from narwhal.router.tenants.shares import SATURATED_S, Shares
 from tests.support import EtcdServer, Server, start_router, start_test_engine
 
 
@@ -360,3 +361,24 @@ def test_each_class_is_admitted_against_its_share_of_the_budget() -> None:
     assert [headroom(r, config, critical=True) for r in (crit, std, shed)] == [1.0, 0.75, 0.4]
     # Where no key may send critical work, standard work keeps its whole budget.
     assert headroom(std, config, critical=False) == 1.0
+
+
+def test_a_tenant_over_its_share_gets_less_budget_only_while_the_fleet_is_full() -> None:
+    s = Shares()
+    s.served("heavy", 9000, now=0.0)
+    s.served("light", 1000, now=0.0)
+    # Nothing refused lately: work that fits is never turned away for fairness.
+    assert s.headroom("heavy", now=1.0) == 1.0
+    s.refused(now=1.0)
+    assert s.headroom("heavy", now=1.0) == pytest.approx(5000 / 9000)  # fair / share
+    assert s.headroom("light", now=1.0) == 1.0
+    assert s.headroom("heavy", now=1.0 + SATURATED_S + 0.1) == 1.0
+    # Long after, what was served then no longer counts: the roles have turned.
+    s.refused(now=100.0)
+    s.served("light", 9000, now=100.0)
+    s.served("heavy", 1000, now=100.0)
+    assert s.headroom("light", now=100.0) < 1.0 and s.headroom("heavy", now=100.0) == 1.0
+    # A tenant alone is no one's competitor.
+    s.refused(now=200.0)
+    s.served("light", 10**6, now=200.0)
+    assert s.headroom("light", now=200.0) == 1.0

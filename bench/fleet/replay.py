@@ -54,7 +54,8 @@ class Outcome:
     tokens: int = 0
     cached: int | None = None  # as the engine's usage said
     failed: bool = False
-    klass: str = ""  # its priority class (--classes), sent as its tenant's key
+    klass: str = ""  # its class or tenant (--classes), sent as its tenant's key
+    prompt: int = 0  # its prompt tokens, as the trace says
 
 
 @dataclass
@@ -108,6 +109,7 @@ class Result:
                     "offered": sum(1 for x in o if x.klass == k),
                     "refused": sum(1 for x in refused if x.klass == k),
                     "within_slo": sum(1 for x in met if x.klass == k),
+                    "served_tokens": sum(x.prompt + x.tokens for x in served if x.klass == k),
                 }
                 for k in dict.fromkeys(x.klass for x in o)
                 if k
@@ -191,7 +193,7 @@ async def offer(
     """Every request at its time (open loop): the trace's pace times `load`, spread over
     `urls` in turn (a door's one URL, or the engines themselves for `direct`); with
     `classes`, each request of a class (in those shares, the same requests every run)."""
-    outs = [Outcome(klass=klass_of(i, classes)) for i in range(len(trace))]
+    outs = [Outcome(klass=klass_of(i, classes), prompt=r.input_length) for i, r in enumerate(trace)]
     # A pooled connection is let go after 5 s idle (httpx's default; aiohttp's is 15 s): a
     # door that closes idle connections sooner than its client (Narwhal after its
     # `header_timeout_s`, 10 s) races the client's reuse of one and the request is lost
@@ -280,9 +282,10 @@ def doors(a: argparse.Namespace, engines: list[str], tmp: Path) -> list[Door]:
             if a.predictive_extra:
                 tpot += ", " + a.predictive_extra
             auth = ""
-            if a.classes:  # a tenant a class, its key `key-CLASS`, of that priority
+            if a.classes:  # a tenant each, its key `key-NAME`, a class its priority
                 keys = ", ".join(
-                    f"{{key: key-{k}, tenant: {k}, priority: {k}}}" for k, _ in classes(a)
+                    f"{{key: key-{k}, tenant: {k}, priority: {_priority(k)}}}"
+                    for k, _ in classes(a)
                 )
                 auth = f"auth: {{api_keys: [{keys}]}}\n"
             cfg.write_text(
@@ -421,6 +424,13 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
     fig.savefig(path, dpi=110)
 
 
+PRIORITIES = ("critical", "standard", "sheddable")
+
+
+def _priority(tenant: str) -> str:
+    return tenant if tenant in PRIORITIES else "standard"
+
+
 def classes(a: argparse.Namespace) -> list[tuple[str, float]]:
     """`--classes critical:0.2,standard:0.5,sheddable:0.3` as (class, share) pairs."""
     out = []
@@ -432,14 +442,18 @@ def classes(a: argparse.Namespace) -> list[tuple[str, float]]:
 
 
 def class_table(rows: list[dict[str, Any]]) -> str:
-    out = ["| load | door | class | offered | refused | within SLO (of the class's offered) |"]
-    out.append("|---|---|---|---|---|---|")
+    out = [
+        "| load | door | class | offered | refused | within SLO (of the class's offered) "
+        "| served tokens |"
+    ]
+    out.append("|---|---|---|---|---|---|---|")
     for r in rows:
         for k, c in r.get("by_class", {}).items():
             o = c["offered"] or 1
             out.append(
                 f"| {r['load']:g}x | {r['door']} | {k} | {c['offered']} | "
-                f"{100 * c['refused'] / o:.1f} % | {100 * c['within_slo'] / o:.1f} % |"
+                f"{100 * c['refused'] / o:.1f} % | {100 * c['within_slo'] / o:.1f} % | "
+                f"{c['served_tokens']:,} |"
             )
     return "\n".join(out)
 
@@ -495,9 +509,10 @@ def main() -> None:
     )
     ap.add_argument(
         "--classes",
-        help="priority classes and their shares of the requests, e.g. "
-        "critical:0.2,standard:0.5,sheddable:0.3: Narwhal gets a tenant a class (key-CLASS), "
-        "each request carries its class's key, and the figures are given by class too",
+        help="tenants and their shares of the requests, e.g. "
+        "critical:0.2,standard:0.5,sheddable:0.3 (a tenant of each priority class) or "
+        "heavy:0.91,light:0.09 (standard tenants): Narwhal gets a key for each (key-NAME), "
+        "each request carries its tenant's key, and the figures are given by tenant too",
     )
     ap.add_argument(
         "--dump", type=Path, help="a folder: one JSONL per door and load, a line a request"

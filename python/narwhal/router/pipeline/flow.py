@@ -68,6 +68,7 @@ class Flow:
                 req.tenant = tenant or ""
                 req.rank = self.tenants.rank(tenant, asgi.header(scope, b"x-narwhal-priority"))
                 budget *= headroom(req.rank, self.config, self.tenants.critical)
+                budget *= self.tenants.headroom(tenant)
                 ticket = self.tenants.admit(tenant, req.estimated_prompt_tokens(), req.rank)
                 try:
                     await self._serve(req, receive, send, arrived, deadline, budget, end)
@@ -79,6 +80,8 @@ class Flow:
             end.by(e)
             raise
         finally:
+            if end.outcome == "refused":
+                self.tenants.shares.refused()  # the fleet is full: fair shares apply
             m.finished_as(end.outcome).inc()
             self._count(end)
             rec = asgi.current.get()

@@ -17,6 +17,7 @@ from narwhal.errors import ApiError
 from narwhal.router.config import RouterConfig, TenantKey
 from narwhal.router.tenants.fair_queue import CLASSES, RANK
 from narwhal.router.tenants.limits import Limits, Tenant, TenantLimited, Ticket
+from narwhal.router.tenants.shares import Shares
 
 
 class Tenants:
@@ -29,6 +30,7 @@ class Tenants:
                 self.ceiling[k.tenant] = RANK[k.priority]
         # Whether any key may send critical work (standard work then leaves it room).
         self.critical = RANK["critical"] in self.ceiling.values()
+        self.shares = Shares()
         self._requests = requests  # Counter(["tenant", "priority", "result"])
         self._tokens = tokens  # Counter(["tenant"])
         for name, rank in self.ceiling.items():
@@ -92,6 +94,12 @@ class Tenants:
         ticket.end(tokens)
         if tokens:
             self._tokens.labels(ticket.tenant.name).inc(tokens)
+            self.shares.served(ticket.tenant.name, tokens)
+
+    def headroom(self, name: str | None) -> float:
+        """The share of its budget a request of tenant `name` is judged against (fair
+        shares while the fleet is full)."""
+        return 1.0 if name is None else self.shares.headroom(name)
 
 
 def client_keys(config: RouterConfig) -> tuple[list[str], list[str | None]]:
