@@ -166,6 +166,40 @@ def _up_config(args: argparse.Namespace) -> RouterConfig:
     )
 
 
+def _unfit(config: RouterConfig) -> str | None:
+    """Why this config cannot run on this machine (a module or a variable it needs is
+    missing), or None."""
+    if any(e.launch is not None for e in config.engines):
+        from narwhal.engine.deps import missing
+
+        lacking = missing()
+        if lacking is not None:  # a managed engine could never start
+            return f"error: {lacking}"
+    for where, name in [
+        ("auth.api_keys_env", config.api_keys_env),
+        *((f"engines.{e.name}.api_key_env", e.api_key_env) for e in config.engines),
+        *((f"auth.api_keys[{t.tenant}].key_env", t.key_env) for t in config.tenant_keys),
+    ]:
+        if name and not os.environ.get(name):
+            return f"config error: {where}: the environment variable {name} is not set"
+    if config.admin_token_env and not os.environ.get(config.admin_token_env):
+        return (
+            f"config error: admin.token_env: the environment variable "
+            f"{config.admin_token_env} is not set (it holds the admin API's token)"
+        )
+    return None
+
+
+def _engines(config: RouterConfig) -> str:
+    """The engines the start-up line names."""
+    named = [e.name + (f" ({e.url})" if e.url else " (managed)") for e in config.engines]
+    if config.etcd_source is not None:
+        named.append(f"those registered under {config.etcd_source.prefix} in etcd")
+    if config.dns_source is not None:
+        named.append(f"those at {config.dns_source.name}")
+    return ", ".join(named) or "none yet (add them: POST /admin/engines)"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "register":
@@ -178,35 +212,9 @@ def main(argv: list[str] | None = None) -> int:
     except service.StartError as e:
         print(f"narwhal: error: {e}", file=sys.stderr)
         return 2
-    if any(e.launch is not None for e in config.engines):
-        from narwhal.engine.deps import missing
-
-        lacking = missing()
-        if lacking is not None:  # a managed engine could never start
-            print(f"narwhal: error: {lacking}", file=sys.stderr)
-            return 2
-    unset = [
-        (where, name)
-        for where, name in [
-            ("auth.api_keys_env", config.api_keys_env),
-            *((f"engines.{e.name}.api_key_env", e.api_key_env) for e in config.engines),
-            *((f"auth.api_keys[{t.tenant}].key_env", t.key_env) for t in config.tenant_keys),
-        ]
-        if name and not os.environ.get(name)
-    ]
-    if unset:
-        where, name = unset[0]
-        print(
-            f"narwhal: config error: {where}: the environment variable {name} is not set",
-            file=sys.stderr,
-        )
-        return 2
-    if config.admin_token_env and not os.environ.get(config.admin_token_env):
-        print(
-            f"narwhal: config error: admin.token_env: the environment variable "
-            f"{config.admin_token_env} is not set (it holds the admin API's token)",
-            file=sys.stderr,
-        )
+    refused = _unfit(config)
+    if refused is not None:
+        print(f"narwhal: {refused}", file=sys.stderr)
         return 2
     from granian.constants import Interfaces, Loops
 
@@ -229,10 +237,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "serve":  # what a reload (SIGHUP, POST /admin/reload) reads again
         os.environ[CONFIG_PATH_ENV] = os.path.abspath(args.config)
     logs.choose(args.log_format, args.log_level)
-    engines = ", ".join(e.name + (f" ({e.url})" if e.url else " (managed)") for e in config.engines)
     print(
         f"narwhal {__version__}: model '{config.model}' on http://{config.host}:{config.port} "
-        f"-> engines: {engines}; router on {affinity.describe(cpus)}",
+        f"-> engines: {_engines(config)}; router on {affinity.describe(cpus)}",
         file=sys.stderr,
     )
     # uvloop: the upstream reads run through the loop's transports once per token; its C
