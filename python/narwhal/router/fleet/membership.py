@@ -147,14 +147,16 @@ class Membership:
                     continue
                 if e.inflight and now < d.deadline + CUT_GRACE_S:
                     continue  # cut streams end within a read
-                self._remove(name, d)
+                await self._remove(name, d)
 
-    def _remove(self, name: str, d: _Draining) -> None:
+    async def _remove(self, name: str, d: _Draining) -> None:
         del self._draining[name]
         e = d.engine
         self.pool.remove(e)
         for hook in self.hooks.removed:
             hook(e)
+        if e.managed is not None:
+            await e.managed.stop()  # a LexiEngine this router ran: its process goes too
         log.info("engine %s removed", name)
         nxt = self._next.pop(name, None)
         if nxt is not None:
