@@ -53,24 +53,9 @@ class Router:
     def __init__(self, config: RouterConfig) -> None:
         self.config = config
         self.metrics = RouterMetrics()
-        self.managed: list[ManagedEngine] = []
-        engines = []
-        for spec in config.engines:
-            if spec.launch is not None:
-                me = ManagedEngine(spec, config.model, on_fatal=_fatal)
-                self.managed.append(me)
-                engines.append(Engine(spec, me.url, managed=me))
-            else:
-                assert spec.url is not None
-                key = os.environ.get(spec.api_key_env) if spec.api_key_env else None
-                engines.append(Engine(spec, spec.url.rstrip("/"), api_key=key))
-        self.pool = Pool(
-            engines, config.prefill_concurrency, config.decode_concurrency, config.eject_after
-        )
-        for e in engines:
-            if e.managed is not None:
-                restarts = self.metrics.engine_restarts.labels(e.name)
-                e.managed.on_exit = _exited(self.pool, e, restarts)
+        self.pool = _pool(config, self.metrics)
+        engines = self.pool.engines
+        self.managed = [e.managed for e in engines if e.managed is not None]
         # What happens to each lease reaches these three, subscribed here once.
         events = Events()
         self.admission = Admission(
@@ -334,6 +319,24 @@ class Router:
         if failing:
             body["background_failing"] = failing
         await asgi.send_json(send, 200 if reason is None else 503, body)
+
+
+def _pool(config: RouterConfig, metrics: RouterMetrics) -> Pool:
+    """The config file's engines: called, or launched and supervised here."""
+    engines = []
+    for spec in config.engines:
+        if spec.launch is not None:
+            me = ManagedEngine(spec, config.model, on_fatal=_fatal)
+            engines.append(Engine(spec, me.url, managed=me))
+        else:
+            assert spec.url is not None
+            key = os.environ.get(spec.api_key_env) if spec.api_key_env else None
+            engines.append(Engine(spec, spec.url.rstrip("/"), api_key=key))
+    pool = Pool(engines, config.prefill_concurrency, config.decode_concurrency, config.eject_after)
+    for e in engines:
+        if e.managed is not None:
+            e.managed.on_exit = _exited(pool, e, metrics.engine_restarts.labels(e.name))
+    return pool
 
 
 def _exited(pool: Pool, engine: Engine, restarts: Any) -> Callable[[str], None]:
