@@ -528,3 +528,40 @@ def test_a_family_waits_for_the_engine_holding_its_prefix_when_only_pace_keeps_i
     other = next(e for e in f.engines if e.name != holder)
     other.prefill_tokens = 2000  # 2 s queued there: 4.2 s for the whole prompt
     assert f.judge(member).prefer is other
+
+
+def test_a_lower_class_must_leave_the_streams_more_of_their_allowance() -> None:
+    f = Fleet(n=1, tpot_target_s=0.05)
+    f.learn_tau0(0.02)
+    short = f.open(request(words("s", 10), max_tokens=5), on="e0")
+    short.first_output()  # 4 steps left, 25 ms each to spare: 0.1 s of prefill
+    prompt = request(words("p", 64))  # 80 tokens at 1,000/s: 0.08 s
+    assert f.judge(prompt).prefer is f.engines[0]
+    prompt.headroom = 0.5  # sheddable: as if its prefill took twice as long
+    with pytest.raises(NoEngineKeepsPace):
+        f.judge(prompt)
+
+
+def test_waiters_of_a_higher_class_are_woken_first() -> None:
+    f = Fleet(n=1, tpot_target_s=0.05)
+    f.learn_tau0(0.02)
+    stream = f.open(request(words("s", 10), max_tokens=5), on="e0")
+    stream.first_output()
+    woken: list[str] = []
+
+    async def wait(name: str, rank: int) -> None:
+        await f.policy.room(60, rank)
+        woken.append(name)
+
+    async def run() -> None:
+        waiters = [
+            asyncio.create_task(wait(name, rank))
+            for name, rank in (("sheddable", 2), ("standard", 1), ("critical", 0))
+        ]
+        await asyncio.sleep(0)
+        stream.finished(5)
+        stream.release()
+        await asyncio.wait_for(asyncio.gather(*waiters), 10)
+
+    f.loop.run_until_complete(run())
+    assert woken == ["critical", "standard", "sheddable"]

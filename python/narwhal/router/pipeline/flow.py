@@ -67,8 +67,9 @@ class Flow:
                 req, deadline, budget = await read(path, scope, receive, self.config, m, arrived)
                 req.tenant = tenant or ""
                 req.rank = self.tenants.rank(tenant, asgi.header(scope, b"x-narwhal-priority"))
-                budget *= headroom(req.rank, self.config, self.tenants.critical)
-                budget *= self.tenants.headroom(tenant)
+                req.headroom = headroom(req.rank, self.config, self.tenants.critical)
+                req.headroom *= self.tenants.headroom(tenant)
+                budget *= req.headroom
                 ticket = self.tenants.admit(tenant, req.estimated_prompt_tokens(), req.rank)
                 try:
                     await self._serve(req, receive, send, arrived, deadline, budget, end)

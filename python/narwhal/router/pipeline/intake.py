@@ -29,6 +29,9 @@ class Intake:
     max_tokens: int | None = None  # the most output tokens asked for, if the body says
     tenant: str = ""  # whose request (its client key's tenant; "": none)
     rank: int = 1  # its priority class, 0 critical .. 2 sheddable (tenants.fair_queue)
+    # The share of its TTFT budget, and of the streams' TPOT allowance, it is admitted
+    # against (less for lower classes and for a tenant over its fair share).
+    headroom: float = 1.0
 
     @property
     def kind(self) -> Literal["chat", "completion"]:

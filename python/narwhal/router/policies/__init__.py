@@ -55,9 +55,9 @@ class Policy(Protocol):
         """The plan for `req`, or an ApiError refusing it, or `NoEngineKeepsPace` when it
         may wait for `room()`."""
 
-    async def room(self, timeout_s: float) -> None:
+    async def room(self, timeout_s: float, rank: int = 1) -> None:
         """Returns when placement may have changed its mind (a stream ended), or after
-        `timeout_s`."""
+        `timeout_s`; waiters of a higher class (lower `rank`) are woken first."""
 
     def placed(self, lease: Lease) -> None: ...
 

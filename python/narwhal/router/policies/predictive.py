@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import statistics
 import time
+from collections.abc import Callable
 
 from narwhal.router.engines import Engine
 from narwhal.router.lease import Events, Lease
@@ -52,7 +53,9 @@ class PredictivePolicy:
         # Placed requests, until released: their stream's entry in the ledger (None for an
         # answer of one token) and their prompt's charge.
         self._entries: dict[Lease, tuple[int | None, Charge]] = {}
-        self._ended: asyncio.Future[None] | None = None  # resolved when a stream ends
+        # Per priority class, resolved when a stream ends: higher classes first, so their
+        # waiters are judged (and charged) before lower ones take the room.
+        self._ended: list[asyncio.Future[None] | None] = [None, None, None]
         self._engines = {e.name: e for e in engines}
         # Per slot of the picture, its engine and that engine's profile (None: a slot an
         # engine left), so judging reads them without a lookup an engine.
@@ -109,7 +112,7 @@ class PredictivePolicy:
             budget_s,
             cached,
             self._engines.get(home or ""),
-            self._keeps_pace if paced else None,
+            self._paced(req.headroom) if paced else None,
             self._stall if paced else None,
         )
         charge = None
@@ -122,10 +125,18 @@ class PredictivePolicy:
                 charge = self.streams[proj.engine.name].charge(proj.tokens / rate)
         return Plan(proj.engine, proj.tokens, proj.total_s, blocks, expected, req.session, charge)
 
-    def _keeps_pace(self, p: Projection) -> bool:
-        """Placing there leaves every stream on the engine within the TPOT target."""
+    def _paced(self, headroom: float) -> Callable[[Projection], bool]:
+        if headroom >= 1.0:
+            return self._keeps_pace
+        return lambda p: self._keeps_pace(p, headroom)
+
+    def _keeps_pace(self, p: Projection, headroom: float = 1.0) -> bool:
+        """Placing there leaves every stream on the engine within the TPOT target (a
+        request of a lower class: with `1 - headroom` of the allowance to spare)."""
         rate = self._rate(p.engine.name)
-        return rate is None or self.streams[p.engine.name].fits(p.tokens / rate, time.monotonic())
+        if rate is None:
+            return True
+        return self.streams[p.engine.name].fits(p.tokens / rate / headroom, time.monotonic())
 
     def _stall(self, p: Projection) -> float:
         """Stream-seconds of decode this prompt's prefill holds up on its engine: each
@@ -224,18 +235,20 @@ class PredictivePolicy:
         if entry is None or ledger is None:
             return
         ledger.ended(entry, lease.output_tokens, lease.decode_s)
-        if self._ended is not None:
-            if not self._ended.done():
-                self._ended.set_result(None)
-            self._ended = None
+        for rank, ended in enumerate(self._ended):
+            if ended is not None:
+                if not ended.done():
+                    ended.set_result(None)
+                self._ended[rank] = None
 
-    async def room(self, timeout_s: float) -> None:
+    async def room(self, timeout_s: float, rank: int = 1) -> None:
         """Returns when a stream in the ledger ends (an engine may keep pace again), or
-        after `timeout_s`."""
-        if self._ended is None:
-            self._ended = asyncio.get_running_loop().create_future()
+        after `timeout_s`; a higher class's waiters are woken before a lower one's."""
+        ended = self._ended[rank]
+        if ended is None:
+            ended = self._ended[rank] = asyncio.get_running_loop().create_future()
         with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(asyncio.shield(self._ended), timeout_s)
+            await asyncio.wait_for(asyncio.shield(ended), timeout_s)
 
     def _reported(self, lease: Lease) -> None:
         """The engine's own count of cached tokens corrects the picture."""
