@@ -6,6 +6,7 @@ through the real Admission and Events."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Iterator
 
@@ -565,3 +566,24 @@ def test_waiters_of_a_higher_class_are_woken_first() -> None:
 
     f.loop.run_until_complete(run())
     assert woken == ["critical", "standard", "sheddable"]
+
+
+def test_a_lower_class_waits_behind_a_higher_one_waiting_for_pace() -> None:
+    f = Fleet(n=1, tpot_target_s=0.05)
+    f.learn_tau0(0.02)
+
+    async def run() -> None:
+        waiter = asyncio.create_task(f.policy.room(60, 0))  # a critical request waits
+        await asyncio.sleep(0)
+        standard = request(words("q", 10))
+        with pytest.raises(NoEngineKeepsPace):  # it would spend what the waiter needs
+            f.judge(standard)
+        critical = request(words("c", 10))
+        critical.rank = 0
+        assert f.judge(critical).prefer is f.engines[0]
+        waiter.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await waiter
+        assert f.judge(standard).prefer is f.engines[0]  # none waits now
+
+    f.loop.run_until_complete(run())

@@ -23,7 +23,7 @@ from narwhal.router.policies import Plan
 from narwhal.router.policies.prefix_cache import Expectation, PrefixCache
 from narwhal.router.policies.sessions import Sessions
 from narwhal.router.policies.tpot import Charge, Streams
-from narwhal.router.predict import Predictor, Profile, Projection
+from narwhal.router.predict import NoEngineKeepsPace, Predictor, Profile, Projection
 
 # Streams are kept within this share of the TPOT target: a charge is an estimate (a prompt's
 # sizing is off by 10-20 % from one prompt to the next, an eviction the picture learns of
@@ -56,6 +56,7 @@ class PredictivePolicy:
         # Per priority class, resolved when a stream ends: higher classes first, so their
         # waiters are judged (and charged) before lower ones take the room.
         self._ended: list[asyncio.Future[None] | None] = [None, None, None]
+        self._waiting = [0, 0, 0]  # requests of each class waiting in room() now
         self._engines = {e.name: e for e in engines}
         # Per slot of the picture, its engine and that engine's profile (None: a slot an
         # engine left), so judging reads them without a lookup an engine.
@@ -115,6 +116,10 @@ class PredictivePolicy:
             self._paced(req.headroom) if paced else None,
             self._stall if paced else None,
         )
+        if paced and any(self._waiting[: req.rank]):
+            # A request of a higher class waits for pace: this one would spend the
+            # allowance it waits for. It waits behind it, as long as its own budget lets.
+            raise NoEngineKeepsPace(budget_s - (proj.guarded_s or 0.0))
         charge = None
         if paced:
             # Charged now, not once placed: requests woken together by a stream's end are
@@ -247,8 +252,12 @@ class PredictivePolicy:
         ended = self._ended[rank]
         if ended is None:
             ended = self._ended[rank] = asyncio.get_running_loop().create_future()
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(asyncio.shield(ended), timeout_s)
+        self._waiting[rank] += 1
+        try:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(asyncio.shield(ended), timeout_s)
+        finally:
+            self._waiting[rank] -= 1
 
     def _reported(self, lease: Lease) -> None:
         """The engine's own count of cached tokens corrects the picture."""
