@@ -557,7 +557,7 @@ def test_waiters_of_a_higher_class_are_woken_first() -> None:
     async def run() -> None:
         waiters = [
             asyncio.create_task(wait(name, rank))
-            for name, rank in (("sheddable", 2), ("standard", 1), ("critical", 0))
+            for name, rank in (("sheddable", 4), ("standard", 2), ("critical", 0))
         ]
         await asyncio.sleep(0)
         stream.finished(5)
@@ -579,7 +579,7 @@ def test_a_lower_class_waits_behind_a_higher_one_waiting_for_pace() -> None:
         with pytest.raises(NoEngineKeepsPace):  # it would spend what the waiter needs
             f.judge(standard)
         critical = request(words("c", 10))
-        critical.rank = 0
+        critical.standing = 0
         assert f.judge(critical).prefer is f.engines[0]
         waiter.cancel()
         with contextlib.suppress(asyncio.CancelledError):

@@ -68,7 +68,9 @@ class Flow:
                 req.tenant = tenant or ""
                 req.rank = self.tenants.rank(tenant, asgi.header(scope, b"x-narwhal-priority"))
                 req.headroom = headroom(req.rank, self.config, self.tenants.critical)
-                req.headroom *= self.tenants.headroom(tenant)
+                fair = self.tenants.headroom(tenant)
+                req.headroom *= fair
+                req.standing = 2 * req.rank + (fair < 1.0)
                 budget *= req.headroom
                 ticket = self.tenants.admit(tenant, req.estimated_prompt_tokens(), req.rank)
                 try:

@@ -32,6 +32,9 @@ class Intake:
     # The share of its TTFT budget, and of the streams' TPOT allowance, it is admitted
     # against (less for lower classes and for a tenant over its fair share).
     headroom: float = 1.0
+    # Its place among requests waiting for pace: its class, and within a class a tenant
+    # over its fair share after the others (0 .. 5; lower goes first).
+    standing: int = 2
 
     @property
     def kind(self) -> Literal["chat", "completion"]:

@@ -43,7 +43,7 @@ class Judge:
                 if deferred is None:
                     self.on_paced_wait()
                 deferred = e.refusal
-                await self.policy.room(e.slack_s, req.rank)
+                await self.policy.room(e.slack_s, req.standing)
             except ApiError as e:
                 # Waiting used up the budget: the reason is still the pace.
                 if deferred is not None and e.code in TTFT_REFUSALS:

@@ -55,9 +55,10 @@ class Policy(Protocol):
         """The plan for `req`, or an ApiError refusing it, or `NoEngineKeepsPace` when it
         may wait for `room()`."""
 
-    async def room(self, timeout_s: float, rank: int = 1) -> None:
+    async def room(self, timeout_s: float, standing: int = 2) -> None:
         """Returns when placement may have changed its mind (a stream ended), or after
-        `timeout_s`; waiters of a higher class (lower `rank`) are woken first."""
+        `timeout_s`; waiters of a lower `standing` (a higher class; within one, a tenant
+        within its fair share) are woken first."""
 
     def placed(self, lease: Lease) -> None: ...
 

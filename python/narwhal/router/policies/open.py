@@ -14,7 +14,7 @@ class OpenPolicy:
     def judge(self, req: Intake, engines: list[Engine], budget_s: float) -> Plan:
         return OPEN_PLAN
 
-    async def room(self, timeout_s: float, rank: int = 1) -> None:
+    async def room(self, timeout_s: float, standing: int = 2) -> None:
         await asyncio.sleep(timeout_s)  # never asked for: it never defers a request
 
     def placed(self, lease: Lease) -> None:

@@ -34,6 +34,9 @@ TPOT_AIM = 0.9
 # aim: a stream's allowance then starts at half of what its target leaves, and grows as it
 # decodes.
 COLD_TAU0_SHARE = 0.5
+# Places among requests waiting for pace: a class each (critical, standard, sheddable),
+# and within one a tenant over its fair share after the rest.
+STANDINGS = 6
 
 
 class PredictivePolicy:
@@ -55,8 +58,8 @@ class PredictivePolicy:
         self._entries: dict[Lease, tuple[int | None, Charge]] = {}
         # Per priority class, resolved when a stream ends: higher classes first, so their
         # waiters are judged (and charged) before lower ones take the room.
-        self._ended: list[asyncio.Future[None] | None] = [None, None, None]
-        self._waiting = [0, 0, 0]  # requests of each class waiting in room() now
+        self._ended: list[asyncio.Future[None] | None] = [None] * STANDINGS
+        self._waiting = [0] * STANDINGS  # requests of each standing waiting in room() now
         self._engines = {e.name: e for e in engines}
         # Per slot of the picture, its engine and that engine's profile (None: a slot an
         # engine left), so judging reads them without a lookup an engine.
@@ -116,9 +119,10 @@ class PredictivePolicy:
             self._paced(req.headroom) if paced else None,
             self._stall if paced else None,
         )
-        if paced and any(self._waiting[: req.rank]):
-            # A request of a higher class waits for pace: this one would spend the
-            # allowance it waits for. It waits behind it, as long as its own budget lets.
+        if paced and any(self._waiting[: req.standing]):
+            # A request of a higher class (or of a tenant within its fair share, where
+            # this one's is over) waits for pace: this one would spend the allowance it
+            # waits for. It waits behind it, as long as its own budget lets.
             raise NoEngineKeepsPace(budget_s - (proj.guarded_s or 0.0))
         charge = None
         if paced:
@@ -240,24 +244,24 @@ class PredictivePolicy:
         if entry is None or ledger is None:
             return
         ledger.ended(entry, lease.output_tokens, lease.decode_s)
-        for rank, ended in enumerate(self._ended):
+        for standing, ended in enumerate(self._ended):
             if ended is not None:
                 if not ended.done():
                     ended.set_result(None)
-                self._ended[rank] = None
+                self._ended[standing] = None
 
-    async def room(self, timeout_s: float, rank: int = 1) -> None:
+    async def room(self, timeout_s: float, standing: int = 2) -> None:
         """Returns when a stream in the ledger ends (an engine may keep pace again), or
-        after `timeout_s`; a higher class's waiters are woken before a lower one's."""
-        ended = self._ended[rank]
+        after `timeout_s`; waiters of a lower standing are woken before a higher one's."""
+        ended = self._ended[standing]
         if ended is None:
-            ended = self._ended[rank] = asyncio.get_running_loop().create_future()
-        self._waiting[rank] += 1
+            ended = self._ended[standing] = asyncio.get_running_loop().create_future()
+        self._waiting[standing] += 1
         try:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(asyncio.shield(ended), timeout_s)
         finally:
-            self._waiting[rank] -= 1
+            self._waiting[standing] -= 1
 
     def _reported(self, lease: Lease) -> None:
         """The engine's own count of cached tokens corrects the picture."""
