@@ -140,3 +140,19 @@ def test_an_engine_of_any_shape_parses_or_is_refused_with_a_reason(body: dict[st
         assert str(e)
         return
     assert spec.url is not None and spec.url.startswith(("http://", "https://"))
+
+
+def test_the_kubernetes_example_holds_a_config_the_router_accepts() -> None:
+    import yaml
+
+    from narwhal.router.config import parse
+    from tests.support import ROOT
+
+    docs = list(yaml.safe_load_all((ROOT / "deploy/kubernetes/fleet.yaml").read_text()))
+    config_map = next(d for d in docs if d["kind"] == "ConfigMap")
+    config = parse(yaml.safe_load(config_map["data"]["narwhal.yaml"]))
+    service = next(d for d in docs if d["kind"] == "Service" and d["spec"].get("clusterIP"))
+    assert config.dns_source is not None and config.ha is not None
+    # The routers resolve the engines' headless Service, on its port.
+    assert config.dns_source.name.startswith(service["metadata"]["name"] + ".")
+    assert config.dns_source.port == service["spec"]["ports"][0]["port"]
