@@ -10,6 +10,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,15 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def wait_until(cond: Callable[[], bool], within: float) -> None:
+    """Until `cond()` holds, polling; an AssertionError after `within` seconds."""
+    end = time.monotonic() + within
+    while not cond():
+        if time.monotonic() > end:
+            raise AssertionError(f"not within {within}s")
+        time.sleep(0.05)
 
 
 def wait_http(

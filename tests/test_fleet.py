@@ -11,8 +11,7 @@ import struct
 import subprocess
 import sys
 import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from itertools import count
 from pathlib import Path
 from typing import Any
@@ -32,6 +31,7 @@ from tests.support import (
     start_router,
     start_test_engine,
     wait_http,
+    wait_until,
 )
 
 TOKEN = "fleet-admin-token"
@@ -63,14 +63,6 @@ def listed(router: Server) -> dict[str, dict[str, Any]]:
     r = httpx.get(router.url + "/admin/engines", headers=ADMIN, timeout=5)
     assert r.status_code == 200, r.text
     return {e["name"]: e for e in r.json()["engines"]}
-
-
-def wait_until(cond: Callable[[], bool], within: float) -> None:
-    end = time.monotonic() + within
-    while not cond():
-        if time.monotonic() > end:
-            raise AssertionError(f"not within {within}s")
-        time.sleep(0.05)
 
 
 def served(engine: Server) -> int:

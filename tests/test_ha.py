@@ -8,7 +8,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from itertools import count
 from pathlib import Path
 from typing import Any
@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.support import EtcdServer, Server, free_port, start_engine, start_router
+from tests.support import EtcdServer, Server, free_port, start_engine, start_router, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -60,14 +60,6 @@ def ready(r: Server) -> httpx.Response:
 def ask(r: Server, **kw: Any) -> httpx.Response:
     body = {"prompt": "Hi", "max_tokens": 2, **kw}
     return httpx.post(r.url + "/v1/completions", json=body, timeout=30)
-
-
-def wait_until(cond: Callable[[], bool], within: float) -> None:
-    end = time.monotonic() + within
-    while not cond():
-        if time.monotonic() > end:
-            raise AssertionError(f"not within {within}s")
-        time.sleep(0.05)
 
 
 def token(r: Server) -> int:

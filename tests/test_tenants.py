@@ -7,7 +7,6 @@ import base64
 import os
 import signal
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,7 +18,7 @@ from narwhal.etcd import _b64
 from narwhal.router.tenants.fair_queue import RANK, FairQueue
 from narwhal.router.tenants.limits import Limits, Tenant, TenantLimited
 from narwhal.router.tenants.shares import SATURATED_S, Shares
-from tests.support import EtcdServer, Server, start_router, start_test_engine
+from tests.support import EtcdServer, Server, start_router, start_test_engine, wait_until
 
 
 def test_requests_a_minute_refuse_until_the_oldest_leaves_the_window() -> None:
@@ -156,10 +155,7 @@ def test_a_tenant_is_held_to_its_requests_at_once(router: Server) -> None:
     stream.start()
     try:
         engine = ENGINE[0]
-        for _ in range(200):  # until the stream is running
-            if httpx.get(engine.url + "/stats", timeout=5).json()["active"]:
-                break
-            time.sleep(0.01)
+        wait_until(lambda: httpx.get(engine.url + "/stats").json()["active"], 10)  # it runs
         r = ask(router, key)
         assert r.status_code == 429 and "at once" in r.json()["error"]["message"]
     finally:
@@ -258,10 +254,7 @@ engines: [{{name: s, url: '{engine.url}'}}]
         assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_priority"
         threads = [threading.Thread(target=send, args=("first", "plain-key", "script:paced:20:50"))]
         threads[0].start()
-        for _ in range(500):
-            if httpx.get(engine.url + "/stats", timeout=5).json()["active"]:
-                break
-            time.sleep(0.01)
+        wait_until(lambda: httpx.get(engine.url + "/stats").json()["active"], 10)
         for i in range(2):
             threads.append(
                 threading.Thread(
@@ -269,20 +262,14 @@ engines: [{{name: s, url: '{engine.url}'}}]
                 )
             )
             threads[-1].start()
-        for _ in range(500):
-            if queued() == 2:
-                break
-            time.sleep(0.01)
+        wait_until(lambda: queued() == 2, 10)
         # Critical, from a key that may ask for it (asking without the header: its class).
         # (Each takes 0.2 s, so the order they end in is the order they were placed.)
         threads.append(
             threading.Thread(target=send, args=("ops", "key-of-ops", "script:paced:4:50"))
         )
         threads[-1].start()
-        for _ in range(500):
-            if queued() == 3:
-                break
-            time.sleep(0.01)
+        wait_until(lambda: queued() == 3, 10)
         for t in threads:
             t.join(60)
         assert done[:2] == ["first", "ops"]
@@ -325,20 +312,17 @@ engines: [{{name: s, url: '{engine.url}'}}]
     try:
         for _ in range(3):
             assert ask(leader, "key-of-team-a").status_code == 200
-        published = f"/tenants-{os.getpid()}/tenants".encode()
-        for _ in range(100):  # the leader publishes its windows every half second
-            r = httpx.post(etcd.url + "/v3/kv/range", json={"key": _b64(published)}, timeout=5)
-            kvs = r.json().get("kvs") or []
+        published = {"key": _b64(f"/tenants-{os.getpid()}/tenants".encode())}
+
+        def counted() -> int:  # the requests in the window the leader published
+            kvs = httpx.post(etcd.url + "/v3/kv/range", json=published).json().get("kvs")
             window = orjson.loads(base64.b64decode(kvs[0]["value"]))["team-a"] if kvs else []
-            if sum(count for _, _, count in window) == 3:
-                break
-            time.sleep(0.05)
+            return sum(count for _, _, count in window)
+
+        wait_until(lambda: counted() == 3, 10)  # published every half second
         os.killpg(leader.proc.pid, signal.SIGKILL)
         leader.proc.wait()
-        for _ in range(300):
-            if httpx.get(standby.url + "/ready", timeout=5).status_code == 200:
-                break
-            time.sleep(0.05)
+        wait_until(lambda: httpx.get(standby.url + "/ready").status_code == 200, 15)
         r = ask(standby, "key-of-team-a")
         assert r.status_code == 429 and r.json()["error"]["code"] == "tenant_rate_limited"
     finally:

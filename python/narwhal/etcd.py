@@ -193,14 +193,8 @@ class Etcd:
 
     async def under(self, prefix: bytes) -> list[tuple[bytes, KeyValue]]:
         """Every key that starts with `prefix` (`prefix` not empty), with its value."""
-        end = _prefix_end(prefix)
-
-        def parse(r: Any) -> list[tuple[bytes, KeyValue]]:
-            return [(base64.b64decode(kv["key"]), _kv(kv)) for kv in r.get("kvs", [])]
-
-        return await self._answer(
-            "/v3/kv/range", {"key": _b64(prefix), "range_end": _b64(end)}, parse
-        )
+        kvs, _ = await self.under_at(prefix)
+        return [(kv.key, kv) for kv in kvs]
 
     async def put(self, key: bytes, value: bytes, lease: int = 0) -> None:
         body = {"key": _b64(key), "value": _b64(value)}

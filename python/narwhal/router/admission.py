@@ -51,6 +51,8 @@ class Admission:
 
     @property
     def queued(self) -> int:
+        if not len(self._queue):  # every request asks: the common case is none waiting
+            return 0
         return sum(1 for f, _ in self._queue.items() if not f.done())
 
     def retain(self) -> None:

@@ -6,4 +6,6 @@
 - `admin`: `/admin/engines` (list, add, drain); with `ha`, edits go through etcd.
 - `etcd_source`: engines registered under an etcd prefix (and the admin edits of `ha`).
 - `dns_source`: engines at the addresses a DNS name resolves to.
+- `reload`: the config file read again (SIGHUP, POST /admin/reload).
+- `wiring`: the parts above built once for a router, with who hears of membership changes.
 """

@@ -98,36 +98,30 @@ class EnginesAdmin:
         lead = self.leadership
         why = lead.serving()
         if why is not None or lead.token is None or not lead.key:
-            raise ApiError(
-                503,
+            raise _unavailable(
                 f"engines are added and removed on the leader only ({why or 'not leading'})",
-                type="server_error",
-                code="not_leader",
-                headers={"retry-after": "1"},
+                "not_leader",
             )
         try:
             ok = await self.etcd.put_guarded(
                 (self.prefix + name).encode(), value, lead.key, lead.token
             )
         except EtcdError as e:
-            raise ApiError(
-                503,
-                f"the change could not be stored in etcd: {e}",
-                type="server_error",
-                code="etcd_unavailable",
-                headers={"retry-after": "1"},
+            raise _unavailable(
+                f"the change could not be stored in etcd: {e}", "etcd_unavailable"
             ) from None
         if not ok:
-            raise ApiError(
-                503,
-                "this router lost the lead before the change was stored",
-                type="server_error",
-                code="not_leader",
-                headers={"retry-after": "1"},
+            raise _unavailable(
+                "this router lost the lead before the change was stored", "not_leader"
             )
 
 
 _REMOVED = orjson.dumps({"removed": True})
+
+
+def _unavailable(message: str, code: str) -> ApiError:
+    """A 503 to retry shortly (on the leader, or once etcd answers)."""
+    return ApiError(503, message, type="server_error", code=code, headers={"retry-after": "1"})
 
 
 def _not_found(name: str) -> ApiError:

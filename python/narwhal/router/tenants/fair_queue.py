@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Callable
 from typing import Generic, TypeVar
 
 T = TypeVar("T")
@@ -76,23 +75,6 @@ class FairQueue(Generic[T]):
                 tenant = min(c.tenants, key=lambda t: (c.served[t], c.tenants[t][0][:2]))
                 return c, c.tenants[tenant], tenant
         return None
-
-    def remove_if(self, gone: Callable[[T], bool]) -> int:
-        """Drop the items `gone(item)` says are over (their wait ended); how many."""
-        dropped = 0
-        for c in self._classes:
-            for tenant in list(c.tenants):
-                waiting = c.tenants[tenant]
-                kept = [w for w in waiting if not gone(w[3])]
-                if len(kept) != len(waiting):
-                    dropped += len(waiting) - len(kept)
-                    heapq.heapify(kept)
-                    if kept:
-                        c.tenants[tenant] = kept
-                    else:
-                        del c.tenants[tenant]
-        self._len -= dropped
-        return dropped
 
     def items(self) -> list[T]:
         return [w[3] for c in self._classes for waiting in c.tenants.values() for w in waiting]
