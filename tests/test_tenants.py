@@ -18,7 +18,14 @@ from narwhal.etcd import _b64
 from narwhal.router.tenants.fair_queue import RANK, FairQueue
 from narwhal.router.tenants.limits import Limits, Tenant, TenantLimited
 from narwhal.router.tenants.shares import SATURATED_S, Shares
-from tests.support import EtcdServer, Server, start_router, start_test_engine, wait_until
+from tests.support import (
+    EtcdServer,
+    Server,
+    metric,
+    start_router,
+    start_test_engine,
+    wait_until,
+)
 
 
 def test_requests_a_minute_refuse_until_the_oldest_leaves_the_window() -> None:
@@ -238,12 +245,6 @@ engines: [{{name: s, url: '{engine.url}'}}]
         assert r.status_code == 200
         done.append(name)
 
-    def queued() -> float:
-        for line in httpx.get(router.url + "/metrics", timeout=5).text.splitlines():
-            if line.startswith("narwhal_queued "):
-                return float(line.split()[1])
-        return 0.0
-
     try:
         r = httpx.post(
             router.url + "/v1/chat/completions",
@@ -262,14 +263,14 @@ engines: [{{name: s, url: '{engine.url}'}}]
                 )
             )
             threads[-1].start()
-        wait_until(lambda: queued() == 2, 10)
+        wait_until(lambda: metric(router, "narwhal_queued") == 2, 10)
         # Critical, from a key that may ask for it (asking without the header: its class).
         # (Each takes 0.2 s, so the order they end in is the order they were placed.)
         threads.append(
             threading.Thread(target=send, args=("ops", "key-of-ops", "script:paced:4:50"))
         )
         threads[-1].start()
-        wait_until(lambda: queued() == 3, 10)
+        wait_until(lambda: metric(router, "narwhal_queued") == 3, 10)
         for t in threads:
             t.join(60)
         assert done[:2] == ["first", "ops"]
