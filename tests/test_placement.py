@@ -415,8 +415,9 @@ def test_the_ledger_stays_the_size_of_the_streams_in_it() -> None:
         ledger.decoding(entry, since=0.0, tally=Counted(i % 3))
         ledger.ended(entry, 0, 0.0)
     assert len(ledger) == 1 and ledger.headroom_s(now=0.0) == pytest.approx(0.5)
-    assert len(ledger._bounded) <= 4 * len(ledger) + 65
-    assert len(ledger._measured) <= 4 * len(ledger) + 65
+    for bounded, measured in ledger._heaps:
+        assert len(bounded) <= 4 * len(ledger) + 65
+        assert len(measured) <= 4 * len(ledger) + 65
 
 
 def test_a_stream_is_protected_before_its_engine_has_measured_a_step() -> None:
@@ -587,3 +588,19 @@ def test_a_lower_class_waits_behind_a_higher_one_waiting_for_pace() -> None:
         assert f.judge(standard).prefer is f.engines[0]  # none waits now
 
     f.loop.run_until_complete(run())
+
+
+def test_a_prompt_spends_lower_classes_allowance_never_a_higher_ones() -> None:
+    critical, standard, sheddable = 0, 1, 2
+    ledger = Streams(3)
+    ledger.joined(AIM, TAU0, 21, rank=critical)  # 2 s of allowance
+    ledger.joined(AIM, TAU0, 6, rank=standard)  # 0.5 s
+    ledger.joined(AIM, TAU0, 2, rank=sheddable)  # 0.1 s
+    # A second of prefill would break the standard and the sheddable stream's targets: a
+    # critical prompt may take it, a standard one only the sheddable stream's pace spends.
+    assert ledger.fits(1.0, now=0.0, rank=critical)
+    assert not ledger.fits(1.0, now=0.0, rank=standard)
+    assert ledger.fits(0.4, now=0.0, rank=standard)
+    assert not ledger.fits(0.4, now=0.0, rank=sheddable)
+    assert not ledger.fits(2.5, now=0.0, rank=critical)
+    assert ledger.headroom_s(now=0.0) == pytest.approx(0.1)  # every stream: the tightest

@@ -3,9 +3,12 @@ clock the test holds, and end to end through the router and a scripted engine.""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import os
 import signal
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,11 +22,14 @@ from narwhal.router.tenants.fair_queue import RANK, FairQueue
 from narwhal.router.tenants.limits import Limits, Tenant, TenantLimited
 from narwhal.router.tenants.shares import SATURATED_S, Shares
 from tests.support import (
+    ROOT,
     EtcdServer,
     Server,
+    free_port,
     metric,
     start_router,
     start_test_engine,
+    wait_http,
     wait_until,
 )
 
@@ -139,6 +145,18 @@ def test_a_tenant_past_its_requests_a_minute_is_refused_while_others_are_served(
         'narwhal_tenant_requests_total{priority="standard",result="refused_rpm",tenant="team-a"}'
     )
     assert f"{admitted} 3.0" in metrics and f"{refused} 1.0" in metrics
+    # As they ended, and how long they waited for an engine, by tenant and class.
+    served = (
+        'narwhal_tenant_finished_total{outcome="completed",priority="standard",reason="",'
+        'tenant="team-a"}'
+    )
+    limited = (
+        'narwhal_tenant_finished_total{outcome="rejected",priority="standard",reason="tenant",'
+        'tenant="team-a"}'
+    )
+    queued = 'narwhal_tenant_queue_time_seconds_count{priority="standard",tenant="team-a"}'
+    assert f"{served} 3.0" in metrics and f"{limited} 1.0" in metrics
+    assert f"{queued} 3.0" in metrics
     assert "key-of-team" not in metrics
 
 
@@ -202,6 +220,58 @@ def test_two_backlogged_tenants_take_equal_shares_of_tokens_whatever_each_sends(
     q.push("light", 1, "light", 0.0, 100)
     served = [q.pop() for _ in range(4)]
     assert served.count("light") == 1
+
+
+def test_two_backlogged_tenants_are_served_equal_tokens_through_the_router(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine = start_test_engine("tests.scripted_engine")
+    monkeypatch.setenv("NARWHAL_TEST_KEY_HEAVY", "key-of-heavy")
+    monkeypatch.setenv("NARWHAL_TEST_KEY_LIGHT", "key-of-light")
+    router = start_router(
+        tmp_path,
+        f"""
+listen: {{port: $PORT}}
+admission: open
+phases: {{prefill_concurrency: 1, decode_concurrency: 1}}
+queue: {{size: 64, wait_s: 60}}
+auth:
+  api_keys:
+    - {{key_env: NARWHAL_TEST_KEY_HEAVY, tenant: heavy}}
+    - {{key_env: NARWHAL_TEST_KEY_LIGHT, tenant: light}}
+engines: [{{name: s, url: '{engine.url}'}}]
+""",
+    )
+    done: list[str] = []
+
+    def send(tenant: str, content: str) -> None:
+        r = ask(router, f"key-of-{tenant}", content)
+        assert r.status_code == 200, r.text
+        done.append(tenant)
+
+    try:
+        first = threading.Thread(target=send, args=("heavy", "script:paced:60:50"))
+        first.start()
+        wait_until(lambda: httpx.get(engine.url + "/stats").json()["active"], 10)
+        # Ten times as many from one tenant, all of the same size, all waiting.
+        threads = [
+            threading.Thread(target=send, args=("heavy", "script:paced:2:5")) for _ in range(20)
+        ]
+        threads += [
+            threading.Thread(target=send, args=("light", "script:paced:2:5")) for _ in range(2)
+        ]
+        for i, t in enumerate(threads):
+            t.start()
+            wait_until(lambda i=i: metric(router, "narwhal_queued") == i + 1, 10)
+        for t in [first, *threads]:
+            t.join(60)
+        # While both were backlogged (until the light tenant's last was served), each was
+        # served as much as the other: the light one's two came among the first four.
+        assert done[0] == "heavy" and len(done) == 23
+        assert sorted(done[1:5]) == ["heavy", "heavy", "light", "light"], done
+    finally:
+        router.stop()
+        engine.stop()
 
 
 def test_a_request_whose_wait_ended_does_not_use_its_tenants_turn() -> None:
@@ -367,3 +437,73 @@ def test_a_tenant_over_its_share_gets_less_budget_only_while_the_fleet_is_full()
     s.refused(now=200.0)
     s.served("light", 10**6, now=200.0)
     assert s.headroom("light", now=200.0) == 1.0
+
+
+@pytest.mark.slow
+def test_under_3x_overload_critical_work_keeps_its_budget_and_sheddable_is_refused_first(
+    tmp_path: Path,
+) -> None:
+    from bench.fleet.replay import Result, klass_of, offer, warm
+    from bench.fleet.traces import Request
+
+    # Two simulated GPU engines (bench/fleet/server.py: chunked prefill beside decoding
+    # streams), every step twice as long; the replayer divides what it measures by that.
+    scale, budget_s, tpot_s = 2.0, 5.0, 0.1
+    port = free_port()
+    sim = subprocess.Popen(
+        [
+            *(sys.executable, "-m", "bench.fleet.server", "--engines", "2"),
+            *("--port", str(port), "--time-scale", str(scale)),
+        ],
+        cwd=ROOT,
+        start_new_session=True,
+    )
+    engines = [f"http://127.0.0.1:{port + i}" for i in range(2)]
+    try:
+        for u in engines:
+            wait_http(u + "/health", sim, 30)
+        keys = ", ".join(
+            f"{{key: key-{c}, tenant: {c}, priority: {c}}}"
+            for c in ("critical", "standard", "sheddable")
+        )
+        router = start_router(
+            tmp_path,
+            f"""
+model: main
+listen: {{port: $PORT}}
+admission: predictive
+predictive: {{ttft_budget_s: {budget_s * scale}, tpot_target_s: {tpot_s * scale}}}
+auth: {{api_keys: [{keys}]}}
+queue: {{size: 4096, wait_s: 600}}
+phases: {{prefill_concurrency: 64, decode_concurrency: 512}}
+engines:
+"""
+            + "".join(
+                f"  - {{name: e{i}, url: '{u}', dialect: vllm}}\n" for i, u in enumerate(engines)
+            ),
+        )
+        try:
+            asyncio.run(warm(router.url, 24, scale, keyed=True))
+            # The issue's case: interactive chat (critical: prompts of 300-1,300 tokens)
+            # beside batch work (1,000-4,000 tokens), none shared, answers of 40-160 tokens;
+            # 600 requests, 24 a second: about 3x what the two engines serve within both
+            # targets.
+            mix = [("critical", 0.2), ("standard", 0.5), ("sheddable", 0.3)]
+            trace = []
+            for i in range(600):
+                chat = klass_of(i, mix) == "critical"
+                prompt = 300 + (i * 7919) % 1000 if chat else 1000 + (i * 7919) % 3000
+                blocks = [i * 8 + k for k in range(8)]  # 512 words each
+                trace.append(Request(i * 1000 / 24, prompt, 40 + (i * 104729) % 120, blocks))
+            outs, span = asyncio.run(offer([router.url], trace, 1.0, scale, mix))
+        finally:
+            router.stop()
+    finally:
+        os.killpg(sim.pid, signal.SIGTERM)
+        sim.wait(10)
+    got = Result("narwhal", 3.0, outs, span).summary(budget_s, tpot_s)
+    by = got["by_class"]
+    refused = {c: by[c]["refused"] / by[c]["offered"] for c in by}
+    assert got["refused"] >= 0.5 * got["offered"], got  # overloaded, as meant
+    assert by["critical"]["within_slo"] >= 0.99 * by["critical"]["offered"], by
+    assert refused["sheddable"] > refused["standard"] > refused["critical"], refused

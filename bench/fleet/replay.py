@@ -189,10 +189,12 @@ async def offer(
     load: float,
     scale: float,
     classes: list[tuple[str, float]] | None = None,
+    only: str | None = None,
 ) -> tuple[list[Outcome], float]:
     """Every request at its time (open loop): the trace's pace times `load`, spread over
     `urls` in turn (a door's one URL, or the engines themselves for `direct`); with
-    `classes`, each request of a class (in those shares, the same requests every run)."""
+    `classes`, each request of a class (in those shares, the same requests every run), and
+    with `only` that class's requests alone (the rest are not sent, nor returned)."""
     outs = [Outcome(klass=klass_of(i, classes), prompt=r.input_length) for i, r in enumerate(trace)]
     # A pooled connection is let go after 5 s idle (httpx's default; aiohttp's is 15 s): a
     # door that closes idle connections sooner than its client (Narwhal after its
@@ -204,6 +206,8 @@ async def offer(
         tasks = []
         t0 = trace[0].timestamp_ms
         for i, (r, o) in enumerate(zip(trace, outs, strict=True)):
+            if only is not None and o.klass != only:
+                continue
             at = start + (r.timestamp_ms - t0) / 1000 / load * scale
             delay = at - time.monotonic()
             if delay > 0:
@@ -212,7 +216,7 @@ async def offer(
             tasks.append(asyncio.create_task(one(s, url, r, scale, 600 * scale, o)))
         await asyncio.gather(*tasks)
         span = (time.monotonic() - start) / scale
-    return outs, span
+    return [o for o in outs if only is None or o.klass == only], span
 
 
 def klass_of(i: int, classes: list[tuple[str, float]] | None) -> str:
@@ -331,7 +335,7 @@ def run_door(
         cpu0 = tree_cpu(proc.pid) if proc else 0.0
         urls = engines if door.cmd is None else [f"http://127.0.0.1:{door.port}"]
         res.outcomes, res.span_s = asyncio.run(
-            offer(urls, trace, load, a.time_scale, classes(a) or None)
+            offer(urls, trace, load, a.time_scale, classes(a) or None, a.only)
         )
         res.cpu_s = (tree_cpu(proc.pid) - cpu0) if proc else 0.0
         res.prompt_tokens, res.cached_tokens = asyncio.run(engine_stats(engines))
@@ -372,6 +376,7 @@ def dump(folder: Path, res: Result, trace: list[Request]) -> None:
                 "tpot_s": o.tpot_s,
                 "cached": o.cached,
                 "failed": o.failed,
+                "klass": o.klass,
             }
         )
         for i, (r, o) in enumerate(zip(trace, res.outcomes, strict=True))
@@ -515,6 +520,11 @@ def main() -> None:
         "each request carries its tenant's key, and the figures are given by tenant too",
     )
     ap.add_argument(
+        "--only",
+        help="with --classes, send that class's requests alone, at the times they have in "
+        "the mix (what the class gets with the fleet to itself)",
+    )
+    ap.add_argument(
         "--dump", type=Path, help="a folder: one JSONL per door and load, a line a request"
     )
     a = ap.parse_args()
@@ -531,7 +541,12 @@ def main() -> None:
                     row = res.summary(a.ttft_budget_s, a.tpot_target_ms / 1000)
                     rows.append(row)
                     if a.dump:
-                        dump(a.dump, res, trace)
+                        sent = [
+                            r
+                            for i, r in enumerate(trace)
+                            if a.only is None or klass_of(i, classes(a)) == a.only
+                        ]
+                        dump(a.dump, res, sent)
                     print(table([row]).splitlines()[-1], flush=True)
     finally:
         os.killpg(sim.pid, signal.SIGTERM)

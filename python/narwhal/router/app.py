@@ -5,23 +5,18 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import sys
 import time
-from collections.abc import Callable
-from typing import Any
 
 import aiohttp
-from prometheus_client import generate_latest
 
 from narwhal import asgi, bearer, logs, service, silent
 from narwhal.asgi import Receive, Scope, Send
 from narwhal.background import Background
-from narwhal.errors import ApiError
 from narwhal.etcd import EtcdError
 from narwhal.router import admin as admin_api
 from narwhal.router.admission import Admission
 from narwhal.router.config import RouterConfig
-from narwhal.router.engines import Engine, Pool
+from narwhal.router.fleet.reload import settle
 from narwhal.router.fleet.wiring import Fleet
 from narwhal.router.ha.leadership import Leadership
 from narwhal.router.ha.maintenance import Maintenance
@@ -35,25 +30,24 @@ from narwhal.router.pipeline.gate import Gate, Unavailable
 from narwhal.router.pipeline.judge import Judge
 from narwhal.router.pipeline.place import Placer
 from narwhal.router.policies.choose import choose
-from narwhal.router.policies.predictive import PredictivePolicy
 from narwhal.router.predict import Predictor
 from narwhal.router.profiling import Profiler
 from narwhal.router.relay.relayer import Relayer
-from narwhal.router.supervisor import ManagedEngine
+from narwhal.router.status import Status
+from narwhal.router.supervisor import pool_from
 from narwhal.router.tenants.registry import Tenants, client_keys
 
 log = logging.getLogger("narwhal.router")
 access_log = logging.getLogger("narwhal.access")
 
 COMPLETION_ROUTES = (intake.CHAT, intake.COMPLETION, intake.RESPONSES)
-GET_ROUTES = frozenset({"/health", "/ready", "/v1/models", "/engines", "/metrics"})
 
 
 class Router:
     def __init__(self, config: RouterConfig) -> None:
         self.config = config
         self.metrics = RouterMetrics()
-        self.pool = _pool(config, self.metrics)
+        self.pool = pool_from(config, self.metrics)
         engines = self.pool.engines
         self.managed = [e.managed for e in engines if e.managed is not None]
         # What happens to each lease reaches these three, subscribed here once.
@@ -76,9 +70,7 @@ class Router:
         )
         keys, self.key_tenants = client_keys(config)
         self.client_keys = tuple(k.encode() for k in keys)
-        self.tenants = Tenants(
-            list(config.tenant_keys), self.metrics.tenant_requests, self.metrics.tenant_tokens
-        )
+        self.tenants = Tenants(list(config.tenant_keys), self.metrics)
         ha = config.ha
         self.leadership = Leadership(ha)
         self.maintenance = Maintenance(
@@ -121,11 +113,13 @@ class Router:
             self.policy,
             self.relayer,
             self.metrics.queue_time.labels(config.model),
+            self.tenants,
         )
         self.flow = Flow(
             config, self.metrics, self.admission, self.gate, self.judge, self.placer, self.tenants
         )
         self.background = Background(self.metrics.background_errors)
+        self.status = Status(self)
         self.session: aiohttp.ClientSession | None = None
 
     def reload(self) -> str | None:
@@ -135,22 +129,7 @@ class Router:
     def _settings(self, new: RouterConfig) -> None:
         """A reloaded config's settings, for requests from now on."""
         self.config = self.flow.config = new
-        a = self.admission
-        a.retention_limit, a.queue_size, a.wait_s = (
-            new.http_retention_limit,
-            new.queue_size,
-            new.queue_wait_s,
-        )
-        self.pool.prefill_limit, self.pool.decode_limit = (
-            new.prefill_concurrency,
-            new.decode_concurrency,
-        )
-        self.pool.eject_after = new.eject_after
-        self.membership.drain_timeout_s = new.drain_timeout_s
-        self.relayer.idle_s = new.stream_idle_timeout_s
-        if isinstance(self.policy, PredictivePolicy):
-            self.policy.tpot_target_s = new.tpot_target_s
-        self.pool.notify()  # a larger queue or more seats may take waiting requests
+        settle(new, self.admission, self.pool, self.membership, self.relayer, self.policy)
 
     # -- lifecycle ----------------------------------------------------------------------
     async def startup(self) -> None:
@@ -256,109 +235,8 @@ class Router:
             await self.flow(path, scope, receive, send, tenant)
         elif self.admin is not None and admin_api.routes(path):
             await self.admin.handle(scope, receive, send)
-        elif path.startswith("/v1/models/"):
-            if method != "GET":
-                raise asgi.method_not_allowed(method, path, "GET")
-            await asgi.send_json(send, 200, self._model(path[len("/v1/models/") :]))
-        elif path not in GET_ROUTES:
-            raise ApiError(404, f"no route {method} {path}", code="not_found")
-        elif method != "GET":
-            raise asgi.method_not_allowed(method, path, "GET")
-        elif path == "/health":
-            await asgi.send_json(send, 200, {"status": "ok"})
-        elif path == "/ready":
-            await self._ready(send)
-        elif path == "/v1/models":
-            await asgi.send_json(send, 200, {"object": "list", "data": [self._model()]})
-        elif path == "/engines":
-            await asgi.send_json(send, 200, {"engines": [e.describe() for e in self.pool.engines]})
-        elif path == "/metrics":
-            self.metrics.refresh(self.pool, self.admission, self.predictor)
-            await asgi.send_bytes(
-                send, 200, generate_latest(self.metrics.registry), b"text/plain; version=0.0.4"
-            )
         else:
-            raise ApiError(404, f"no route {method} {path}", code="not_found")
-
-    def _model(self, model_id: str | None = None) -> dict[str, Any]:
-        """The one model the router serves (`GET /v1/models/{id}`: it, or 404)."""
-        if model_id is not None and model_id != self.config.model:
-            raise ApiError(
-                404,
-                f"The model '{model_id[:200]}' does not exist",
-                param="model",
-                code="model_not_found",
-            )
-        return {"id": self.config.model, "object": "model", "created": 0, "owned_by": "narwhal"}
-
-    async def _ready(self, send: Send) -> None:
-        engines = [e.describe() for e in self.pool.engines]
-        body: dict[str, Any] = {
-            "ready": False,
-            "admission": self.config.admission,
-            "leadership": self.leadership.describe(),
-            "maintenance": sorted(self.maintenance.wave),
-            "engines": engines,
-        }
-        down = self.gate.unavailable()
-        reason = down[1] if down else None
-        if reason is None and not self.pool.eligible():
-            reason = "no placement-eligible engine"
-        if self.predictor is not None:
-            for e in engines:
-                e["profile"] = self.predictor.profiles[str(e["name"])].describe()
-        body["ready"] = reason is None
-        if reason is not None:
-            body["reason"] = reason
-        if self.fleet.reloader.error is not None:
-            body["reload_error"] = self.fleet.reloader.error  # the running config stays
-        stale = self.fleet.stale()
-        if stale:
-            body["engines_from_stale"] = stale  # the last good set serves meanwhile
-        failing = self.background.failing()
-        if failing:
-            body["background_failing"] = failing
-        await asgi.send_json(send, 200 if reason is None else 503, body)
-
-
-def _pool(config: RouterConfig, metrics: RouterMetrics) -> Pool:
-    """The config file's engines: called, or launched and supervised here."""
-    engines = []
-    for spec in config.engines:
-        if spec.launch is not None:
-            me = ManagedEngine(spec, config.model, on_fatal=_fatal)
-            engines.append(Engine(spec, me.url, managed=me))
-        else:
-            assert spec.url is not None
-            key = os.environ.get(spec.api_key_env) if spec.api_key_env else None
-            engines.append(Engine(spec, spec.url.rstrip("/"), api_key=key))
-    pool = Pool(engines, config.prefill_concurrency, config.decode_concurrency, config.eject_after)
-    for e in engines:
-        if e.managed is not None:
-            e.managed.on_exit = _exited(pool, e, metrics.engine_restarts.labels(e.name))
-    return pool
-
-
-def _exited(pool: Pool, engine: Engine, restarts: Any) -> Callable[[str], None]:
-    """A managed engine's process ended: counted, and out of placement at once rather than
-    at the next health probe (until then /ready would call a dead engine ready)."""
-
-    def exited(_: str) -> None:
-        restarts.inc()
-        pool.process_exited(engine)
-
-    return exited
-
-
-def _fatal(report: str) -> None:
-    """A managed engine can never start: the router stops with the engine's own words.
-    The worker exits at once; Granian's main process then ends with this status, and the
-    other managed engines follow (each dies with this process, see supervisor)."""
-    print(f"narwhal: error: {report}", file=sys.stderr, flush=True)
-    os._exit(FATAL_EXIT)
-
-
-FATAL_EXIT = 3
+            await self.status.answer(path, method, send)
 
 
 CONFIG_ENV = "NARWHAL_ROUTER_CONFIG_FILE"

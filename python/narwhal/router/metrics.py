@@ -135,9 +135,23 @@ class RouterMetrics:
         )
         self.tenant_requests = Counter(
             "narwhal_tenant_requests",
-            "Requests of each tenant (auth.api_keys), by priority class and result: admitted, "
-            "refused_rpm, refused_tpm, refused_concurrency",
+            "Requests of each tenant (auth.api_keys) by priority class, as its own limits "
+            "took them: admitted, refused_rpm, refused_tpm, refused_concurrency",
             ["tenant", "priority", "result"],
+            registry=r,
+        )
+        self.tenant_finished = Counter(
+            "narwhal_tenant_finished",
+            "Requests of each tenant by priority class, as they ended (the outcome of "
+            "narwhal_finished_total, and the refusal's reason or empty)",
+            ["tenant", "priority", "outcome", "reason"],
+            registry=r,
+        )
+        self.tenant_queue_time = Histogram(
+            "narwhal_tenant_queue_time_seconds",
+            "Arrival to placement on an engine, per tenant and priority class",
+            ["tenant", "priority"],
+            buckets=_LATENCY,
             registry=r,
         )
         self.tenant_tokens = Counter(

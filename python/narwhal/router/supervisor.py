@@ -21,13 +21,16 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import orjson
 
 from narwhal import service
 from narwhal.router import affinity
-from narwhal.router.config import EngineSpec
+from narwhal.router.config import EngineSpec, RouterConfig
+from narwhal.router.engines import Engine, Pool
+from narwhal.router.metrics import RouterMetrics
 
 log = logging.getLogger("narwhal.supervisor")
 
@@ -231,3 +234,43 @@ def _labelled(line: bytes, label: bytes, name: str) -> bytes:
             obj["engine"] = name
             return orjson.dumps(obj) + b"\n"
     return label + line
+
+
+def pool_from(config: RouterConfig, metrics: RouterMetrics) -> Pool:
+    """The config file's engines: called, or launched and supervised here."""
+    engines = []
+    for spec in config.engines:
+        if spec.launch is not None:
+            me = ManagedEngine(spec, config.model, on_fatal=_fatal)
+            engines.append(Engine(spec, me.url, managed=me))
+        else:
+            assert spec.url is not None
+            key = os.environ.get(spec.api_key_env) if spec.api_key_env else None
+            engines.append(Engine(spec, spec.url.rstrip("/"), api_key=key))
+    pool = Pool(engines, config.prefill_concurrency, config.decode_concurrency, config.eject_after)
+    for e in engines:
+        if e.managed is not None:
+            e.managed.on_exit = _exited(pool, e, metrics.engine_restarts.labels(e.name))
+    return pool
+
+
+def _exited(pool: Pool, engine: Engine, restarts: Any) -> Callable[[str], None]:
+    """A managed engine's process ended: counted, and out of placement at once rather than
+    at the next health probe (until then /ready would call a dead engine ready)."""
+
+    def exited(_: str) -> None:
+        restarts.inc()
+        pool.process_exited(engine)
+
+    return exited
+
+
+def _fatal(report: str) -> None:
+    """A managed engine can never start: the router stops with the engine's own words.
+    The worker exits at once; Granian's main process then ends with this status, and the
+    other managed engines follow (each dies with this process, see supervisor)."""
+    print(f"narwhal: error: {report}", file=sys.stderr, flush=True)
+    os._exit(FATAL_EXIT)
+
+
+FATAL_EXIT = 3

@@ -14,8 +14,13 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
+from narwhal.router.admission import Admission
 from narwhal.router.config import RouterConfig, RouterConfigError, load
+from narwhal.router.engines import Pool
 from narwhal.router.fleet.membership import Conflict, Membership
+from narwhal.router.policies import Policy
+from narwhal.router.policies.predictive import PredictivePolicy
+from narwhal.router.relay.relayer import Relayer
 
 log = logging.getLogger("narwhal.fleet")
 
@@ -74,3 +79,24 @@ class Reloader:
         self.error = why
         log.error("config reload refused, the running config stays: %s", why)
         return why
+
+
+def settle(
+    new: RouterConfig,
+    admission: Admission,
+    pool: Pool,
+    membership: Membership,
+    relayer: Relayer,
+    policy: Policy,
+) -> None:
+    """A reloaded config's admission and serving settings, to each that reads them per
+    request."""
+    admission.retention_limit = new.http_retention_limit
+    admission.queue_size, admission.wait_s = new.queue_size, new.queue_wait_s
+    pool.prefill_limit, pool.decode_limit = new.prefill_concurrency, new.decode_concurrency
+    pool.eject_after = new.eject_after
+    membership.drain_timeout_s = new.drain_timeout_s
+    relayer.idle_s = new.stream_idle_timeout_s
+    if isinstance(policy, PredictivePolicy):
+        policy.tpot_target_s = new.tpot_target_s
+    pool.notify()  # a larger queue or more seats may take waiting requests

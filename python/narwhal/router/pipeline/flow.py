@@ -57,6 +57,7 @@ class Flow:
         arrived = time.monotonic()
         m.offered.inc()
         end = Ending()
+        rank: int | None = None
         try:
             try:
                 self.admission.retain()
@@ -66,7 +67,9 @@ class Flow:
             try:
                 req, deadline, budget = await read(path, scope, receive, self.config, m, arrived)
                 req.tenant = tenant or ""
-                req.rank = self.tenants.rank(tenant, asgi.header(scope, b"x-narwhal-priority"))
+                req.rank = rank = self.tenants.rank(
+                    tenant, asgi.header(scope, b"x-narwhal-priority")
+                )
                 req.headroom = headroom(req.rank, self.config, self.tenants.critical)
                 fair = self.tenants.headroom(tenant)
                 req.headroom *= fair
@@ -87,6 +90,8 @@ class Flow:
                 self.tenants.shares.refused()  # the fleet is full: fair shares apply
             m.finished_as(end.outcome).inc()
             self._count(end)
+            if tenant:
+                self.tenants.finished(tenant, rank, end.outcome, end.label)
             rec = asgi.current.get()
             if rec is not None:
                 rec.fields["outcome"] = end.outcome

@@ -22,6 +22,7 @@ from narwhal.router.pipeline.intake import Intake
 from narwhal.router.policies import Plan, Policy
 from narwhal.router.relay.errors import EngineBusy, EngineFailed, EngineFenced
 from narwhal.router.relay.relayer import Relayer
+from narwhal.router.tenants.registry import Tenants
 
 
 class Placer:
@@ -33,6 +34,7 @@ class Placer:
         policy: Policy,
         relayer: Relayer,
         queue_time: Any,
+        tenants: Tenants,
     ) -> None:
         self.admission = admission
         self.pool = pool
@@ -41,6 +43,7 @@ class Placer:
         self.policy = policy
         self.relayer = relayer
         self.queue_time = queue_time  # the model's queue-time histogram child
+        self.tenants = tenants
 
     async def serve(
         self,
@@ -98,7 +101,10 @@ class Placer:
                 lease.plan = plan
                 self.policy.placed(lease)
                 placed = True
-                self.queue_time.observe(time.monotonic() - arrived)
+                waited = time.monotonic() - arrived
+                self.queue_time.observe(waited)
+                if req.tenant:
+                    self.tenants.queued(req.tenant, req.rank, waited)
                 return await self._relay(lease, send, end)
         except EngineFenced as e:
             self.leadership.fence(str(e))

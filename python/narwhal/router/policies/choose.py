@@ -19,4 +19,9 @@ def choose(config: RouterConfig, engines: list[Engine], predictor: Predictor | N
         if config.prefix_cache_tokens
         else None
     )
-    return PredictivePolicy(predictor, engines, cache, config.tpot_target_s)
+    # Where a key may send critical work, lower classes leave critical streams the room a
+    # critical prompt of the reserve's share of the budget would take (as they leave it
+    # in the TTFT budget).
+    critical = any(k.priority == "critical" for k in config.tenant_keys)
+    reserve_s = config.critical_reserve * config.ttft_budget_s if critical else 0.0
+    return PredictivePolicy(predictor, engines, cache, config.tpot_target_s, reserve_s=reserve_s)

@@ -24,6 +24,7 @@ from narwhal.router.policies.prefix_cache import Expectation, PrefixCache
 from narwhal.router.policies.sessions import Sessions
 from narwhal.router.policies.tpot import Charge, Streams
 from narwhal.router.predict import NoEngineKeepsPace, Predictor, Profile, Projection
+from narwhal.router.tenants.fair_queue import CLASSES
 
 # Streams are kept within this share of the TPOT target: a charge is an estimate (a prompt's
 # sizing is off by 10-20 % from one prompt to the next, an eviction the picture learns of
@@ -47,12 +48,15 @@ class PredictivePolicy:
         cache: PrefixCache | None,
         tpot_target_s: float | None = None,
         sessions: Sessions | None = None,
+        reserve_s: float = 0.0,
     ) -> None:
         self.predictor = predictor
+        # Prefill seconds a lower class leaves in critical streams' allowance.
+        self.reserve_s = reserve_s
         self.cache = cache
         self.tpot_target_s = tpot_target_s
         self.sessions = sessions or Sessions()
-        self.streams = {e.name: Streams() for e in engines}
+        self.streams = {e.name: Streams(len(CLASSES)) for e in engines}
         # Placed requests, until released: their stream's entry in the ledger (None for an
         # answer of one token) and their prompt's charge.
         self._entries: dict[Lease, tuple[int | None, Charge]] = {}
@@ -68,7 +72,7 @@ class PredictivePolicy:
 
     def added(self, engine: Engine) -> None:
         self.predictor.add(engine)
-        self.streams.setdefault(engine.name, Streams())
+        self.streams.setdefault(engine.name, Streams(len(CLASSES)))
         self._engines[engine.name] = engine
         if self.cache is not None:
             self.cache.add(engine.name)
@@ -116,7 +120,7 @@ class PredictivePolicy:
             budget_s,
             cached,
             self._engines.get(home or ""),
-            self._paced(req.headroom) if paced else None,
+            self._paced(req.headroom, req.rank) if paced else None,
             self._stall if paced else None,
         )
         if paced and any(self._waiting[: req.standing]):
@@ -134,18 +138,23 @@ class PredictivePolicy:
                 charge = self.streams[proj.engine.name].charge(proj.tokens / rate)
         return Plan(proj.engine, proj.tokens, proj.total_s, blocks, expected, req.session, charge)
 
-    def _paced(self, headroom: float) -> Callable[[Projection], bool]:
-        if headroom >= 1.0:
-            return self._keeps_pace
-        return lambda p: self._keeps_pace(p, headroom)
+    def _paced(self, headroom: float, rank: int) -> Callable[[Projection], bool]:
+        return lambda p: self._keeps_pace(p, headroom, rank)
 
-    def _keeps_pace(self, p: Projection, headroom: float = 1.0) -> bool:
-        """Placing there leaves every stream on the engine within the TPOT target (a
-        request of a lower class: with `1 - headroom` of the allowance to spare)."""
+    def _keeps_pace(self, p: Projection, headroom: float, rank: int) -> bool:
+        """Placing there leaves every stream on the engine of the request's class or a
+        higher one within the TPOT target (a request of a lower class: with `1 - headroom`
+        of the allowance to spare, and critical streams `reserve_s` more). Lower classes'
+        streams are the higher ones' to spend."""
         rate = self._rate(p.engine.name)
         if rate is None:
             return True
-        return self.streams[p.engine.name].fits(p.tokens / rate / headroom, time.monotonic())
+        ledger = self.streams[p.engine.name]
+        now = time.monotonic()
+        stall = p.tokens / rate
+        if not ledger.fits(stall / headroom, now, rank):
+            return False
+        return rank == 0 or not self.reserve_s or ledger.fits(stall + self.reserve_s, now, 0)
 
     def _stall(self, p: Projection) -> float:
         """Stream-seconds of decode this prompt's prefill holds up on its engine: each
@@ -193,7 +202,7 @@ class PredictivePolicy:
         entry = None
         if n is None or n > 1:
             aim = TPOT_AIM * self.tpot_target_s
-            entry = ledger.joined(aim, self._tau0(name, aim), n or 2)
+            entry = ledger.joined(aim, self._tau0(name, aim), n or 2, lease.intake.rank)
         self._entries[lease] = (entry, charge)
 
     def _tau0(self, name: str, aim: float) -> float:

@@ -30,6 +30,11 @@ Each kind has its heap, keyed by a lower bound of its stream's true value (for t
 kind, `target x (n - 1) + start - tau0 x n`, which `k` only raises); reading one takes streams
 off its top until the smallest true value seen is below the next key, then puts them back.
 
+Streams have a rank (a priority class, 0 the highest) and a prompt is held only to the
+allowance of streams of its own rank or higher: critical work may spend what a standard
+stream had left, as an engine that schedules by priority would preempt it, and is kept out
+only by streams as urgent as itself. Each rank has its heaps.
+
 `tau0` is learned per engine from streams that shared few steps with prefill: the median
 of the last few, since one stream stalled by something the ledger never saw (a prefill
 larger than sized, an eviction) would otherwise shut its engine to prefill for a while.
@@ -79,27 +84,35 @@ class Charge:
 class Streams:
     """Per engine: the prefill placed there and the allowance each stream has left."""
 
-    __slots__ = ("_bounded", "_live", "_measured", "_samples", "charged_s", "pending_s", "tau0_s")
+    __slots__ = ("_heaps", "_live", "_samples", "charged_s", "pending_s", "tau0_s")
 
     _order = itertools.count()
 
-    def __init__(self) -> None:
+    def __init__(self, ranks: int = 1) -> None:
         self.charged_s = 0.0  # prefill seconds placed on the engine, ever
         self.pending_s = 0.0  # of those, prefill that has not run yet
         self.tau0_s: float | None = None  # a step without prefill, learned
         self._samples: deque[float] = deque(maxlen=SAMPLES)
-        # (a lower bound of the stream's value, its entry), the smallest first: streams held
-        # to the charge (in charge units) and streams measured by their tokens (in seconds).
-        # Ended streams leave `_live` at once and a heap when they reach its top.
-        self._bounded: list[tuple[float, int]] = []
-        self._measured: list[tuple[float, int]] = []
+        # Per rank, two heaps of (a lower bound of the stream's value, its entry), the
+        # smallest first: streams held to the charge (in charge units) and streams measured
+        # by their tokens (in seconds). Ended streams leave `_live` at once and a heap when
+        # they reach its top.
+        self._heaps: list[tuple[list[tuple[float, int]], list[tuple[float, int]]]] = [
+            ([], []) for _ in range(ranks)
+        ]
         self._live: dict[int, _Stream] = {}
 
-    def headroom_s(self, now: float) -> float | None:
-        """Prefill seconds the engine can take before some stream there misses its target;
-        None with no stream to protect."""
-        bounded = self._least(self._bounded, False, now)
-        measured = self._least(self._measured, True, now)
+    def headroom_s(self, now: float, rank: int | None = None) -> float | None:
+        """Prefill seconds the engine can take before some stream there of `rank` or
+        higher (every stream: None) misses its target; None with no such stream."""
+        bounded = measured = None
+        for b, m in self._heaps if rank is None else self._heaps[: rank + 1]:
+            x = self._least(b, False, now)
+            if x is not None and (bounded is None or x < bounded):
+                bounded = x
+            y = self._least(m, True, now)
+            if y is not None and (measured is None or y < measured):
+                measured = y
         if bounded is None:
             return None if measured is None else measured - now - self.pending_s
         room = bounded - self.charged_s
@@ -128,8 +141,8 @@ class Streams:
             heapq.heappush(heap, x)
         return best
 
-    def fits(self, stall_s: float, now: float) -> bool:
-        room = self.headroom_s(now)
+    def fits(self, stall_s: float, now: float, rank: int | None = None) -> bool:
+        room = self.headroom_s(now, rank)
         return room is None or stall_s <= room
 
     def charge(self, stall_s: float) -> Charge:
@@ -139,13 +152,14 @@ class Streams:
         self.pending_s += stall_s
         return Charge(self, stall_s)
 
-    def joined(self, aim_s: float, tau0_s: float, n: int) -> int:
-        """A stream held to `aim_s` a token, expected to run to `n` tokens on steps of
-        `tau0_s`, joins the ledger (after its own prompt was charged). Returns its entry."""
+    def joined(self, aim_s: float, tau0_s: float, n: int, rank: int = 0) -> int:
+        """A stream of `rank` held to `aim_s` a token, expected to run to `n` tokens on
+        steps of `tau0_s`, joins the ledger (after its own prompt was charged). Returns its
+        entry."""
         entry = next(self._order)
-        stream = _Stream(self.charged_s, aim_s, tau0_s, n)
+        stream = _Stream(self.charged_s, aim_s, tau0_s, n, rank)
         self._live[entry] = stream
-        heapq.heappush(self._bounded, (stream.joined + stream.allowance, entry))
+        heapq.heappush(self._heaps[rank][0], (stream.joined + stream.allowance, entry))
         return entry
 
     def decoding(self, entry: int, since: float, tally: Tally | None = None) -> None:
@@ -157,12 +171,12 @@ class Streams:
         stream.since = since
         if tally is not None:
             stream.tally = tally
-            heapq.heappush(self._measured, (stream.floor(), entry))
+            heapq.heappush(self._heaps[stream.rank][1], (stream.floor(), entry))
 
     def ended(self, entry: int, output_tokens: int, decode_s: float) -> None:
         """The stream left; what it measured teaches `tau0`."""
         stream = self._live.pop(entry, None)
-        for heap in (self._bounded, self._measured):
+        for heap in (h for pair in self._heaps for h in pair):
             if len(heap) > 4 * len(self._live) + 64:
                 # Ended entries leave a heap when they reach its top; one long-lived stream
                 # at the top would let the rest pile up behind it.
@@ -181,10 +195,11 @@ class Streams:
 
 
 class _Stream:
-    __slots__ = ("aim", "allowance", "joined", "n", "since", "slope", "tally", "tau0")
+    __slots__ = ("aim", "allowance", "joined", "n", "rank", "since", "slope", "tally", "tau0")
 
-    def __init__(self, joined: float, aim: float, tau0: float, n: int) -> None:
+    def __init__(self, joined: float, aim: float, tau0: float, n: int, rank: int) -> None:
         self.joined = joined  # the engine's charge when the stream joined
+        self.rank = rank
         self.aim = aim
         self.tau0 = tau0
         self.n = n

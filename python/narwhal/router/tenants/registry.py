@@ -9,19 +9,19 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any
 
 import orjson
 
 from narwhal.errors import ApiError
 from narwhal.router.config import RouterConfig, TenantKey
+from narwhal.router.metrics import RouterMetrics
 from narwhal.router.tenants.fair_queue import CLASSES, RANK
 from narwhal.router.tenants.limits import Limits, Tenant, TenantLimited, Ticket
 from narwhal.router.tenants.shares import Shares
 
 
 class Tenants:
-    def __init__(self, keys: list[TenantKey], requests: Any, tokens: Any) -> None:
+    def __init__(self, keys: list[TenantKey], metrics: RouterMetrics) -> None:
         self.by_name: dict[str, Tenant] = {}
         self.ceiling: dict[str, int] = {}  # the highest class a tenant's requests may take
         for k in keys:
@@ -31,8 +31,10 @@ class Tenants:
         # Whether any key may send critical work (standard work then leaves it room).
         self.critical = RANK["critical"] in self.ceiling.values()
         self.shares = Shares()
-        self._requests = requests  # Counter(["tenant", "priority", "result"])
-        self._tokens = tokens  # Counter(["tenant"])
+        self._requests = metrics.tenant_requests
+        self._tokens = metrics.tenant_tokens
+        self._finished = metrics.tenant_finished
+        self._queue_time = metrics.tenant_queue_time
         for name, rank in self.ceiling.items():
             self._requests.labels(name, CLASSES[rank], "admitted")
 
@@ -95,6 +97,15 @@ class Tenants:
         if tokens:
             self._tokens.labels(ticket.tenant.name).inc(tokens)
             self.shares.served(ticket.tenant.name, tokens)
+
+    def finished(self, name: str, rank: int | None, outcome: str, reason: str | None) -> None:
+        """A request of tenant `name` ended (its class: None when it was never read)."""
+        klass = CLASSES[self.ceiling[name] if rank is None else rank]
+        self._finished.labels(name, klass, outcome, reason or "").inc()
+
+    def queued(self, name: str, rank: int, seconds: float) -> None:
+        """A request of tenant `name` was placed `seconds` after it arrived."""
+        self._queue_time.labels(name, CLASSES[rank]).observe(seconds)
 
     def headroom(self, name: str | None) -> float:
         """The share of its budget a request of tenant `name` is judged against (fair

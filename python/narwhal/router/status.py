@@ -1,0 +1,93 @@
+"""What the router says of itself: `/health`, `/ready`, `/v1/models`, `/engines`, `/metrics`."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client import generate_latest
+
+from narwhal import asgi
+from narwhal.asgi import Send
+from narwhal.errors import ApiError
+
+if TYPE_CHECKING:
+    from narwhal.router.app import Router
+
+ROUTES = frozenset({"/health", "/ready", "/v1/models", "/engines", "/metrics"})
+
+
+class Status:
+    def __init__(self, router: Router) -> None:
+        self.router = router  # read, never written: its config changes on a reload
+
+    async def answer(self, path: str, method: str, send: Send) -> None:
+        """A GET route's answer; 405 for another method, 404 for a path that is none."""
+        if path.startswith("/v1/models/"):
+            if method != "GET":
+                raise asgi.method_not_allowed(method, path, "GET")
+            await asgi.send_json(send, 200, self._model(path[len("/v1/models/") :]))
+            return
+        if path not in ROUTES:
+            raise ApiError(404, f"no route {method} {path}", code="not_found")
+        if method != "GET":
+            raise asgi.method_not_allowed(method, path, "GET")
+        r = self.router
+        if path == "/health":
+            await asgi.send_json(send, 200, {"status": "ok"})
+        elif path == "/ready":
+            await self._ready(send)
+        elif path == "/v1/models":
+            await asgi.send_json(send, 200, {"object": "list", "data": [self._model()]})
+        elif path == "/engines":
+            await asgi.send_json(send, 200, {"engines": [e.describe() for e in r.pool.engines]})
+        else:
+            r.metrics.refresh(r.pool, r.admission, r.predictor)
+            await asgi.send_bytes(
+                send, 200, generate_latest(r.metrics.registry), b"text/plain; version=0.0.4"
+            )
+
+    def _model(self, model_id: str | None = None) -> dict[str, Any]:
+        """The one model the router serves (`GET /v1/models/{id}`: it, or 404)."""
+        if model_id is not None and model_id != self.router.config.model:
+            raise ApiError(
+                404,
+                f"The model '{model_id[:200]}' does not exist",
+                param="model",
+                code="model_not_found",
+            )
+        return {
+            "id": self.router.config.model,
+            "object": "model",
+            "created": 0,
+            "owned_by": "narwhal",
+        }
+
+    async def _ready(self, send: Send) -> None:
+        r = self.router
+        engines = [e.describe() for e in r.pool.engines]
+        body: dict[str, Any] = {
+            "ready": False,
+            "admission": self.router.config.admission,
+            "leadership": r.leadership.describe(),
+            "maintenance": sorted(r.maintenance.wave),
+            "engines": engines,
+        }
+        down = r.gate.unavailable()
+        reason = down[1] if down else None
+        if reason is None and not r.pool.eligible():
+            reason = "no placement-eligible engine"
+        if r.predictor is not None:
+            for e in engines:
+                e["profile"] = r.predictor.profiles[str(e["name"])].describe()
+        body["ready"] = reason is None
+        if reason is not None:
+            body["reason"] = reason
+        if r.fleet.reloader.error is not None:
+            body["reload_error"] = r.fleet.reloader.error  # the running config stays
+        stale = r.fleet.stale()
+        if stale:
+            body["engines_from_stale"] = stale  # the last good set serves meanwhile
+        failing = r.background.failing()
+        if failing:
+            body["background_failing"] = failing
+        await asgi.send_json(send, 200 if reason is None else 503, body)
