@@ -539,7 +539,7 @@ def test_a_lower_class_must_leave_the_streams_more_of_their_allowance() -> None:
     short.first_output()  # 4 steps left, 25 ms each to spare: 0.1 s of prefill
     prompt = request(words("p", 64))  # 80 tokens at 1,000/s: 0.08 s
     assert f.judge(prompt).prefer is f.engines[0]
-    prompt.headroom = 0.5  # sheddable: as if its prefill took twice as long
+    prompt.share = 0.5  # sheddable: as if its prefill took twice as long
     with pytest.raises(NoEngineKeepsPace):
         f.judge(prompt)
 

@@ -404,7 +404,7 @@ engines: [{{name: s, url: '{engine.url}'}}]
 
 def test_each_class_is_admitted_against_its_share_of_the_budget() -> None:
     from narwhal.router.config import parse
-    from narwhal.router.pipeline.flow import headroom
+    from narwhal.router.pipeline.flow import class_share
 
     config = parse(
         {
@@ -413,9 +413,9 @@ def test_each_class_is_admitted_against_its_share_of_the_budget() -> None:
         }
     )
     crit, std, shed = RANK["critical"], RANK["standard"], RANK["sheddable"]
-    assert [headroom(r, config, critical=True) for r in (crit, std, shed)] == [1.0, 0.75, 0.4]
+    assert [class_share(r, config, critical=True) for r in (crit, std, shed)] == [1.0, 0.75, 0.4]
     # Where no key may send critical work, standard work keeps its whole budget.
-    assert headroom(std, config, critical=False) == 1.0
+    assert class_share(std, config, critical=False) == 1.0
 
 
 def test_a_tenant_over_its_share_gets_less_budget_only_while_the_fleet_is_full() -> None:
@@ -423,20 +423,20 @@ def test_a_tenant_over_its_share_gets_less_budget_only_while_the_fleet_is_full()
     s.served("heavy", 9000, now=0.0)
     s.served("light", 1000, now=0.0)
     # Nothing refused lately: work that fits is never turned away for fairness.
-    assert s.headroom("heavy", now=1.0) == 1.0
+    assert s.fair_share("heavy", now=1.0) == 1.0
     s.refused(now=1.0)
-    assert s.headroom("heavy", now=1.0) == pytest.approx(5000 / 9000)  # fair / share
-    assert s.headroom("light", now=1.0) == 1.0
-    assert s.headroom("heavy", now=1.0 + SATURATED_S + 0.1) == 1.0
+    assert s.fair_share("heavy", now=1.0) == pytest.approx(5000 / 9000)  # fair / share
+    assert s.fair_share("light", now=1.0) == 1.0
+    assert s.fair_share("heavy", now=1.0 + SATURATED_S + 0.1) == 1.0
     # Long after, what was served then no longer counts: the roles have turned.
     s.refused(now=100.0)
     s.served("light", 9000, now=100.0)
     s.served("heavy", 1000, now=100.0)
-    assert s.headroom("light", now=100.0) < 1.0 and s.headroom("heavy", now=100.0) == 1.0
+    assert s.fair_share("light", now=100.0) < 1.0 and s.fair_share("heavy", now=100.0) == 1.0
     # A tenant alone is no one's competitor.
     s.refused(now=200.0)
     s.served("light", 10**6, now=200.0)
-    assert s.headroom("light", now=200.0) == 1.0
+    assert s.fair_share("light", now=200.0) == 1.0
 
 
 @pytest.mark.slow

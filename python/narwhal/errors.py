@@ -66,3 +66,9 @@ def json_object(raw: bytes) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise invalid("request body must be a JSON object")
     return body
+
+
+def unavailable(message: str, code: str) -> ApiError:
+    """503, to retry in a second: who answers cannot serve it now (a standby, a fenced
+    router, etcd unreachable, no engine), which is no refusal of the request itself."""
+    return ApiError(503, message, type="server_error", code=code, headers={"retry-after": "1"})

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from narwhal import asgi
 from narwhal.asgi import Scope
-from narwhal.errors import ApiError
+from narwhal.errors import ApiError, unavailable
 from narwhal.etcd import Etcd, EtcdError
 
 log = logging.getLogger("lexi.fence")
@@ -65,9 +65,7 @@ def _fenced(message: str) -> ApiError:
 
 def _unknown(message: str) -> ApiError:
     """The engine cannot judge the token now (etcd not read): retry, not a refusal."""
-    return ApiError(
-        503, message, type="server_error", code="fence_unknown", headers={"retry-after": "1"}
-    )
+    return unavailable(message, "fence_unknown")
 
 
 class Fence:

@@ -14,7 +14,7 @@ import orjson
 
 from narwhal import asgi, bearer
 from narwhal.asgi import Receive, Scope, Send
-from narwhal.errors import ApiError, invalid
+from narwhal.errors import ApiError, invalid, unavailable
 from narwhal.etcd import EtcdError
 from narwhal.router.fleet import admin as engines_admin
 from narwhal.router.ha.maintenance import Maintenance, WaveChanged
@@ -76,12 +76,8 @@ class Admin:
                 code="wave_changed",
             ) from None
         except EtcdError as e:
-            raise ApiError(
-                503,
-                f"the wave could not be stored in etcd: {e}",
-                type="server_error",
-                code="etcd_unavailable",
-                headers={"retry-after": "1"},
+            raise unavailable(
+                f"the wave could not be stored in etcd: {e}", "etcd_unavailable"
             ) from None
         await asgi.send_json(send, 200, self.describe())
 

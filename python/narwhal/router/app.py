@@ -71,20 +71,7 @@ class Router:
         keys, self.key_tenants = client_keys(config)
         self.client_keys = tuple(k.encode() for k in keys)
         self.tenants = Tenants(list(config.tenant_keys), self.metrics)
-        ha = config.ha
-        self.leadership = Leadership(ha)
-        self.maintenance = Maintenance(
-            self.pool, self.leadership.etcd, ha.sibling("maintenance") if ha else None
-        )
-        self.profiles: SharedProfiles | None = None
-        if ha is not None and self.predictor is not None:
-            self.profiles = SharedProfiles(ha, self.leadership, self.predictor)
-        self.tenant_windows: SharedTenantWindows | None = None
-        if ha is not None and config.tenant_keys:
-            self.tenant_windows = SharedTenantWindows(ha, self.leadership, self.tenants)
-        self.leadership.on_lead = self._take_over
-        self.leadership.reaches = lambda: any(e.healthy for e in self.pool.engines)
-        self.leadership.on_step_aside = self._turn_away
+        self._ha(config)
         self.gate = Gate(self.leadership, self.maintenance, self.pool, self.policy)
         self.judge = Judge(self.policy, self.pool, self.metrics.paced_waits.inc)
         self.fleet = Fleet(
@@ -106,6 +93,30 @@ class Router:
         from narwhal import __version__
 
         self.metrics.info.labels(config.model, __version__).set(1)
+        self.flow = self._flow(config)
+        self.background = Background(self.metrics.background_errors)
+        self.status = Status(self)
+        self.session: aiohttp.ClientSession | None = None
+
+    def _ha(self, config: RouterConfig) -> None:
+        """Leadership, the maintenance wave, and what a new leader takes over."""
+        ha = config.ha
+        self.leadership = Leadership(ha)
+        self.maintenance = Maintenance(
+            self.pool, self.leadership.etcd, ha.sibling("maintenance") if ha else None
+        )
+        self.profiles: SharedProfiles | None = None
+        if ha is not None and self.predictor is not None:
+            self.profiles = SharedProfiles(ha, self.leadership, self.predictor)
+        self.tenant_windows: SharedTenantWindows | None = None
+        if ha is not None and config.tenant_keys:
+            self.tenant_windows = SharedTenantWindows(ha, self.leadership, self.tenants)
+        self.leadership.on_lead = self._take_over
+        self.leadership.reaches = lambda: any(e.healthy for e in self.pool.engines)
+        self.leadership.on_step_aside = self._turn_away
+
+    def _flow(self, config: RouterConfig) -> Flow:
+        """The stages a completion request goes through, in order."""
         self.placer = Placer(
             self.admission,
             self.pool,
@@ -115,12 +126,9 @@ class Router:
             self.metrics.queue_time.labels(config.model),
             self.tenants,
         )
-        self.flow = Flow(
+        return Flow(
             config, self.metrics, self.admission, self.gate, self.judge, self.placer, self.tenants
         )
-        self.background = Background(self.metrics.background_errors)
-        self.status = Status(self)
-        self.session: aiohttp.ClientSession | None = None
 
     def reload(self) -> str | None:
         """The config file read again (SIGHUP, POST /admin/reload); why it was refused."""

@@ -9,13 +9,13 @@ import sys
 from narwhal import __version__, logs, service
 from narwhal.registrar import DEFAULT_TTL_S
 from narwhal.router.config import (
-    DIALECTS,
     EngineSpec,
     Launch,
     RouterConfig,
     RouterConfigError,
     load,
 )
+from narwhal.router.config_schema import DIALECTS
 
 
 def _parser() -> argparse.ArgumentParser:

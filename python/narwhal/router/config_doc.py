@@ -12,12 +12,12 @@ from typing import Any
 from narwhal.router.config import (
     _FIELDS,
     HA,
-    SCHEMA,
     DnsSource,
     EngineSpec,
     Launch,
     RouterConfig,
 )
+from narwhal.router.config_schema import SCHEMA
 
 # What each key means, by its dotted path (`[]` for a list's items). Every key of the schema
 # must be here: render() refuses to leave one out.

@@ -15,7 +15,7 @@ import orjson
 
 from narwhal import asgi
 from narwhal.asgi import Receive, Send
-from narwhal.errors import ApiError
+from narwhal.errors import ApiError, unavailable
 from narwhal.etcd import Etcd, EtcdError
 from narwhal.router.fleet import spec as specs
 from narwhal.router.fleet.membership import Conflict, Membership, Unknown
@@ -98,7 +98,7 @@ class EnginesAdmin:
         lead = self.leadership
         why = lead.serving()
         if why is not None or lead.token is None or not lead.key:
-            raise _unavailable(
+            raise unavailable(
                 f"engines are added and removed on the leader only ({why or 'not leading'})",
                 "not_leader",
             )
@@ -107,21 +107,16 @@ class EnginesAdmin:
                 (self.prefix + name).encode(), value, lead.key, lead.token
             )
         except EtcdError as e:
-            raise _unavailable(
+            raise unavailable(
                 f"the change could not be stored in etcd: {e}", "etcd_unavailable"
             ) from None
         if not ok:
-            raise _unavailable(
+            raise unavailable(
                 "this router lost the lead before the change was stored", "not_leader"
             )
 
 
 _REMOVED = orjson.dumps({"removed": True})
-
-
-def _unavailable(message: str, code: str) -> ApiError:
-    """A 503 to retry shortly (on the leader, or once etcd answers)."""
-    return ApiError(503, message, type="server_error", code=code, headers={"retry-after": "1"})
 
 
 def _not_found(name: str) -> ApiError:

@@ -8,7 +8,8 @@ from typing import Any
 
 import orjson
 
-from narwhal.router.config import DIALECTS, EngineSpec
+from narwhal.router.config import EngineSpec
+from narwhal.router.config_schema import DIALECTS
 
 NAME = re.compile(r"[A-Za-z0-9_.-]{1,128}")
 _ENV = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,127}")

@@ -70,11 +70,11 @@ class Flow:
                 req.rank = rank = self.tenants.rank(
                     tenant, asgi.header(scope, b"x-narwhal-priority")
                 )
-                req.headroom = headroom(req.rank, self.config, self.tenants.critical)
-                fair = self.tenants.headroom(tenant)
-                req.headroom *= fair
+                req.share = class_share(req.rank, self.config, self.tenants.critical)
+                fair = self.tenants.fair_share(tenant)
+                req.share *= fair
                 req.standing = 2 * req.rank + (fair < 1.0)
-                budget *= req.headroom
+                budget *= req.share
                 ticket = self.tenants.admit(tenant, req.estimated_prompt_tokens(), req.rank)
                 try:
                     await self._serve(req, receive, send, arrived, deadline, budget, end)
@@ -138,7 +138,7 @@ class Flow:
             m.invalid_requests.inc()
 
 
-def headroom(rank: int, config: RouterConfig, critical: bool) -> float:
+def class_share(rank: int, config: RouterConfig, critical: bool) -> float:
     """The share of its TTFT budget a request of this class is admitted against:
     sheddable work is refused first as load rises; standard work leaves critical work
     room where a key may send it (`critical`)."""

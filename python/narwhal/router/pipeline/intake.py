@@ -31,7 +31,7 @@ class Intake:
     rank: int = 1  # its priority class, 0 critical .. 2 sheddable (tenants.fair_queue)
     # The share of its TTFT budget, and of the streams' TPOT allowance, it is admitted
     # against (less for lower classes and for a tenant over its fair share).
-    headroom: float = 1.0
+    share: float = 1.0
     # Its place among requests waiting for pace: its class, and within a class a tenant
     # over its fair share after the others (0 .. 5; lower goes first).
     standing: int = 2

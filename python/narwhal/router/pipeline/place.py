@@ -12,7 +12,7 @@ from typing import Any
 
 from narwhal import asgi
 from narwhal.asgi import Send
-from narwhal.errors import ApiError
+from narwhal.errors import ApiError, unavailable
 from narwhal.router.admission import Admission, Expired
 from narwhal.router.engines import Pool
 from narwhal.router.lease import Lease
@@ -108,13 +108,9 @@ class Placer:
                 return await self._relay(lease, send, end)
         except EngineFenced as e:
             self.leadership.fence(str(e))
-            raise ApiError(
-                503,
-                f"this router was fenced ({e}); retry shortly",
-                type="server_error",
-                code="fenced",
-                headers={"retry-after": "1"},
-            ).ended("rejected", "fenced") from None
+            raise unavailable(f"this router was fenced ({e}); retry shortly", "fenced").ended(
+                "rejected", "fenced"
+            ) from None
         except Expired:
             raise ApiError(
                 504,

@@ -120,7 +120,7 @@ class PredictivePolicy:
             budget_s,
             cached,
             self._engines.get(home or ""),
-            self._paced(req.headroom, req.rank) if paced else None,
+            self._paced(req.share, req.rank) if paced else None,
             self._stall if paced else None,
         )
         if paced and any(self._waiting[: req.standing]):
@@ -138,12 +138,12 @@ class PredictivePolicy:
                 charge = self.streams[proj.engine.name].charge(proj.tokens / rate)
         return Plan(proj.engine, proj.tokens, proj.total_s, blocks, expected, req.session, charge)
 
-    def _paced(self, headroom: float, rank: int) -> Callable[[Projection], bool]:
-        return lambda p: self._keeps_pace(p, headroom, rank)
+    def _paced(self, share: float, rank: int) -> Callable[[Projection], bool]:
+        return lambda p: self._keeps_pace(p, share, rank)
 
-    def _keeps_pace(self, p: Projection, headroom: float, rank: int) -> bool:
+    def _keeps_pace(self, p: Projection, share: float, rank: int) -> bool:
         """Placing there leaves every stream on the engine of the request's class or a
-        higher one within the TPOT target (a request of a lower class: with `1 - headroom`
+        higher one within the TPOT target (a request of a lower class: with `1 - share`
         of the allowance to spare, and critical streams `reserve_s` more). Lower classes'
         streams are the higher ones' to spend."""
         rate = self._rate(p.engine.name)
@@ -152,7 +152,7 @@ class PredictivePolicy:
         ledger = self.streams[p.engine.name]
         now = time.monotonic()
         stall = p.tokens / rate
-        if not ledger.fits(stall / headroom, now, rank):
+        if not ledger.fits(stall / share, now, rank):
             return False
         return rank == 0 or not self.reserve_s or ledger.fits(stall + self.reserve_s, now, 0)
 

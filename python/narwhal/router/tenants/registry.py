@@ -107,10 +107,10 @@ class Tenants:
         """A request of tenant `name` was placed `seconds` after it arrived."""
         self._queue_time.labels(name, CLASSES[rank]).observe(seconds)
 
-    def headroom(self, name: str | None) -> float:
+    def fair_share(self, name: str | None) -> float:
         """The share of its budget a request of tenant `name` is judged against (fair
         shares while the fleet is full)."""
-        return 1.0 if name is None else self.shares.headroom(name)
+        return 1.0 if name is None else self.shares.fair_share(name)
 
 
 def client_keys(config: RouterConfig) -> tuple[list[str], list[str | None]]:

@@ -44,7 +44,7 @@ class Shares:
         """The router refused work for lack of room."""
         self._refused_at = time.monotonic() if now is None else now
 
-    def headroom(self, tenant: str, now: float | None = None) -> float:
+    def fair_share(self, tenant: str, now: float | None = None) -> float:
         """The share of its budget a request of `tenant` is judged against now."""
         now = time.monotonic() if now is None else now
         if now - self._refused_at > SATURATED_S:
