@@ -137,81 +137,93 @@ async def push(rl: Relayer, st: Stream, resp: Exchange, send: Send, sent_type: t
 
     Only for a server whose `send` finishes its work when called (Granian's does): a
     read that holds only output goes from the socket through the relay to `send` in
-    Rust (`UpstreamReader`); this coroutine only waits for the end, and the callbacks
-    below see the rest (first output, usage, the end, faults, a send that waits).
+    Rust (`UpstreamReader`); this coroutine only waits for the end, and `_Pushed`'s
+    callbacks see the rest (first output, usage, the end, faults, a send that waits).
     """
-    ended: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+    p = _Pushed(rl, st, resp, send, sent_type)
+    loop = asyncio.get_running_loop()
+    p.timer = loop.call_at(min(loop.time() + rl.idle_s, st.lease.deadline), p.watch, resp.reads)
+    resp.push(p.on_body, p.relay)
+    try:
+        outcome = await p.ended
+        await p.out.flushed()  # the stream's last bytes may still wait for the client
+        return outcome
+    finally:
+        p.timer.cancel()
+        resp.push(None)
+        resp.hold(False)
 
-    def end(outcome: bool | BaseException) -> None:
-        if ended.done():
+
+class _Pushed:
+    """One pushed stream: the callbacks its connection and the native relay call."""
+
+    __slots__ = ("ended", "loop", "out", "relay", "resp", "rl", "st", "timer")
+
+    def __init__(
+        self, rl: Relayer, st: Stream, resp: Exchange, send: Send, sent_type: type
+    ) -> None:
+        self.rl, self.st, self.resp = rl, st, resp
+        self.loop = asyncio.get_running_loop()
+        self.ended: asyncio.Future[bool] = self.loop.create_future()
+        self.relay = (st.relay, send, self.on_report, sent_type)
+        self.out = Outbox(send, sent_type, self.held, self.end)
+        self.timer: asyncio.TimerHandle | None = None
+
+    def end(self, outcome: bool | BaseException) -> None:
+        if self.ended.done():
             return
         if isinstance(outcome, BaseException):  # the client went away, say
-            ended.set_exception(outcome)  # the coroutine decides
+            self.ended.set_exception(outcome)  # the coroutine decides
         else:
-            ended.set_result(outcome)
-        resp.push(None)  # nothing more goes to the client
+            self.ended.set_result(outcome)
+        self.resp.push(None)  # nothing more goes to the client
 
-    def on_body(chunk: bytes) -> None:
-        deliver(lambda: st.step(chunk))
+    def on_body(self, chunk: bytes) -> None:
+        st = self.st
+        self.deliver(lambda: st.step(chunk))
 
-    relay = (st.relay, send, lambda rep: on_report(rep), sent_type)
-
-    def held(waiting: bool) -> None:
-        resp.hold(waiting)
+    def held(self, waiting: bool) -> None:
+        self.resp.hold(waiting)
         if waiting:
-            resp.relay_natively(None)  # a native send would overtake the waiting one
-        elif not ended.done():
-            resp.relay_natively(relay)
+            self.resp.relay_natively(None)  # a native send would overtake the waiting one
+        elif not self.ended.done():
+            self.resp.relay_natively(self.relay)
 
-    out = Outbox(send, sent_type, held, end)
-
-    def deliver(step: Callable[[], tuple[bytes, bytes | None, bool | None]]) -> None:
-        if ended.done():
+    def deliver(self, step: Callable[[], tuple[bytes, bytes | None, bool | None]]) -> None:
+        if self.ended.done():
             return
         try:
             forward, final, outcome = step()
             if final is not None:  # the last bytes go out with the stream's end: one send
-                out.put(forward + final, more=False)
+                self.out.put(forward + final, more=False)
             elif forward:
-                out.put(forward, more=True)
+                self.out.put(forward, more=True)
         except Exception as exc:
-            end(exc)
+            self.end(exc)
             return
         if outcome is not None:
-            end(outcome)
+            self.end(outcome)
 
-    def on_report(rep: RelayChunk | BaseException | Awaitable[None]) -> None:
+    def on_report(self, rep: RelayChunk | BaseException | Awaitable[None]) -> None:
         if isinstance(rep, RelayChunk):
-            deliver(lambda: st.report(rep))
+            st = self.st
+            self.deliver(lambda: st.report(rep))
         elif isinstance(rep, BaseException):  # raised by `send`
-            end(rep)
+            self.end(rep)
         else:  # a send Granian could not do at once (its channel to the client is full)
-            out.waiting(rep)
+            self.out.waiting(rep)
 
-    loop = asyncio.get_running_loop()
-    timer: list[asyncio.TimerHandle] = []
-
-    def watch(seen: int) -> None:
+    def watch(self, seen: int) -> None:
         """Every idle gap (or at the deadline): a stream with no read since the last
         look, or past its deadline, ends with an error event."""
-        if ended.done():
+        if self.ended.done():
             return
-        now, reads = loop.time(), resp.reads
+        st, reads = self.st, self.resp.reads
         # While a send waits for the client, the engine is not read: no reads then is
         # the client's pace, not a stalled engine.
-        if past(st.lease.deadline) or (reads == seen and not out.holding):
-            out.put(rl.timed_out(st.lease), more=False)
-            end(False)
+        if past(st.lease.deadline) or (reads == seen and not self.out.holding):
+            self.out.put(self.rl.timed_out(st.lease), more=False)
+            self.end(False)
             return
-        timer[0] = loop.call_at(min(now + rl.idle_s, st.lease.deadline), watch, reads)
-
-    timer.append(loop.call_at(min(loop.time() + rl.idle_s, st.lease.deadline), watch, resp.reads))
-    resp.push(on_body, relay)
-    try:
-        outcome = await ended
-        await out.flushed()  # the stream's last bytes may still wait for the client
-        return outcome
-    finally:
-        timer[0].cancel()
-        resp.push(None)
-        resp.hold(False)
+        at = min(self.loop.time() + self.rl.idle_s, st.lease.deadline)
+        self.timer = self.loop.call_at(at, self.watch, reads)
