@@ -91,8 +91,8 @@ class Fleet:
             ) as lease:
                 lease.plan = plan
                 self.policy.placed(lease)
-                lease.cached_tokens = cached_tokens
-                lease.prompt_tokens = prompt_tokens
+                lease.measured.cached_tokens = cached_tokens
+                lease.measured.prompt_tokens = prompt_tokens
                 lease.finished(0)
                 return lease.on.name
 
@@ -476,7 +476,7 @@ def test_a_stream_that_made_more_tokens_than_expected_lets_a_long_prefill_in() -
     f.learn_tau0(0.01)
     lease = f.open(request(words("s", 10), max_tokens=20), on="e0")
     tally = Counted(1)
-    lease.tally = tally
+    lease.measured.tally = tally
     lease.first_output()
     long = request(words("L", 3000))  # 3 s of prefill beside it
     with pytest.raises(NoEngineKeepsPace):

@@ -20,6 +20,7 @@ import pytest
 from narwhal.etcd import _b64
 from narwhal.router.tenants.fair_queue import RANK, FairQueue
 from narwhal.router.tenants.limits import Limits, Tenant, TenantLimited
+from narwhal.router.tenants.reserve import CEILING, TAU_S, CriticalReserve
 from narwhal.router.tenants.shares import SATURATED_S, Shares
 from tests.support import (
     ROOT,
@@ -413,9 +414,27 @@ def test_each_class_is_admitted_against_its_share_of_the_budget() -> None:
         }
     )
     crit, std, shed = RANK["critical"], RANK["standard"], RANK["sheddable"]
-    assert [class_share(r, config, critical=True) for r in (crit, std, shed)] == [1.0, 0.75, 0.4]
-    # Where no key may send critical work, standard work keeps its whole budget.
-    assert class_share(std, config, critical=False) == 1.0
+    assert [class_share(r, config, 0.25) for r in (crit, std, shed)] == [1.0, 0.75, 0.4]
+    # Where no key may send critical work, nothing is reserved for it.
+    assert class_share(std, config, 0.0) == 1.0
+    # A reserve grown past what sheddable work is held to holds it lower still.
+    assert class_share(shed, config, 0.7) == pytest.approx(0.3)
+
+
+def test_the_critical_reserve_grows_while_critical_work_is_refused_and_then_decays() -> None:
+    r = CriticalReserve(0.2)
+    assert r.share(now=0.0) == 0.2
+    for _ in range(3):
+        r.refused(now=1.0)
+    assert r.share(now=1.0) == pytest.approx(0.5)
+    for _ in range(10):
+        r.refused(now=2.0)
+    assert r.share(now=2.0) == pytest.approx(CEILING)  # never past the ceiling
+    assert 0.2 < r.share(now=2.0 + TAU_S) < CEILING
+    assert r.share(now=2.0 + 20 * TAU_S) == pytest.approx(0.2)  # back to the configured share
+    off = CriticalReserve(0.0)  # the operator reserves nothing: refusals change nothing
+    off.refused(now=0.0)
+    assert off.share(now=0.0) == 0.0
 
 
 def test_a_tenant_over_its_share_gets_less_budget_only_while_the_fleet_is_full() -> None:

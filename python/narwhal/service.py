@@ -219,8 +219,35 @@ def serve(
 
     grace_s = limits.grace_s
     _raise_fd_limit(limits.max_connections + 1024)
+    Server = _granian(Granian, prog, grace_s, notify_stop, notify_reload)
+    os.environ[MAIN_PID_ENV] = str(os.getpid())
+    server = Server(
+        target,
+        factory=True,
+        address=addr.ip,
+        port=addr.port,
+        workers=1,
+        log_access=False,
+        workers_kill_timeout=grace_s,
+        backpressure=limits.max_connections,
+        http1_settings=HTTP1Settings(
+            header_read_timeout=max(1, round(limits.header_timeout_s * 1000))
+        ),
+        **granian,
+    )
+    code = 0
+    try:
+        server.serve()
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 1
+    return _status(prog, server, code)
 
-    class Server(Granian):  # type: ignore[misc, valid-type]
+
+def _granian(base: type, prog: str, grace_s: float, notify_stop: bool, notify_reload: bool) -> type:
+    """Granian, with our signals: a second stop kills, a stop and SIGHUP are passed on to
+    the worker (SIGUSR1, SIGUSR2) as `serve` was asked, and how workers ended is kept."""
+
+    class Server(base):  # type: ignore[misc]
         interrupted = 0
         exits: list[int] = []  # statuses of the workers that ended by themselves
 
@@ -256,26 +283,11 @@ def serve(
                     w.kill()
             _say(f"{prog}: stopping now")
 
-    os.environ[MAIN_PID_ENV] = str(os.getpid())
-    server = Server(
-        target,
-        factory=True,
-        address=addr.ip,
-        port=addr.port,
-        workers=1,
-        log_access=False,
-        workers_kill_timeout=grace_s,
-        backpressure=limits.max_connections,
-        http1_settings=HTTP1Settings(
-            header_read_timeout=max(1, round(limits.header_timeout_s * 1000))
-        ),
-        **granian,
-    )
-    code = 0
-    try:
-        server.serve()
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else 1
+    return Server
+
+
+def _status(prog: str, server: Any, code: int) -> int:
+    """The exit status: 0 for a stop asked for, a crashed worker's signal named."""
     if server.interrupted:  # asked to stop: however the worker ended, that was the stop
         return 0
     for status in server.exits:

@@ -65,35 +65,14 @@ class Model:
             "on" if choice.repack else "off",
             choice.reason,
         )
-        # This context only serves tokenizing and metadata; decoding runs in the decode
-        # loop's own batched context (engine.batch), so it is kept tiny.
-        with kernels.captured_log() as load_log, kernels.extra_buffer_types(choice.repack):
-            try:
-                self.llama = Llama(
-                    config.model,
-                    n_ctx=64,
-                    n_batch=64,
-                    n_threads=config.threads,
-                    n_threads_batch=config.threads,
-                    n_gpu_layers=config.n_gpu_layers if gpu else 0,
-                    verbose=False,
-                )
-            except ValueError as e:
-                said = [
-                    ln.strip()
-                    for ln in "".join(load_log).splitlines()
-                    if "error" in ln.lower() or "failed" in ln.lower()
-                ]
-                raise ModelLoadError(
-                    f"cannot load {config.model}: " + ("; ".join(said[-3:]) or str(e))
-                ) from None
+        self.llama, load_log = _load(config, choice.repack, gpu)
         if bool(self.llama.model_params.use_extra_bufts) != choice.repack:
             raise ModelLoadError(
                 "llama-cpp-python ignored the weight-repacking choice; this "
                 "version is not one LexiEngine supports"
             )
         self.repack = choice.repack
-        self.buffers = kernels.buffers("".join(load_log))
+        self.buffers = kernels.buffers(load_log)
         log.info(
             "weights loaded: %s",
             ", ".join(f"{k} {v:.1f} MiB" for k, v in self.buffers.items()) or "?",
@@ -160,3 +139,30 @@ class Model:
         from llama_cpp.llama_grammar import JSON_GBNF
 
         return self.grammar(JSON_GBNF)
+
+
+def _load(config: EngineConfig, repack: bool, gpu: bool) -> tuple[Llama, str]:
+    """The GGUF loaded, and what llama.cpp said while loading it."""
+    # This context only serves tokenizing and metadata; decoding runs in the decode
+    # loop's own batched context (engine.batch), so it is kept tiny.
+    with kernels.captured_log() as load_log, kernels.extra_buffer_types(repack):
+        try:
+            llama = Llama(
+                config.model,
+                n_ctx=64,
+                n_batch=64,
+                n_threads=config.threads,
+                n_threads_batch=config.threads,
+                n_gpu_layers=config.n_gpu_layers if gpu else 0,
+                verbose=False,
+            )
+        except ValueError as e:
+            said = [
+                ln.strip()
+                for ln in "".join(load_log).splitlines()
+                if "error" in ln.lower() or "failed" in ln.lower()
+            ]
+            raise ModelLoadError(
+                f"cannot load {config.model}: " + ("; ".join(said[-3:]) or str(e))
+            ) from None
+    return llama, "".join(load_log)

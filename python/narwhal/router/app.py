@@ -60,7 +60,8 @@ class Router:
             if config.admission == "predictive"
             else None
         )
-        self.policy = choose(config, engines, self.predictor)
+        self.tenants = Tenants(list(config.tenant_keys), self.metrics, config.critical_reserve)
+        self.policy = choose(config, engines, self.predictor, self.tenants.reserve)
         self.pool.watch(events)
         self.metrics.watch(events)
         self.policy.watch(events)
@@ -70,7 +71,6 @@ class Router:
         )
         keys, self.key_tenants = client_keys(config)
         self.client_keys = tuple(k.encode() for k in keys)
-        self.tenants = Tenants(list(config.tenant_keys), self.metrics)
         self._ha(config)
         self.gate = Gate(self.leadership, self.maintenance, self.pool, self.policy)
         self.judge = Judge(self.policy, self.pool, self.metrics.paced_waits.inc)

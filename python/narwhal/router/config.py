@@ -207,23 +207,7 @@ def parse(data: Any) -> RouterConfig:
             "engines: no engines: list them, or give `engines_from` (etcd or DNS) or an "
             "admin token (`admin`) to add them while the router runs"
         )
-    names = [e["name"] for e in data["engines"]]
-    dupes = {n for n in names if names.count(n) > 1}
-    if dupes:
-        raise RouterConfigError(f"engines: duplicate engine name {sorted(dupes)[0]!r}")
-    engines = []
-    for e in data["engines"]:
-        launch = None
-        if "launch" in e:
-            la = e["launch"]
-            launch = Launch(
-                la["model"], la.get("parallel", 4), la.get("port"), tuple(la.get("args", ()))
-            )
-        engines.append(
-            EngineSpec(
-                e["name"], e.get("dialect", "lexi"), e.get("url"), launch, e.get("api_key_env")
-            )
-        )
+    engines = _engines(data["engines"])
     given: dict[str, Any] = {}
     for (section, key), name in _FIELDS.items():
         value = (data.get(section, {}) if section else data).get(key)
@@ -241,7 +225,42 @@ def parse(data: Any) -> RouterConfig:
         )
     if "admin" in data:
         given["admin_token_env"] = data["admin"]["token_env"]
-    sources = data.get("engines_from", {})
+    given.update(_sources(data.get("engines_from", {})))
+    auth = data.get("auth", {})
+    keys = auth.get("api_keys") or []
+    if any(isinstance(k, str) for k in keys):
+        given["api_keys"] = tuple(k for k in keys if isinstance(k, str))
+    if any(isinstance(k, dict) for k in keys):
+        given["tenant_keys"] = tuple(TenantKey(**k) for k in keys if isinstance(k, dict))
+    if "api_keys_env" in auth:
+        given["api_keys_env"] = auth["api_keys_env"]
+    return replace(_DEFAULTS, engines=engines, **given)
+
+
+def _engines(listed: list[dict[str, Any]]) -> tuple[EngineSpec, ...]:
+    names = [e["name"] for e in listed]
+    dupes = {n for n in names if names.count(n) > 1}
+    if dupes:
+        raise RouterConfigError(f"engines: duplicate engine name {sorted(dupes)[0]!r}")
+    engines = []
+    for e in listed:
+        launch = None
+        if "launch" in e:
+            la = e["launch"]
+            launch = Launch(
+                la["model"], la.get("parallel", 4), la.get("port"), tuple(la.get("args", ()))
+            )
+        engines.append(
+            EngineSpec(
+                e["name"], e.get("dialect", "lexi"), e.get("url"), launch, e.get("api_key_env")
+            )
+        )
+    return tuple(engines)
+
+
+def _sources(sources: dict[str, Any]) -> dict[str, Any]:
+    """`engines_from`'s etcd and DNS sources, as RouterConfig fields."""
+    given: dict[str, Any] = {}
     if "etcd" in sources:
         src = sources["etcd"]
         given["etcd_source"] = EtcdSource(tuple(src["endpoints"]), src["prefix"])
@@ -255,15 +274,7 @@ def parse(data: Any) -> RouterConfig:
             src.get("nameserver"),
             src.get("api_key_env"),
         )
-    auth = data.get("auth", {})
-    keys = auth.get("api_keys") or []
-    if any(isinstance(k, str) for k in keys):
-        given["api_keys"] = tuple(k for k in keys if isinstance(k, str))
-    if any(isinstance(k, dict) for k in keys):
-        given["tenant_keys"] = tuple(TenantKey(**k) for k in keys if isinstance(k, dict))
-    if "api_keys_env" in auth:
-        given["api_keys_env"] = auth["api_keys_env"]
-    return replace(_DEFAULTS, engines=tuple(engines), **given)
+    return given
 
 
 # Where each RouterConfig field sits in the YAML ("" for the top level). The defaults are

@@ -65,7 +65,9 @@ MEANINGS = {
     "predictive.critical_reserve": "where a key may send `critical` work, `standard` work is "
     "admitted against this much less of its TTFT budget, and lower classes leave critical "
     "streams this share of the budget in seconds of their TPOT allowance, so under overload "
-    "the engines keep that room for critical requests (no effect without a critical key)",
+    "the engines keep that room for critical requests; the least reserved: it grows while "
+    "critical requests are refused for room, and decays back (no effect without a critical "
+    "key; 0 reserves nothing)",
     "predictive.tpot_target_s": "mean time per output token to keep for every admitted stream: "
     "a prompt is placed only where its prefill pushes no stream decoding there past it; when no "
     "engine within the TTFT budget can take it, it waits for a stream to end while the budget "

@@ -73,31 +73,51 @@ class Events:
             self.fault.append(fault)
 
 
+class Measured:
+    """What the relay measured of a placed request: written by the relay alone (directly,
+    or through the lease's `first_output` and `finished`), read by the subscribers."""
+
+    __slots__ = (
+        "cached_tokens",
+        "decode_s",
+        "first_at",
+        "first_byte_at",
+        "output_tokens",
+        "prompt_tokens",
+        "sent_at",
+        "tally",
+    )
+
+    def __init__(self) -> None:
+        self.sent_at = 0.0  # the request went to the engine
+        self.first_at = 0.0  # the engine's first output token
+        self.first_byte_at = 0.0  # the first bytes of the answer went to the client
+        self.decode_s = 0.0  # first output token to the last
+        self.prompt_tokens: int | None = None
+        self.cached_tokens: int | None = None  # of those, what the engine's cache served
+        self.output_tokens = 0
+        self.tally: Tally | None = None  # the relay's count of output tokens, while it runs
+
+
 class Lease:
-    """One request's seat, from the queue to its release, with what was measured of it."""
+    """One request's seat, from the queue to its release: where it was placed and how
+    (set as it is placed), and what the relay measured of it (`measured`)."""
 
     __slots__ = (
         "_events",
         "_seats",
         "alone",
         "arrived",
-        "cached_tokens",
         "deadline",
-        "decode_s",
         "engine",
         "exclude",
         "fence",
-        "first_at",
-        "first_byte_at",
         "intake",
-        "output_tokens",
+        "measured",
         "phase",
         "plan",
         "predicted_s",
         "prefer",
-        "prompt_tokens",
-        "sent_at",
-        "tally",
         "tokens",
     )
 
@@ -126,16 +146,9 @@ class Lease:
         self.phase = Phase.QUEUED
         self.engine: Engine | None = None
         self.alone = False  # the engine's prefill was ours alone at placement
-        self.sent_at = 0.0
-        self.first_at = 0.0
-        self.first_byte_at = 0.0
-        self.decode_s = 0.0  # first output token to the last
-        self.prompt_tokens: int | None = None
-        self.cached_tokens: int | None = None  # of those, what the engine's cache served
-        self.output_tokens = 0
         self.fence: int | None = None  # the leader's fencing token it was placed under
         self.plan: Plan | None = None  # what the policy decided before placement
-        self.tally: Tally | None = None  # the relay's count of output tokens, while it runs
+        self.measured = Measured()
 
     @property
     def on(self) -> Engine:
@@ -145,7 +158,7 @@ class Lease:
 
     def first_byte(self) -> None:
         """The first bytes of the answer went to the client."""
-        self.first_byte_at = time.monotonic()
+        self.measured.first_byte_at = time.monotonic()
         for hook in self._events.first_byte:
             hook(self)
 
@@ -153,16 +166,17 @@ class Lease:
         """The engine's first output token: the seat moves from prefill to decode."""
         if self.phase is not Phase.PREFILL:
             return
-        self.first_at = time.monotonic()
+        self.measured.first_at = time.monotonic()
         self._seats.to_decode(self)
         for hook in self._events.first_output:
             hook(self)
 
     def finished(self, output_tokens: int) -> None:
         """The engine answered in full."""
-        self.output_tokens = output_tokens
-        if self.first_at:
-            self.decode_s = time.monotonic() - self.first_at
+        m = self.measured
+        m.output_tokens = output_tokens
+        if m.first_at:
+            m.decode_s = time.monotonic() - m.first_at
         for hook in self._events.finished:
             hook(self)
 

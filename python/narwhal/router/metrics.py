@@ -45,6 +45,7 @@ class RouterMetrics:
         r = self.registry = CollectorRegistry()
         self._outcomes(r)
         self._engines(r)
+        self._tenants(r)
         self._latencies(r)
         self._server(r)
         self._per_engine: dict[str, EngineMetrics] = {}
@@ -133,6 +134,23 @@ class RouterMetrics:
             ["engine"],
             registry=r,
         )
+
+        self.engines = Gauge(
+            "narwhal_engines",
+            "Engines in the fleet, by state (serving, draining, unhealthy)",
+            ["state"],
+            registry=r,
+        )
+        self.membership = Counter(
+            "narwhal_engine_membership_changes",
+            "Engines added, drained and removed while the router runs, by where the change "
+            "came from (config, admin, etcd, dns)",
+            ["change", "source"],
+            registry=r,
+        )
+
+    def _tenants(self, r: CollectorRegistry) -> None:
+        """Each tenant's requests, as its limits took them and as they ended."""
         self.tenant_requests = Counter(
             "narwhal_tenant_requests",
             "Requests of each tenant (auth.api_keys) by priority class, as its own limits "
@@ -158,19 +176,6 @@ class RouterMetrics:
             "narwhal_tenant_tokens",
             "Prompt and output tokens each tenant's requests used, as the router measured them",
             ["tenant"],
-            registry=r,
-        )
-        self.engines = Gauge(
-            "narwhal_engines",
-            "Engines in the fleet, by state (serving, draining, unhealthy)",
-            ["state"],
-            registry=r,
-        )
-        self.membership = Counter(
-            "narwhal_engine_membership_changes",
-            "Engines added, drained and removed while the router runs, by where the change "
-            "came from (config, admin, etcd, dns)",
-            ["change", "source"],
             registry=r,
         )
 
@@ -267,13 +272,15 @@ class RouterMetrics:
         name = lease.on.name
         m = self.engine(name)
         m.completed.inc()
-        tokens = lease.output_tokens
+        tokens = lease.measured.output_tokens
         m.output_tokens.inc(tokens)
-        if tokens > 1 and lease.decode_s:
-            m.tpot.observe(lease.decode_s / (tokens - 1))
-        if lease.predicted_s is not None and lease.first_at:
+        if tokens > 1 and lease.measured.decode_s:
+            m.tpot.observe(lease.measured.decode_s / (tokens - 1))
+        if lease.predicted_s is not None and lease.measured.first_at:
             self.predicted_ttft.labels(name).observe(lease.predicted_s)
-            self.observed_ttft.labels(name).observe(lease.first_at - lease.sent_at)
+            self.observed_ttft.labels(name).observe(
+                lease.measured.first_at - lease.measured.sent_at
+            )
 
     def _fault(self, lease: Lease, kind: str, against_engine: str | None) -> None:
         self.stream_faults.labels(lease.on.name, kind).inc()

@@ -216,17 +216,17 @@ class Predictor:
         prof = self.profiles.get(lease.on.name)
         if prof is None:
             return  # its engine left the fleet while it ran
-        ttft = lease.first_at - lease.sent_at if lease.first_at else None
+        ttft = lease.measured.first_at - lease.measured.sent_at if lease.measured.first_at else None
         exp = lease.plan.expected.get(lease.on.name) if lease.plan is not None else None
         prof.observe(
             lease.intake.prompt_bytes,
-            lease.prompt_tokens,
+            lease.measured.prompt_tokens,
             ttft,
             lease.alone,
-            lease.output_tokens,
-            lease.decode_s,
+            lease.measured.output_tokens,
+            lease.measured.decode_s,
             lease.predicted_s,
-            cached_tokens=lease.cached_tokens or 0,
+            cached_tokens=lease.measured.cached_tokens or 0,
             expected_cached=exp.tokens if exp is not None else 0,
         )
 

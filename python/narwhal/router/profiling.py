@@ -119,6 +119,6 @@ class Profiler:
             if outcome != "completed":  # the engine refused it (a model name it lacks?)
                 log.warning("profile probe of %s: %s", e.name, outcome)
                 return
-            if rebase and lease.first_at:
+            if rebase and lease.measured.first_at:
                 # Half-open: a good measurement lets live traffic be judged again.
                 self.predictor.profiles[e.name].rebase()

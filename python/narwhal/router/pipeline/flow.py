@@ -26,7 +26,7 @@ from narwhal.router.pipeline.read import read
 from narwhal.router.tenants.fair_queue import RANK
 from narwhal.router.tenants.registry import Tenants
 
-SHEDDABLE, STANDARD = RANK["sheddable"], RANK["standard"]
+CRITICAL, SHEDDABLE, STANDARD = RANK["critical"], RANK["sheddable"], RANK["standard"]
 
 
 class Flow:
@@ -70,7 +70,7 @@ class Flow:
                 req.rank = rank = self.tenants.rank(
                     tenant, asgi.header(scope, b"x-narwhal-priority")
                 )
-                req.share = class_share(req.rank, self.config, self.tenants.critical)
+                req.share = class_share(req.rank, self.config, self.tenants.reserve.share())
                 fair = self.tenants.fair_share(tenant)
                 req.share *= fair
                 req.standing = 2 * req.rank + (fair < 1.0)
@@ -88,6 +88,8 @@ class Flow:
         finally:
             if end.outcome == "refused":
                 self.tenants.shares.refused()  # the fleet is full: fair shares apply
+                if rank == CRITICAL and end.label != "prompt_exceeds_ttft_budget":
+                    self.tenants.reserve.refused()  # lower classes leave it more room
             m.finished_as(end.outcome).inc()
             self._count(end)
             if tenant:
@@ -138,12 +140,12 @@ class Flow:
             m.invalid_requests.inc()
 
 
-def class_share(rank: int, config: RouterConfig, critical: bool) -> float:
+def class_share(rank: int, config: RouterConfig, reserve: float) -> float:
     """The share of its TTFT budget a request of this class is admitted against:
-    sheddable work is refused first as load rises; standard work leaves critical work
-    room where a key may send it (`critical`)."""
+    sheddable work is refused first as load rises; lower classes leave critical work
+    `reserve` of it (tenants/reserve.py; 0 where no key may send critical work)."""
     if rank == SHEDDABLE:
-        return config.sheddable_headroom
-    if rank == STANDARD and critical:
-        return 1.0 - config.critical_reserve
+        return min(config.sheddable_headroom, 1.0 - reserve)
+    if rank == STANDARD:
+        return 1.0 - reserve
     return 1.0

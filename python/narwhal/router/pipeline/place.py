@@ -141,8 +141,8 @@ class Placer:
             ) from None
         finally:
             _note(lease)
-            prompt = lease.prompt_tokens or lease.intake.estimated_prompt_tokens()
-            end.tokens = prompt + lease.output_tokens
+            prompt = lease.measured.prompt_tokens or lease.intake.estimated_prompt_tokens()
+            end.tokens = prompt + lease.measured.output_tokens
 
 
 def _note(lease: Lease) -> None:
@@ -152,9 +152,9 @@ def _note(lease: Lease) -> None:
         return
     rec.fields.update(
         engine=lease.on.name,
-        ttfb_ms=round((lease.first_byte_at - lease.arrived) * 1000, 1)
-        if lease.first_byte_at
+        ttfb_ms=round((lease.measured.first_byte_at - lease.arrived) * 1000, 1)
+        if lease.measured.first_byte_at
         else None,
-        tokens_in=lease.prompt_tokens,
-        tokens_out=lease.output_tokens,
+        tokens_in=lease.measured.prompt_tokens,
+        tokens_out=lease.measured.output_tokens,
     )

@@ -9,9 +9,15 @@ from narwhal.router.policies.open import OpenPolicy
 from narwhal.router.policies.predictive import PredictivePolicy
 from narwhal.router.policies.prefix_cache import PrefixCache
 from narwhal.router.predict import Predictor
+from narwhal.router.tenants.reserve import CriticalReserve
 
 
-def choose(config: RouterConfig, engines: list[Engine], predictor: Predictor | None) -> Policy:
+def choose(
+    config: RouterConfig,
+    engines: list[Engine],
+    predictor: Predictor | None,
+    reserve: CriticalReserve | None = None,
+) -> Policy:
     if predictor is None:
         return OpenPolicy()
     cache = (
@@ -19,9 +25,6 @@ def choose(config: RouterConfig, engines: list[Engine], predictor: Predictor | N
         if config.prefix_cache_tokens
         else None
     )
-    # Where a key may send critical work, lower classes leave critical streams the room a
-    # critical prompt of the reserve's share of the budget would take (as they leave it
-    # in the TTFT budget).
-    critical = any(k.priority == "critical" for k in config.tenant_keys)
-    reserve_s = config.critical_reserve * config.ttft_budget_s if critical else 0.0
-    return PredictivePolicy(predictor, engines, cache, config.tpot_target_s, reserve_s=reserve_s)
+    return PredictivePolicy(
+        predictor, engines, cache, config.tpot_target_s, reserve, config.ttft_budget_s
+    )

@@ -25,6 +25,7 @@ from narwhal.router.policies.sessions import Sessions
 from narwhal.router.policies.tpot import Charge, Streams
 from narwhal.router.predict import NoEngineKeepsPace, Predictor, Profile, Projection
 from narwhal.router.tenants.fair_queue import CLASSES
+from narwhal.router.tenants.reserve import CriticalReserve
 
 # Streams are kept within this share of the TPOT target: a charge is an estimate (a prompt's
 # sizing is off by 10-20 % from one prompt to the next, an eviction the picture learns of
@@ -47,12 +48,15 @@ class PredictivePolicy:
         engines: list[Engine],
         cache: PrefixCache | None,
         tpot_target_s: float | None = None,
+        reserve: CriticalReserve | None = None,
+        budget_s: float = 0.0,
         sessions: Sessions | None = None,
-        reserve_s: float = 0.0,
     ) -> None:
         self.predictor = predictor
-        # Prefill seconds a lower class leaves in critical streams' allowance.
-        self.reserve_s = reserve_s
+        # Lower classes leave critical streams the room a critical prompt of the reserve's
+        # share of the TTFT budget would take (as they leave it in the budget).
+        self.reserve = reserve
+        self.budget_s = budget_s
         self.cache = cache
         self.tpot_target_s = tpot_target_s
         self.sessions = sessions or Sessions()
@@ -144,7 +148,7 @@ class PredictivePolicy:
     def _keeps_pace(self, p: Projection, share: float, rank: int) -> bool:
         """Placing there leaves every stream on the engine of the request's class or a
         higher one within the TPOT target (a request of a lower class: with `1 - share`
-        of the allowance to spare, and critical streams `reserve_s` more). Lower classes'
+        of the allowance to spare, and critical streams the reserve's seconds more). Lower classes'
         streams are the higher ones' to spend."""
         rate = self._rate(p.engine.name)
         if rate is None:
@@ -154,7 +158,10 @@ class PredictivePolicy:
         stall = p.tokens / rate
         if not ledger.fits(stall / share, now, rank):
             return False
-        return rank == 0 or not self.reserve_s or ledger.fits(stall + self.reserve_s, now, 0)
+        if rank == 0 or self.reserve is None:
+            return True
+        reserve_s = self.reserve.share(now) * self.budget_s
+        return not reserve_s or ledger.fits(stall + reserve_s, now, 0)
 
     def _stall(self, p: Projection) -> float:
         """Stream-seconds of decode this prompt's prefill holds up on its engine: each
@@ -237,7 +244,7 @@ class PredictivePolicy:
         charge.settle()  # its prefill has run
         ledger = self.streams.get(lease.on.name)
         if entry is not None and ledger is not None:
-            ledger.decoding(entry, lease.first_at, lease.tally)
+            ledger.decoding(entry, lease.measured.first_at, lease.measured.tally)
 
     def _finished(self, lease: Lease) -> None:
         if self.cache is not None:
@@ -252,7 +259,7 @@ class PredictivePolicy:
         ledger = self.streams.get(lease.on.name)
         if entry is None or ledger is None:
             return
-        ledger.ended(entry, lease.output_tokens, lease.decode_s)
+        ledger.ended(entry, lease.measured.output_tokens, lease.measured.decode_s)
         for standing, ended in enumerate(self._ended):
             if ended is not None:
                 if not ended.done():
@@ -275,10 +282,12 @@ class PredictivePolicy:
     def _reported(self, lease: Lease) -> None:
         """The engine's own count of cached tokens corrects the picture."""
         plan = lease.plan
-        if plan is None or plan.blocks is None or lease.cached_tokens is None:
+        if plan is None or plan.blocks is None or lease.measured.cached_tokens is None:
             return
         assert self.cache is not None
         name = lease.on.name
         exp = plan.expected.get(name)
         if exp is not None:
-            self.cache.reported(name, plan.blocks, exp, lease.cached_tokens, lease.prompt_tokens)
+            self.cache.reported(
+                name, plan.blocks, exp, lease.measured.cached_tokens, lease.measured.prompt_tokens
+            )

@@ -24,7 +24,7 @@ async def assemble(rl: Relayer, lease: Lease, resp: Exchange, send: Send) -> str
         keep_token_ids=lease.intake.wants_token_ids,
         require_token_ids=e.spec.token_ids,
     )
-    lease.tally = _Counted(asm)
+    lease.measured.tally = _Counted(asm)
     chunk = b""
     try:
         while not asm.done:
@@ -39,8 +39,8 @@ async def assemble(rl: Relayer, lease: Lease, resp: Exchange, send: Send) -> str
                 lease.first_output()
         body = asm.finish(lease.intake.estimated_prompt_tokens())
         # Only the engine's own count: the estimate must not be learned from itself.
-        lease.prompt_tokens = asm.reported_prompt_tokens
-        lease.cached_tokens = asm.reported_cached_tokens
+        lease.measured.prompt_tokens = asm.reported_prompt_tokens
+        lease.measured.cached_tokens = asm.reported_cached_tokens
     except AssemblyError as exc:
         refusal = engine_refusal(chunk) if exc.field == "error" else None
         if refusal is not None:  # the engine's own error, in its stream: its answer

@@ -87,7 +87,7 @@ class Relayer:
         is ready, before any byte goes)."""
         e = lease.on
         body = upstream_body(lease.intake, e.spec.token_ids)
-        lease.sent_at = time.monotonic()
+        lease.measured.sent_at = time.monotonic()
         headers = "" if lease.fence is None else f"x-narwhal-fence: {lease.fence}\r\n"
         rec = asgi.current.get()
         if rec is not None:  # the ID is printable ASCII without spaces (asgi.begin)

@@ -78,9 +78,11 @@ class Stream:
         # The prompt IDs the relay counted are exact; a usage frame (always last) only
         # fills in when the engine sent none.
         self.prompt_ids = rep.prompt_ids or self.prompt_ids
-        lease.prompt_tokens = self.prompt_ids or rep.prompt_tokens or lease.prompt_tokens
+        lease.measured.prompt_tokens = (
+            self.prompt_ids or rep.prompt_tokens or lease.measured.prompt_tokens
+        )
         if rep.cached_tokens is not None:
-            lease.cached_tokens = rep.cached_tokens
+            lease.measured.cached_tokens = rep.cached_tokens
         if rep.fault_reason is not None:
             self.ended = True
             lease.fault(rep.fault_reason)
@@ -105,7 +107,7 @@ async def stream(rl: Relayer, lease: Lease, resp: Exchange, send: Send) -> bool:
         require_token_ids=e.spec.token_ids,
         drop_usage=not lease.intake.include_usage,
     )
-    lease.tally = relay
+    lease.measured.tally = relay
     st = Stream(lease, relay, resp.complete)
     # Until the first bytes are out, a fault can still be an HTTP error and the deadline
     # applies: the stream is pulled read by read.

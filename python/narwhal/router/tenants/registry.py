@@ -17,11 +17,14 @@ from narwhal.router.config import RouterConfig, TenantKey
 from narwhal.router.metrics import RouterMetrics
 from narwhal.router.tenants.fair_queue import CLASSES, RANK
 from narwhal.router.tenants.limits import Limits, Tenant, TenantLimited, Ticket
+from narwhal.router.tenants.reserve import CriticalReserve
 from narwhal.router.tenants.shares import Shares
 
 
 class Tenants:
-    def __init__(self, keys: list[TenantKey], metrics: RouterMetrics) -> None:
+    def __init__(
+        self, keys: list[TenantKey], metrics: RouterMetrics, critical_reserve: float = 0.0
+    ) -> None:
         self.by_name: dict[str, Tenant] = {}
         self.ceiling: dict[str, int] = {}  # the highest class a tenant's requests may take
         for k in keys:
@@ -30,6 +33,7 @@ class Tenants:
                 self.ceiling[k.tenant] = RANK[k.priority]
         # Whether any key may send critical work (standard work then leaves it room).
         self.critical = RANK["critical"] in self.ceiling.values()
+        self.reserve = CriticalReserve(critical_reserve if self.critical else 0.0)
         self.shares = Shares()
         self._requests = metrics.tenant_requests
         self._tokens = metrics.tenant_tokens

@@ -1,0 +1,45 @@
+"""How much room lower classes leave critical work: `predictive.critical_reserve` of the
+TTFT budget (and of critical streams' TPOT allowance, in the same seconds) at least, more
+while critical requests are being refused.
+
+A fixed reserve fits one critical load. When critical prompts are refused anyway (the
+lower-class prefill queued ahead of them, or the allowance their own streams had left,
+left no room), each such refusal raises the reserve by `STEP`, up to `CEILING`; it decays
+back to the configured share (e-folding `TAU_S`) while none is. Lower classes give way to
+critical work while it needs the room, and take it back when it does not.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+STEP = 0.1
+CEILING = 0.8
+TAU_S = 20.0
+
+
+class CriticalReserve:
+    def __init__(self, base: float) -> None:
+        self.base = base  # the configured share; 0: nothing is reserved, ever
+        self._extra = 0.0
+        self._at = 0.0
+
+    def _decay(self, now: float) -> None:
+        if self._extra and now > self._at:
+            self._extra *= math.exp(-(now - self._at) / TAU_S)
+        self._at = now
+
+    def refused(self, now: float | None = None) -> None:
+        """A critical request was refused for lack of room."""
+        if self.base <= 0:
+            return
+        self._decay(time.monotonic() if now is None else now)
+        self._extra = min(max(0.0, CEILING - self.base), self._extra + STEP)
+
+    def share(self, now: float | None = None) -> float:
+        """The share of the TTFT budget lower classes leave critical work now."""
+        if not self._extra:
+            return self.base
+        self._decay(time.monotonic() if now is None else now)
+        return self.base + self._extra
