@@ -3,11 +3,11 @@ tokens each is served while both wait, with fair turns (each key a tenant) and w
 (the same two keys as plain keys, one queue in arrival order).
 
 One scripted engine that streams each answer at a fixed pace, Narwhal in front with
-`admission: open` and a few seats, so requests wait in the router's queue; the light tenant
-alone asks for more than half of what the engine serves, so both stay backlogged for the
-whole window. Served tokens are counted by when each answer ended, within the window.
+`admission: open` and a few seats, so requests wait in the router's queue; by default the
+light tenant alone asks for all the engine serves, so both stay backlogged for the whole
+window. Served tokens are counted by when each answer ended, within the window.
 
-    .venv/bin/python -m bench.tenant_shares [--window-s 6] [--light-rps 12] [--ratio 10]
+    .venv/bin/python -m bench.tenant_shares [--window-s 6] [--light-rps 20] [--ratio 10]
 """
 
 from __future__ import annotations
@@ -93,7 +93,7 @@ def run(tenants: bool, engine: str, a: argparse.Namespace, tmp: Path) -> dict[st
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--window-s", type=float, default=6.0)
-    ap.add_argument("--light-rps", type=float, default=12.0)
+    ap.add_argument("--light-rps", type=float, default=20.0)
     ap.add_argument("--ratio", type=int, default=10)
     a = ap.parse_args()
     eport = free_port()
