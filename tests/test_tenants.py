@@ -223,13 +223,10 @@ def test_two_backlogged_tenants_take_equal_shares_of_tokens_whatever_each_sends(
     assert served.count("light") == 1
 
 
-def test_two_backlogged_tenants_are_served_equal_tokens_through_the_router(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    engine = start_test_engine("tests.scripted_engine")
-    monkeypatch.setenv("NARWHAL_TEST_KEY_HEAVY", "key-of-heavy")
-    monkeypatch.setenv("NARWHAL_TEST_KEY_LIGHT", "key-of-light")
-    router = start_router(
+def one_seat_router(tmp_path: Path, engine: Server, keys: list[str]) -> Server:
+    """A router with one seat on `engine`, so that requests wait in its queue."""
+    listed = "".join(f"    - {k}\n" for k in keys)
+    return start_router(
         tmp_path,
         f"""
 listen: {{port: $PORT}}
@@ -238,10 +235,24 @@ phases: {{prefill_concurrency: 1, decode_concurrency: 1}}
 queue: {{size: 64, wait_s: 60}}
 auth:
   api_keys:
-    - {{key_env: NARWHAL_TEST_KEY_HEAVY, tenant: heavy}}
-    - {{key_env: NARWHAL_TEST_KEY_LIGHT, tenant: light}}
-engines: [{{name: s, url: '{engine.url}'}}]
+{listed}engines: [{{name: s, url: '{engine.url}'}}]
 """,
+    )
+
+
+def test_two_backlogged_tenants_are_served_equal_tokens_through_the_router(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine = start_test_engine("tests.scripted_engine")
+    monkeypatch.setenv("NARWHAL_TEST_KEY_HEAVY", "key-of-heavy")
+    monkeypatch.setenv("NARWHAL_TEST_KEY_LIGHT", "key-of-light")
+    router = one_seat_router(
+        tmp_path,
+        engine,
+        [
+            "{key_env: NARWHAL_TEST_KEY_HEAVY, tenant: heavy}",
+            "{key_env: NARWHAL_TEST_KEY_LIGHT, tenant: light}",
+        ],
     )
     done: list[str] = []
 
@@ -289,19 +300,10 @@ def test_a_critical_request_waiting_is_placed_before_sheddable_ones_that_came_fi
 ) -> None:
     engine = start_test_engine("tests.scripted_engine")
     monkeypatch.setenv("NARWHAL_TEST_KEY_OPS", "key-of-ops")
-    router = start_router(
+    router = one_seat_router(
         tmp_path,
-        f"""
-listen: {{port: $PORT}}
-admission: open
-phases: {{prefill_concurrency: 1, decode_concurrency: 1}}
-queue: {{size: 8, wait_s: 30}}
-auth:
-  api_keys:
-    - plain-key
-    - {{key_env: NARWHAL_TEST_KEY_OPS, tenant: ops, priority: critical}}
-engines: [{{name: s, url: '{engine.url}'}}]
-""",
+        engine,
+        ["plain-key", "{key_env: NARWHAL_TEST_KEY_OPS, tenant: ops, priority: critical}"],
     )
     done: list[str] = []
 
