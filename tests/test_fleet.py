@@ -444,6 +444,13 @@ def test_a_reload_applies_engine_changes_and_a_bad_file_changes_nothing(
             ("engines: [", "not valid YAML"),
             (router_config("\n  - {name: b, url: 'ftp://x'}\n"), "engines.0.url"),
             (text.replace("$PORT", str(free_port())), "a change here needs a restart"),
+            # Client keys are matched from a list built at start.
+            (
+                router_config(
+                    f"\n  - {{name: b, url: '{b.url}'}}\n", "auth: {api_keys: [k]}\n"
+                ).replace("$PORT", str(router.port)),
+                "api_keys: a change here needs a restart",
+            ),
         ):
             path.write_text(bad)
             r = reload()

@@ -25,6 +25,7 @@ from narwhal.router.policies.predictive import PredictivePolicy
 from narwhal.router.policies.prefix_cache import PrefixCache
 from narwhal.router.policies.tpot import Streams
 from narwhal.router.predict import NoEngineKeepsPace, Predictor
+from narwhal.router.tenants.reserve import CriticalReserve
 
 RATE = 1000.0  # prefill tokens/s every engine has learned
 BUDGET = 5.0
@@ -56,14 +57,21 @@ def _close_loops() -> Iterator[None]:
 
 
 class Fleet:
-    def __init__(self, n: int = 3, tpot_target_s: float | None = None) -> None:
+    def __init__(
+        self,
+        n: int = 3,
+        tpot_target_s: float | None = None,
+        reserve: CriticalReserve | None = None,
+    ) -> None:
         self.engines = [Engine(EngineSpec(f"e{i}"), f"http://e{i}", healthy=True) for i in range(n)]
         self.predictor = Predictor(self.engines)
         for p in self.predictor.profiles.values():
             p.prefill_tps = RATE
             p.bytes_per_token = 5.0  # "w0000 " is five bytes a word
         self.cache = PrefixCache(self.engines, tokens_per_engine=100_000, block_bytes=256)
-        self.policy = PredictivePolicy(self.predictor, self.engines, self.cache, tpot_target_s)
+        self.policy = PredictivePolicy(
+            self.predictor, self.engines, self.cache, tpot_target_s, reserve, BUDGET
+        )
         self.events = Events()
         self.policy.watch(self.events)
         self.pool = Pool(self.engines, prefill_limit=64, decode_limit=64)
@@ -542,6 +550,20 @@ def test_a_lower_class_must_leave_the_streams_more_of_their_allowance() -> None:
     prompt.share = 0.5  # sheddable: as if its prefill took twice as long
     with pytest.raises(NoEngineKeepsPace):
         f.judge(prompt)
+
+
+def test_lower_classes_leave_critical_streams_the_reserve() -> None:
+    # 0.05 s of prefill kept for critical work in critical streams' allowance.
+    f = Fleet(n=1, tpot_target_s=0.05, reserve=CriticalReserve(0.05 / BUDGET))
+    f.learn_tau0(0.02)
+    chat = request(words("s", 10), max_tokens=5)
+    chat.rank = 0  # critical: 4 steps left, 25 ms each to spare, 0.1 s of prefill
+    f.open(chat, on="e0").first_output()
+    batch = request(words("p", 64))  # 80 tokens at 1,000/s: 0.08 s, within the 0.1 s
+    with pytest.raises(NoEngineKeepsPace):
+        f.judge(batch)  # standard: 0.08 s + the reserve's 0.05 s do not fit
+    batch.rank = 0
+    assert f.judge(batch).prefer is f.engines[0]  # critical work takes the room
 
 
 def test_waiters_of_a_higher_class_are_woken_first() -> None:

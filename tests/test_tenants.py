@@ -437,6 +437,11 @@ def test_the_critical_reserve_grows_while_critical_work_is_refused_and_then_deca
     off = CriticalReserve(0.0)  # the operator reserves nothing: refusals change nothing
     off.refused(now=0.0)
     assert off.share(now=0.0) == 0.0
+    off.configure(0.3)  # a reload sets another share
+    assert off.share(now=0.0) == 0.3
+    none = CriticalReserve(0.3, critical=False)  # no key may send critical work
+    none.configure(0.5)
+    assert none.share(now=0.0) == 0.0
 
 
 def test_a_tenant_over_its_share_gets_less_budget_only_while_the_fleet_is_full() -> None:

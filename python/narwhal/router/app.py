@@ -137,7 +137,15 @@ class Router:
     def _settings(self, new: RouterConfig) -> None:
         """A reloaded config's settings, for requests from now on."""
         self.config = self.flow.config = new
-        settle(new, self.admission, self.pool, self.membership, self.relayer, self.policy)
+        settle(
+            new,
+            self.admission,
+            self.pool,
+            self.membership,
+            self.relayer,
+            self.policy,
+            self.tenants.reserve,
+        )
 
     # -- lifecycle ----------------------------------------------------------------------
     async def startup(self) -> None:

@@ -2,8 +2,9 @@
 /admin/reload`).
 
 A file that does not load, or that changes what only a restart can (where the router
-listens, its model, admission, `ha`, the managed engines), is refused: the running config
-stays, the error is logged and shown on `/ready` (`reload_error`) until a good reload.
+listens, its model, admission, `ha`, the managed engines, the client and admin keys), is
+refused: the running config stays, the error is logged and shown on `/ready`
+(`reload_error`) until a good reload.
 Otherwise the config-file engines are made to match (new ones added, gone ones drained,
 changed ones drained and added again) and the admission and serving settings apply to
 requests from then on.
@@ -21,11 +22,26 @@ from narwhal.router.fleet.membership import Conflict, Membership
 from narwhal.router.policies import Policy
 from narwhal.router.policies.predictive import PredictivePolicy
 from narwhal.router.relay.relayer import Relayer
+from narwhal.router.tenants.reserve import CriticalReserve
 
 log = logging.getLogger("narwhal.fleet")
 
 # What a running router cannot take on without a restart.
-FIXED = ("host", "port", "model", "admission", "ha", "cpu_affinity", "native_relay")
+# What a reload refuses to change: the listener, the model, the admission mode, HA, the
+# router's CPUs and relay, and the client and admin keys (read once, at start).
+FIXED = (
+    "host",
+    "port",
+    "model",
+    "admission",
+    "ha",
+    "cpu_affinity",
+    "native_relay",
+    "api_keys",
+    "api_keys_env",
+    "tenant_keys",
+    "admin_token_env",
+)
 
 
 class Reloader:
@@ -88,6 +104,7 @@ def settle(
     membership: Membership,
     relayer: Relayer,
     policy: Policy,
+    reserve: CriticalReserve,
 ) -> None:
     """A reloaded config's admission and serving settings, to each that reads them per
     request."""
@@ -97,6 +114,8 @@ def settle(
     pool.eject_after = new.eject_after
     membership.drain_timeout_s = new.drain_timeout_s
     relayer.idle_s = new.stream_idle_timeout_s
+    reserve.configure(new.critical_reserve)
     if isinstance(policy, PredictivePolicy):
         policy.tpot_target_s = new.tpot_target_s
+        policy.budget_s = new.ttft_budget_s
     pool.notify()  # a larger queue or more seats may take waiting requests

@@ -143,13 +143,17 @@ class PredictivePolicy:
         return Plan(proj.engine, proj.tokens, proj.total_s, blocks, expected, req.session, charge)
 
     def _paced(self, share: float, rank: int) -> Callable[[Projection], bool]:
-        return lambda p: self._keeps_pace(p, share, rank)
+        # The reserve is read once a request, not once an engine.
+        reserve_s = 0.0
+        if rank > 0 and self.reserve is not None:
+            reserve_s = self.reserve.share() * self.budget_s
+        return lambda p: self._keeps_pace(p, share, rank, reserve_s)
 
-    def _keeps_pace(self, p: Projection, share: float, rank: int) -> bool:
+    def _keeps_pace(self, p: Projection, share: float, rank: int, reserve_s: float) -> bool:
         """Placing there leaves every stream on the engine of the request's class or a
-        higher one within the TPOT target (a request of a lower class: with `1 - share`
-        of the allowance to spare, and critical streams the reserve's seconds more). Lower classes'
-        streams are the higher ones' to spend."""
+        higher one within the TPOT target: a request of a lower class with `1 - share` of
+        the allowance to spare, and `reserve_s` more in critical streams' allowance. Lower
+        classes' streams are the higher ones' to spend."""
         rate = self._rate(p.engine.name)
         if rate is None:
             return True
@@ -158,9 +162,6 @@ class PredictivePolicy:
         stall = p.tokens / rate
         if not ledger.fits(stall / share, now, rank):
             return False
-        if rank == 0 or self.reserve is None:
-            return True
-        reserve_s = self.reserve.share(now) * self.budget_s
         return not reserve_s or ledger.fits(stall + reserve_s, now, 0)
 
     def _stall(self, p: Projection) -> float:

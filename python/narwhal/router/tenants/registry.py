@@ -31,9 +31,9 @@ class Tenants:
             if k.tenant not in self.by_name:
                 self.by_name[k.tenant] = Tenant(k.tenant, Limits(k.rpm, k.tpm, k.max_concurrent))
                 self.ceiling[k.tenant] = RANK[k.priority]
-        # Whether any key may send critical work (standard work then leaves it room).
-        self.critical = RANK["critical"] in self.ceiling.values()
-        self.reserve = CriticalReserve(critical_reserve if self.critical else 0.0)
+        # Lower classes leave critical work room only where a key may send it.
+        critical = RANK["critical"] in self.ceiling.values()
+        self.reserve = CriticalReserve(critical_reserve, critical)
         self.shares = Shares()
         self._requests = metrics.tenant_requests
         self._tokens = metrics.tenant_tokens

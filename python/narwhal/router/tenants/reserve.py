@@ -17,17 +17,26 @@ import time
 STEP = 0.1
 CEILING = 0.8
 TAU_S = 20.0
+GONE = 0.001  # an extra share below this is none (and reading the share costs nothing again)
 
 
 class CriticalReserve:
-    def __init__(self, base: float) -> None:
-        self.base = base  # the configured share; 0: nothing is reserved, ever
+    def __init__(self, base: float, critical: bool = True) -> None:
+        self.critical = critical  # a key may send critical work (else nothing is reserved)
+        self.base = 0.0  # the configured share; 0: nothing is reserved, ever
+        self.configure(base)
         self._extra = 0.0
         self._at = 0.0
+
+    def configure(self, base: float) -> None:
+        """The configured share (at start, and on a reload)."""
+        self.base = base if self.critical else 0.0
 
     def _decay(self, now: float) -> None:
         if self._extra and now > self._at:
             self._extra *= math.exp(-(now - self._at) / TAU_S)
+            if self._extra < GONE:
+                self._extra = 0.0
         self._at = now
 
     def refused(self, now: float | None = None) -> None:
