@@ -7,15 +7,18 @@ import os
 from collections.abc import Iterator
 
 import pytest
-from hypothesis import settings
+from hypothesis import HealthCheck, settings
 
 from tests.support import EtcdServer, Server, start_test_engine
 
 # CI explores the same examples every run (a red CI names a bug it can reproduce); a
 # developer's run explores new ones each time.
-settings.register_profile("ci", derandomize=True)
-if os.environ.get("CI"):
-    settings.load_profile("ci")
+# How fast examples come depends on the machine and what else runs on it, never on the
+# code under test: no deadline, and no health check on generation time.
+_unhurried = {"deadline": None, "suppress_health_check": [HealthCheck.too_slow]}
+settings.register_profile("ci", derandomize=True, **_unhurried)
+settings.register_profile("dev", **_unhurried)
+settings.load_profile("ci" if os.environ.get("CI") else "dev")
 
 
 @pytest.fixture(scope="session")

@@ -26,9 +26,19 @@ STATS: dict[str, Any] = {
     "connections": 0,
     "busy": False,
     "fences": [],
+    "authorizations": [],  # each completion's Authorization header, in arrival order
 }
 # Client ports that sent completion requests: how many connections the router opened.
 PEERS: set[Any] = set()
+# `script:held` answers one token and then waits for `POST /release`: a test that needs a
+# seat taken holds it for as long as it takes, whatever the machine's speed.
+RELEASED: list[asyncio.Event] = []
+
+
+def _released() -> asyncio.Event:
+    if not RELEASED:
+        RELEASED.append(asyncio.Event())
+    return RELEASED[0]
 
 
 def _script(body: dict[str, Any]) -> tuple[str, str]:
@@ -87,6 +97,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
     STATS["requests"] += 1
     STATS["last"] = body
     STATS["last_request_id"] = request.headers.get("x-request-id")
+    if len(STATS["authorizations"]) < 1000:
+        STATS["authorizations"].append(request.headers.get("authorization"))
     fence = request.headers.get("x-narwhal-fence")
     if fence is not None and len(STATS["fences"]) < 100_000:
         STATS["fences"].append(fence)  # in arrival order: who placed, as the engine saw it
@@ -151,6 +163,9 @@ async def _script_body(
         assert resp._payload_writer is not None
         resp._payload_writer.transport.close()  # type: ignore[union-attr]
         return
+    elif name == "held":
+        await w(_frame(body, chat, {"content": "held "}, [7]))
+        await _released().wait()
     elif name == "hang":
         await w(_frame(body, chat, {"content": "wait"}, [7]))
         for _ in range(600):
@@ -239,6 +254,11 @@ async def set_health(request: web.Request) -> web.Response:
     return web.json_response({})
 
 
+async def release(request: web.Request) -> web.Response:
+    _released().set()
+    return web.json_response({})
+
+
 async def stats(request: web.Request) -> web.Response:
     return web.json_response(STATS)
 
@@ -267,6 +287,7 @@ def main() -> None:
     app.router.add_get("/health", health)
     app.router.add_post("/health", set_health)
     app.router.add_get("/stats", stats)
+    app.router.add_post("/release", release)
     # A deep accept queue: benches open hundreds of connections at once.
     web.run_app(app, host=args.host, port=args.port, print=None, backlog=2048)
 

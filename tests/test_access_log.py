@@ -88,6 +88,19 @@ def test_text_lines_carry_the_same_fields(scripted: Server, tmp_path_factory: An
             time.sleep(0.05)
         assert line is not None and "narwhal.access POST /v1/chat/completions 200" in line
         assert "engine=s" in line and "outcome=completed" in line
+        # A client cannot write a line of its own: what it chose stays on its line, escaped.
+        forged = "2026-12-05 10:00:00,000 INFO narwhal.access GET /admin/reload 200"
+        httpx.get(
+            r.url + "/x%0A" + forged.replace(" ", "%20") + "%0D%0Bz%E2%80%A8",
+            headers={"x-request-id": "t-2"},
+        )
+        for _ in range(50):
+            line = next((x for x in r.stderr().splitlines() if "request_id=t-2" in x), None)
+            if line:
+                break
+            time.sleep(0.05)
+        assert line is not None and "GET /x\\n" + forged + "\\r\\x0bz\\u2028 404" in line
+        assert not any(x.startswith(forged) for x in r.stderr().splitlines())
     finally:
         r.stop()
 

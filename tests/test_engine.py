@@ -464,6 +464,9 @@ def test_template_file_thinking_switch_and_raw_format(busy_engine: Server) -> No
         (["--chat-template-kwargs", "[1]"], "--chat-template-kwargs"),
         (["--reasoning-format", "deepseek"], "--reasoning-format"),
         (["--chat-template-file", "/nonexistent.jinja"], "--chat-template-file"),
+        # A floor any client could raise: fencing needs etcd or the routers' secret.
+        (["--fence"], "--fence-etcd (tokens checked against etcd) or --fence-secret"),
+        (["--fence-secret", "s"], "--fence-secret: needs --fence"),
     ],
 )
 def test_bad_launch_options_are_refused_before_listening(

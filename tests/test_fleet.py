@@ -451,6 +451,31 @@ def test_a_reload_applies_engine_changes_and_a_bad_file_changes_nothing(
                 ).replace("$PORT", str(router.port)),
                 "api_keys: a change here needs a restart",
             ),
+            # What a running router does not apply is refused by name, never a silent 200.
+            (
+                router_config(
+                    f"\n  - {{name: b, url: '{b.url}'}}\n",
+                    "engines_from: {dns: {name: engines.test, port: 9}}\n",
+                ).replace("$PORT", str(router.port)),
+                "engines_from.dns: a change here needs a restart",
+            ),
+            (
+                router_config(
+                    f"\n  - {{name: b, url: '{b.url}'}}\n",
+                    "serving: {header_timeout_s: 3, max_connections: 9}\n"
+                    "prefix_cache: {tokens_per_engine: 10}\n",
+                ).replace("$PORT", str(router.port)),
+                "serving.header_timeout_s, serving.max_connections, "
+                "prefix_cache.tokens_per_engine: a change here needs a restart",
+            ),
+            # A typo beside a key: the error names the path and the rule, not the key.
+            (
+                router_config(
+                    f"\n  - {{name: b, url: '{b.url}'}}\n",
+                    "auth: {api_keys: [{key: sk-live-0f9e8d, tenant: 'gold team'}]}\n",
+                ).replace("$PORT", str(router.port)),
+                "auth.api_keys.0: tenant: must match the pattern",
+            ),
         ):
             path.write_text(bad)
             r = reload()
@@ -458,6 +483,15 @@ def test_a_reload_applies_engine_changes_and_a_bad_file_changes_nothing(
             assert why in r.json()["error"]["message"]
             assert why in httpx.get(router.url + "/ready", timeout=5).json()["reload_error"]
             assert set(listed(router)) == {"b"}
+        for said in (r.text, httpx.get(router.url + "/ready", timeout=5).text, router.stderr()):
+            assert "sk-live-0f9e8d" not in said
+        # What a reload does apply is applied (here: the probes' interval, read each round).
+        path.write_text(
+            router_config(f"\n  - {{name: b, url: '{b.url}'}}\n")
+            .replace("interval_s: 0.2", "interval_s: 0.3")
+            .replace("$PORT", str(router.port))
+        )
+        assert reload().status_code == 200
         path.write_text(text.replace("$PORT", str(router.port)))
         assert reload().status_code == 200
         wait_until(lambda: set(listed(router)) == {"a"}, 10)

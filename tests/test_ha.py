@@ -22,11 +22,18 @@ pytestmark = pytest.mark.slow
 
 TTL = 2
 _keys = count()
+# The routers' fence secret: the engines below raise their floor only for it.
+SECRET = "fence-secret-9c1d"
+os.environ["NARWHAL_TEST_FENCE_SECRET"] = SECRET
+
+
+def fencing_engine(model_path: str, *extra: str) -> Server:
+    return start_engine(model_path, "--fence", "--fence-secret", SECRET, *extra)
 
 
 @pytest.fixture(scope="module")
 def engine(model_path: str) -> Iterator[Server]:
-    s = start_engine(model_path, "--fence", "--alias", "main", "--parallel", "2", "--temp", "0")
+    s = fencing_engine(model_path, "--alias", "main", "--parallel", "2", "--temp", "0")
     yield s
     s.stop()
 
@@ -36,7 +43,8 @@ def config(
 ) -> str:
     return (
         "listen: {port: $PORT}\nadmission: open\nhealth: {interval_s: 0.2}\n"
-        f"ha: {{etcd: ['{etcd.url}'], key: '{key}', lease_ttl_s: {ttl}{ha}}}\n"
+        f"ha: {{etcd: ['{etcd.url}'], key: '{key}', lease_ttl_s: {ttl}, "
+        f"fence_secret_env: NARWHAL_TEST_FENCE_SECRET{ha}}}\n"
         + ("admin: {token_env: NARWHAL_TEST_ADMIN}\n" if admin else "")
         + f"engines:\n{engines}"
     )
@@ -77,13 +85,19 @@ def elect(etcd: EtcdServer, key: str) -> int:
     return int(kv["create_revision"])
 
 
-def fenced(engine: Server, token: int | bytes, body: object = None) -> httpx.Response:
-    """A one-token completion carrying `token` as `x-narwhal-fence` (bytes as they are)."""
+def fenced(
+    engine: Server, token: int | bytes, body: object = None, secret: str | None = SECRET
+) -> httpx.Response:
+    """A one-token completion carrying `token` as `x-narwhal-fence` (bytes as they are),
+    as a router that knows the fence secret sends it (`secret=None`: as anyone else)."""
     raw = token if isinstance(token, bytes) else str(token).encode()
+    headers = {"x-narwhal-fence": raw}
+    if secret is not None:
+        headers["x-narwhal-fence-secret"] = secret.encode()
     return httpx.post(
         engine.url + "/v1/completions",
         json=body if body is not None else {"prompt": "Hi", "max_tokens": 1},
-        headers={"x-narwhal-fence": raw},
+        headers=headers,
         timeout=30,
     )
 
@@ -517,7 +531,7 @@ def test_fence_etcd_refuses_a_deposed_token_before_the_new_leader_sends_anything
 def test_only_a_well_formed_token_on_an_accepted_request_moves_the_engine_s_floor(
     model_path: str,
 ) -> None:
-    s = start_engine(model_path, "--fence")
+    s = fencing_engine(model_path)
     try:
         # Not tokens: a digit int() refuses (a 500 before), 0, beyond int64, not digits.
         for bad in (b"\xb2", b"0", str(2**63).encode(), b"12a", b"+7"):
@@ -529,6 +543,14 @@ def test_only_a_well_formed_token_on_an_accepted_request_moves_the_engine_s_floo
         assert fenced(s, 5).status_code == 200  # ... so the leader is not fenced out
         assert engine_token(s) == 5
         assert fenced(s, 4).status_code == 409
+        # A client that reaches the engine cannot poison the floor: without the routers'
+        # secret (or a wrong one) a token above it is refused and moves nothing...
+        for secret in (None, "guess"):
+            r = fenced(s, 2**63 - 1, secret=secret)
+            assert r.status_code == 409 and r.json()["error"]["code"] == "fenced"
+            assert engine_token(s) == 5
+        # ... while the floor's own token still serves it, as the leader's requests do.
+        assert fenced(s, 5, secret=None).status_code == 200
     finally:
         s.stop()
 
@@ -537,13 +559,13 @@ def test_an_engine_restarted_with_fence_state_remembers_its_floor(
     model_path: str, tmp_path: Path
 ) -> None:
     state = tmp_path / "fence"
-    s = start_engine(model_path, "--fence", "--fence-state", str(state))
+    s = fencing_engine(model_path, "--fence-state", str(state))
     try:
         assert fenced(s, 7).status_code == 200  # the new leader's token
     finally:
         s.stop()
     # Restarted after a failover: the old leader's token is still refused.
-    s = start_engine(model_path, "--fence", "--fence-state", str(state))
+    s = fencing_engine(model_path, "--fence-state", str(state))
     try:
         assert engine_token(s) == 7
         assert fenced(s, 5).status_code == 409

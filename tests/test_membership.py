@@ -4,15 +4,28 @@ policy's picture and profiles following them, and what runtime sources parse."""
 from __future__ import annotations
 
 import asyncio
+import socket
+import struct
+from collections.abc import Callable
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from narwhal.router.config import DnsSource as DnsConfig
 from narwhal.router.config import EngineSpec
 from narwhal.router.engines import Engine, Pool
 from narwhal.router.fleet import spec as specs
-from narwhal.router.fleet.dns_source import DnsError, nameserver, parse_answer
+from narwhal.router.fleet.dns_source import (
+    MAX_ENGINES,
+    A,
+    DnsError,
+    DnsSource,
+    _qname,
+    nameserver,
+    parse_answer,
+    query,
+)
 from narwhal.router.fleet.membership import Conflict, Hooks, Membership
 from narwhal.router.policies.predictive import PredictivePolicy
 from narwhal.router.policies.prefix_cache import PrefixCache
@@ -156,3 +169,110 @@ def test_the_kubernetes_example_holds_a_config_the_router_accepts() -> None:
     # The routers resolve the engines' headless Service, on its port.
     assert config.dns_source.name.startswith(service["metadata"]["name"] + ".")
     assert config.dns_source.port == service["spec"]["ports"][0]["port"]
+
+
+class _Dns:
+    """A name server on loopback that answers over UDP with the truncation bit and no
+    records (as a server must when 40 A records pass 512 bytes) and over TCP in full."""
+
+    def __init__(self, addresses: list[str], udp_reply: Callable[[bytes], bytes] | None = None):
+        self.addresses = addresses
+        self.udp_reply = udp_reply
+        self.queries: list[bytes] = []
+
+    def answer(self, query: bytes, truncated: bool) -> bytes:
+        ident, _, _, _, _, _ = struct.unpack(">HHHHHH", query[:12])
+        end = query.index(b"\0", 12) + 5
+        question = query[12:end]
+        records = [] if truncated else self.addresses
+        flags = 0x8180 | (0x0200 if truncated else 0)
+        head = struct.pack(">HHHHHH", ident, flags, 1, len(records), 0, 0)
+        body = b"".join(
+            struct.pack(">HHHIH", 0xC00C, 1, 1, 5, 4) + socket.inet_aton(a) for a in records
+        )
+        return head + question + body
+
+    async def start(self) -> tuple[str, int]:
+        loop = asyncio.get_running_loop()
+        dns = self
+
+        class Udp(asyncio.DatagramProtocol):
+            def connection_made(self, transport: asyncio.BaseTransport) -> None:
+                self.transport = transport
+
+            def datagram_received(self, data: bytes, addr: tuple[str, int]) -> None:
+                dns.queries.append(data)
+                reply = dns.udp_reply(data) if dns.udp_reply else dns.answer(data, True)
+                self.transport.sendto(reply, addr)  # type: ignore[attr-defined]
+
+        async def tcp(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            size = struct.unpack(">H", await reader.readexactly(2))[0]
+            reply = self.answer(await reader.readexactly(size), False)
+            writer.write(struct.pack(">H", len(reply)) + reply)
+            await writer.drain()
+            writer.close()
+
+        self.tcp = await asyncio.start_server(tcp, "127.0.0.1", 0)
+        port = self.tcp.sockets[0].getsockname()[1]
+        self.udp, _ = await loop.create_datagram_endpoint(Udp, local_addr=("127.0.0.1", port))
+        return "127.0.0.1", port
+
+    def stop(self) -> None:
+        self.tcp.close()
+        self.udp.close()
+
+
+def test_a_dns_answer_too_large_for_udp_is_asked_again_over_tcp_with_edns0() -> None:
+    many = [f"10.1.0.{i}" for i in range(1, 41)]
+
+    async def run() -> None:
+        dns = _Dns(many)
+        server = await dns.start()
+        try:
+            assert await query("engines.test", A, server) == set(many)
+            # EDNS0 offered: one additional record, an OPT (type 41) for the root name.
+            (q,) = dns.queries
+            assert struct.unpack(">H", q[10:12])[0] == 1 and q[-11:-8] == b"\0\0\x29"
+        finally:
+            dns.stop()
+
+    asyncio.run(run())
+
+
+def test_an_answer_to_another_question_or_no_response_drains_nothing() -> None:
+    def other_question(query: bytes) -> bytes:
+        ident = query[:2]
+        head = ident + struct.pack(">HHHHH", 0x8180, 1, 0, 0, 0)  # success, no records
+        return head + _qname("elsewhere.test") + struct.pack(">HH", 1, 1)
+
+    def not_a_response(query: bytes) -> bytes:
+        return query[:2] + struct.pack(">HHHHH", 0x0100, 0, 0, 0, 0)
+
+    async def run(reply: Callable[[bytes], bytes]) -> None:
+        dns = _Dns([], reply)
+        server = await dns.start()
+        try:
+            with pytest.raises(DnsError):
+                await query("engines.test", A, server)
+        finally:
+            dns.stop()
+
+    for reply in (other_question, not_a_response):
+        asyncio.run(run(reply))
+
+
+def test_one_dns_answer_adds_at_most_max_engines() -> None:
+    async def run() -> None:
+        pool = Pool([], 4, 64)
+        source = DnsSource(DnsConfig("engines.test", 8000), Membership(pool, 60.0))
+        source._match({f"10.2.{i // 250}.{i % 250 + 1}" for i in range(MAX_ENGINES + 100)})
+        assert len(pool.engines) == MAX_ENGINES
+        serving = {e.name for e in pool.engines}
+        # The next answer, as large, keeps those serving rather than trading them.
+        source._match(
+            {f"10.3.{i // 250}.{i % 250 + 1}" for i in range(50)}
+            | {n.removeprefix("engines-") for n in serving}
+        )
+        assert {e.name for e in pool.engines if not e.draining} == serving
+
+    asyncio.run(run())

@@ -255,3 +255,46 @@ engines:
         )
     finally:
         r.stop()
+
+
+def test_a_client_target_never_lifts_a_sheddable_request_out_of_being_refused_first(
+    scripted: Server, tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("NARWHAL_TEST_KEY_BULK", "key-of-bulk")
+    monkeypatch.setenv("NARWHAL_TEST_KEY_APP", "key-of-app")
+    r = start_router(
+        tmp_path_factory.mktemp("shed"),
+        f"""
+listen: {{port: $PORT}}
+admission: predictive
+predictive: {{ttft_budget_s: 1.0, sheddable_headroom: 0.5}}
+auth:
+  api_keys:
+    - {{key_env: NARWHAL_TEST_KEY_BULK, tenant: bulk, priority: sheddable}}
+    - {{key_env: NARWHAL_TEST_KEY_APP, tenant: app}}
+engines: [{{name: s, url: '{scripted.url}', dialect: lexi}}]
+""",
+    )
+
+    def ask(key: str, tokens: int, target: str | None = None) -> httpx.Response:
+        headers = {"authorization": f"Bearer {key}"}
+        if target is not None:
+            headers["x-narwhal-ttft-target-ms"] = target
+        return httpx.post(
+            r.url + "/v1/chat/completions", json=chat(prompt(tokens)), headers=headers, timeout=30
+        )
+
+    try:
+        for _ in range(4):  # the engine's rate learned
+            assert ask("key-of-app", 100).status_code == 200
+        # ~0.7 s of prefill: inside the budget, past a sheddable request's half of it.
+        assert ask("key-of-app", 350).status_code == 200
+        assert ask("key-of-bulk", 350).status_code == 429
+        # Asking for a huge target of its own does not lift it past the configured budget.
+        refused = ask("key-of-bulk", 350, "1000000000")
+        assert refused.status_code == 429, refused.text
+        assert refused.json()["error"]["code"] == "prompt_exceeds_ttft_budget"
+        # A tighter target of its own still counts.
+        assert ask("key-of-app", 350, "300").status_code == 429
+    finally:
+        r.stop()

@@ -18,8 +18,9 @@ import orjson
 import pytest
 
 from narwhal.etcd import _b64
+from narwhal.router.pipeline.intake import CHAT, check
 from narwhal.router.tenants.fair_queue import RANK, FairQueue
-from narwhal.router.tenants.limits import Limits, Tenant, TenantLimited
+from narwhal.router.tenants.limits import WINDOW_S, Limits, Tenant, TenantLimited
 from narwhal.router.tenants.reserve import CEILING, TAU_S, CriticalReserve
 from narwhal.router.tenants.shares import SATURATED_S, Shares
 from tests.support import (
@@ -37,8 +38,8 @@ from tests.support import (
 
 def test_requests_a_minute_refuse_until_the_oldest_leaves_the_window() -> None:
     t = Tenant("a", Limits(rpm=2))
-    t.admit(10, now=100.0).end(10)
-    t.admit(10, now=130.0).end(10)
+    t.admit(10, now=100.0).end(10, now=101.0)
+    t.admit(10, now=130.0).end(10, now=131.0)
     with pytest.raises(TenantLimited) as refused:
         t.admit(10, now=150.0)
     assert refused.value.reason == "rpm"
@@ -53,9 +54,9 @@ def test_tokens_a_minute_count_the_estimate_at_once_and_what_was_measured_at_the
     with pytest.raises(TenantLimited) as refused:
         t.admit(400, now=2.0)
     assert refused.value.reason == "tpm" and refused.value.headers["retry-after"] == "58"
-    first.end(150)  # it used less than its estimate: 550 in the window
-    t.admit(400, now=3.0).end(400)
-    second.end(400)
+    first.end(150, now=2.5)  # it used less than its estimate: 550 in the window
+    t.admit(400, now=3.0).end(400, now=3.5)
+    second.end(400, now=3.5)
     with pytest.raises(TenantLimited):
         t.admit(200, now=4.0)
     t.admit(200, now=60.0)  # the first (150) has left the window
@@ -262,7 +263,8 @@ def test_two_backlogged_tenants_are_served_equal_tokens_through_the_router(
         done.append(tenant)
 
     try:
-        first = threading.Thread(target=send, args=("heavy", "script:paced:60:50"))
+        # The one seat held until every other request waits (released below, not timed).
+        first = threading.Thread(target=send, args=("heavy", "script:held"))
         first.start()
         wait_until(lambda: httpx.get(engine.url + "/stats").json()["active"], 10)
         # Ten times as many from one tenant, all of the same size, all waiting.
@@ -275,6 +277,7 @@ def test_two_backlogged_tenants_are_served_equal_tokens_through_the_router(
         for i, t in enumerate(threads):
             t.start()
             wait_until(lambda i=i: metric(router, "narwhal_queued") == i + 1, 10)
+        httpx.post(engine.url + "/release")
         for t in [first, *threads]:
             t.join(60)
         # While both were backlogged (until the light tenant's last was served), each was
@@ -326,7 +329,7 @@ def test_a_critical_request_waiting_is_placed_before_sheddable_ones_that_came_fi
             timeout=10,
         )
         assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_priority"
-        threads = [threading.Thread(target=send, args=("first", "plain-key", "script:paced:20:50"))]
+        threads = [threading.Thread(target=send, args=("first", "plain-key", "script:held"))]
         threads[0].start()
         wait_until(lambda: httpx.get(engine.url + "/stats").json()["active"], 10)
         for i in range(2):
@@ -344,6 +347,7 @@ def test_a_critical_request_waiting_is_placed_before_sheddable_ones_that_came_fi
         )
         threads[-1].start()
         wait_until(lambda: metric(router, "narwhal_queued") == 3, 10)
+        httpx.post(engine.url + "/release")
         for t in threads:
             t.join(60)
         assert done[:2] == ["first", "ops"]
@@ -354,8 +358,8 @@ def test_a_critical_request_waiting_is_placed_before_sheddable_ones_that_came_fi
 
 def test_a_window_handed_to_another_router_keeps_its_ages_and_tokens() -> None:
     old = Tenant("a", Limits(rpm=2, tpm=1000))
-    old.admit(300, now=100.0).end(300)
-    old.admit(200, now=130.0).end(200)
+    old.admit(300, now=100.0).end(300, now=101.0)
+    old.admit(200, now=130.0).end(200, now=131.0)
     new = Tenant("a", Limits(rpm=2, tpm=1000))
     new.load(old.export(now=140.0), now=5000.0)  # another clock
     assert new.tokens == 500
@@ -363,7 +367,11 @@ def test_a_window_handed_to_another_router_keeps_its_ages_and_tokens() -> None:
         new.admit(10, now=5000.0)
     assert refused.value.headers["retry-after"] == "20"  # the first is 40 s old
     new.load([[1, 2], ["x", 1, 1], [-5, 10, 1], [30, 1e300, 1], [1, 1, 0], [10.0, 50, 2]], 0.0)
-    assert new.tokens == 50 and len(new.window) == 2  # what is not sane is dropped
+    # What is not sane is dropped; a bucket of tokens and no request is a late charge.
+    assert (new.tokens, new.requests) == (51, 2)
+    # However many buckets etcd holds, a minute's worth is taken, one entry each.
+    new.load([[i % 60, 1, 1000] for i in range(10_000)], 0.0)
+    assert len(new.window) <= 61 and new.requests <= 61_000
 
 
 @pytest.mark.slow
@@ -533,3 +541,34 @@ engines:
     assert got["refused"] >= 0.5 * got["offered"], got  # overloaded, as meant
     assert by["critical"]["within_slo"] >= 0.99 * by["critical"]["offered"], by
     assert refused["sheddable"] > refused["standard"] > refused["critical"], refused
+
+
+def test_a_stream_longer_than_the_window_is_charged_what_it_measured_when_it_ends() -> None:
+    t = Tenant("a", Limits(tpm=60))
+    ticket = t.admit(10, now=0.0)  # its prompt's estimate, charged at once
+    # 80 tokens streamed over 64 s: the estimate left the window before the stream ended.
+    ticket.end(80, now=64.0)
+    with pytest.raises(TenantLimited) as refused:
+        t.admit(5, now=64.0)
+    assert refused.value.reason == "tpm"
+    assert 1 <= int(refused.value.headers["retry-after"]) <= 60
+    assert t.admit(5, now=64.0 + WINDOW_S).tenant is t  # a minute after it ended
+
+
+def test_the_tokens_estimate_counts_all_that_becomes_prompt() -> None:
+    text = "word " * 1600  # 8 KB
+    in_messages = check(CHAT, orjson.dumps({"messages": [{"role": "user", "content": text}]}), "m")
+    tool = {"type": "function", "function": {"name": "f", "description": text}}
+    where = [
+        {"tools": [tool]},
+        {"response_format": {"type": "json_schema", "json_schema": {"description": text}}},
+        {"chat_template_kwargs": {"context": text}},
+    ]
+    for extra in where:
+        body = {"messages": [{"role": "user", "content": "hi"}], **extra}
+        req = check(CHAT, orjson.dumps(body), "m")
+        assert req.estimated_prompt_tokens() >= in_messages.estimated_prompt_tokens(), extra
+    calls = [{"id": "c", "type": "function", "function": {"name": "f", "arguments": text}}]
+    history = [{"role": "assistant", "content": None, "tool_calls": calls}]
+    req = check(CHAT, orjson.dumps({"messages": [*history, {"role": "user", "content": "x"}]}), "m")
+    assert req.estimated_prompt_tokens() >= in_messages.estimated_prompt_tokens()

@@ -304,8 +304,23 @@ def test_a_tool_schema_that_is_not_one_is_a_400_naming_the_place(
     assert r.json()["error"]["param"] == "tools[1].function.parameters" + path
 
 
-def test_history_arguments_too_deep_to_write_are_a_400(engine: Server) -> None:
-    deep = "[" * 300 + "]" * 300
+def _nested(depth: int) -> Any:
+    out: Any = []
+    for _ in range(depth - 1):
+        out = [out]
+    return out
+
+
+@pytest.mark.parametrize(
+    "arguments",
+    [
+        '{"city": ' + "[" * 300 + "]" * 300 + "}",  # as OpenAI sends them: a string
+        {"city": _nested(300)},  # an object, as some clients send them
+        [1, 2],  # neither
+    ],
+    ids=["string", "object", "list"],
+)
+def test_history_arguments_too_deep_to_write_are_a_400(engine: Server, arguments: Any) -> None:
     history = [
         *ASK,
         {
@@ -315,7 +330,7 @@ def test_history_arguments_too_deep_to_write_are_a_400(engine: Server) -> None:
                 {
                     "id": "call_1",
                     "type": "function",
-                    "function": {"name": "get_weather", "arguments": '{"city": ' + deep + "}"},
+                    "function": {"name": "get_weather", "arguments": arguments},
                 }
             ],
         },

@@ -18,7 +18,9 @@ def require(scope: Scope, keys: Sequence[bytes], what: str = "API key") -> None:
 def match(scope: Scope, keys: Sequence[bytes], what: str = "API key") -> int:
     """The index of the key the request came with, or 401."""
     auth = asgi.header(scope, b"authorization") or ""
-    given = auth[7:].encode() if auth[:7].lower() == "bearer " else b""
+    # The header's own bytes (asgi.header decodes them as Latin-1, one char a byte): a key
+    # is its UTF-8 bytes, so a non-ASCII key matches a client that sends it in UTF-8.
+    given = auth[7:].encode("latin-1") if auth[:7].lower() == "bearer " else b""
     # Every key compared, each in constant time: which one matched does not show.
     found = -1
     for i, k in enumerate(keys):

@@ -30,14 +30,39 @@ def _fields(record: logging.LogRecord) -> dict[str, Any]:
     return fields if isinstance(fields, dict) else {}
 
 
+# A text line is one record: a control character a client chose (a path with %0A, a
+# header) must not start what reads as a second, genuine line. Backslashes are escaped
+# too, so an escape written by the client cannot pass for one written here.
+_ESCAPES = {c: f"\\x{c:02x}" for c in (*range(0x20), 0x7F)}
+_ESCAPES |= {ord("\\"): "\\\\", ord("\n"): "\\n", ord("\r"): "\\r", ord("\t"): "\\t"}
+
+
+def clean(text: str) -> str:
+    """`text` on one line: control characters (and Unicode's line separators) escaped."""
+    if text.isprintable() and "\\" not in text:
+        return text  # the common case, checked in C
+    out = text.translate(_ESCAPES)
+    if out.isprintable():
+        return out
+    return "".join(ch if ch.isprintable() else f"\\u{ord(ch):04x}" for ch in out)
+
+
 class _Text(logging.Formatter):
     def __init__(self) -> None:
         super().__init__("%(asctime)s %(levelname)s %(name)s %(message)s")
 
     def format(self, record: logging.LogRecord) -> str:
-        line = super().format(record)
-        extra = " ".join(f"{k}={v}" for k, v in _fields(record).items() if v is not None)
-        return f"{line} {extra}" if extra else line
+        head = f"{self.formatTime(record)} {record.levelname} {record.name} "
+        line = head + clean(record.getMessage())
+        extra = " ".join(
+            f"{k}={clean(str(v))}" for k, v in _fields(record).items() if v is not None
+        )
+        if extra:
+            line = f"{line} {extra}"
+        if record.exc_info:
+            # The traceback stays on its lines: ours, and a reader expects them.
+            line = f"{line}\n{self.formatException(record.exc_info)}"
+        return line
 
 
 class _Json(logging.Formatter):
@@ -119,8 +144,11 @@ def access(logger: logging.Logger, method: str, path: str, rec: Record, started:
         }
         line = orjson.dumps(out, default=str).decode()
     else:
-        extra = " ".join(f"{k}={v}" for k, v in fields.items() if v is not None)
-        line = f"{_access.stamp(now)} INFO {logger.name} {method} {path} {rec.status} {extra}"
+        extra = " ".join(f"{k}={clean(str(v))}" for k, v in fields.items() if v is not None)
+        line = (
+            f"{_access.stamp(now)} INFO {logger.name} {clean(method)} {clean(path)} "
+            f"{rec.status} {extra}"
+        )
     with contextlib.suppress(OSError, ValueError):
         stream.write(line + "\n")  # stderr is line-buffered: one write, one line
 

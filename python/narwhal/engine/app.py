@@ -51,6 +51,7 @@ class LexiEngine:
                 config.fence_state,
                 Etcd(config.fence_etcd.split(",")) if config.fence_etcd else None,
                 config.fence_key,
+                config.fence_secret,
             )
             if config.fence
             else None
@@ -151,10 +152,10 @@ class LexiEngine:
             self._count_fenced(e)
             raise
 
-    async def _take_fence(self, token: int) -> None:
+    async def _take_fence(self, token: int, scope: Scope) -> None:
         assert self.fence is not None
         try:
-            await self.fence.take(token)
+            await self.fence.take(token, scope)
         except ApiError as e:
             self._count_fenced(e)
             raise
@@ -208,7 +209,7 @@ class LexiEngine:
             # be slow (bounded in engine.template), and /health must not wait for it.
             job = await asyncio.to_thread(JOBS[path], body, self.config, self.model)
             if token is not None:
-                await self._take_fence(token)  # only a request it accepts moves the floor
+                await self._take_fence(token, scope)  # only an accepted request moves the floor
         except ApiError as e:
             self.metrics.requests.labels(route, str(e.status)).inc()
             raise

@@ -58,6 +58,7 @@ class EngineConfig:
     fence_etcd: str | None = None  # read the leader key's token from this etcd as well
     fence_key: str = "/narwhal/main/leader"
     fence_state: str | None = None  # keep the floor in this file across restarts
+    fence_secret: str | None = field(default=None, repr=False)  # who may raise the floor
     register_etcd: str | None = None  # hold a key in this etcd while serving
     register_key: str | None = None
     advertise: str | None = None  # the URL routers reach it at (default http://host:port)
@@ -77,6 +78,21 @@ class EngineConfig:
 def default(name: str) -> Any:
     """An EngineConfig field's default: the flags' defaults are written once, there."""
     return next(f.default for f in dataclasses.fields(EngineConfig) if f.name == name)
+
+
+def _fence_secret(value: str | None) -> str | None:
+    if value is None:
+        return None
+    if value.startswith("@"):
+        try:
+            value = Path(value[1:]).read_text().strip()
+        except OSError as e:
+            raise EngineConfigError(
+                "--fence-secret", f"cannot read {value[1:]}: {e.strerror}"
+            ) from None
+    if not value:
+        raise EngineConfigError("--fence-secret", "empty secret")
+    return value
 
 
 def _read_keys(values: list[str]) -> tuple[str, ...]:
@@ -136,6 +152,7 @@ def from_args(ns: argparse.Namespace) -> EngineConfig:
         fence_etcd=ns.fence_etcd,
         fence_key=ns.fence_key,
         fence_state=ns.fence_state,
+        fence_secret=_fence_secret(ns.fence_secret),
         register_etcd=ns.register_etcd,
         register_key=ns.register_key,
         advertise=ns.advertise,
@@ -229,9 +246,20 @@ def _check_limits(ns: argparse.Namespace) -> None:
 
 
 def _check_fencing(ns: argparse.Namespace) -> None:
-    for flag, v in (("--fence-etcd", ns.fence_etcd), ("--fence-state", ns.fence_state)):
+    for flag, v in (
+        ("--fence-etcd", ns.fence_etcd),
+        ("--fence-state", ns.fence_state),
+        ("--fence-secret", ns.fence_secret),
+    ):
         if v is not None and not ns.fence:
             raise EngineConfigError(flag, "needs --fence")
+    if ns.fence and ns.fence_etcd is None and ns.fence_secret is None:
+        raise EngineConfigError(
+            "--fence",
+            "needs --fence-etcd (tokens checked against etcd) or --fence-secret (only a "
+            "router that knows it may raise the floor): with neither, any client that "
+            "reaches this engine could send a huge token and fence every real leader out",
+        )
     if ns.fence_state is not None:
         _check_fence_state(ns.fence_state)
     if ns.fence_etcd is not None and not all(

@@ -7,11 +7,17 @@ taken: a deposed leader that has not noticed yet cannot have its requests served
 the new leader has been. With `--fence-etcd URL --fence-key KEY` the engine also reads the
 current holder from etcd itself, so it refuses a deposed leader even before the new one has
 sent it anything.
+
+Who may raise the floor: a token is a number anyone can write, and one of 2^63-1 would
+fence every real leader out. So a token above the floor counts only once it is verified:
+in etcd (`--fence-etcd`: it must be the leader key's), or carried with the routers' fence
+secret (`--fence-secret`, sent as `x-narwhal-fence-secret`). `--fence` needs one of them.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 import os
 from collections.abc import Callable
@@ -75,7 +81,9 @@ class Fence:
         state: str | None = None,
         etcd: Etcd | None = None,
         key: str = "",
+        secret: str | None = None,
     ) -> None:
+        self._secret = secret.encode() if secret else None
         self.on_token = on_token or (lambda _: None)
         self.state = Path(state) if state else None
         self.highest = _read_state(self.state) if self.state else 0
@@ -108,11 +116,17 @@ class Fence:
             )
         return token
 
-    async def take(self, token: int) -> None:
+    async def take(self, token: int, scope: Scope | None = None) -> None:
         """The floor rises to `token`, for a request the engine has accepted. With
         --fence-etcd, a token above the floor counts only once etcd says it is the leader
         key's (a newer election than the follower has seen): a token nobody was issued is
-        refused and raises nothing."""
+        refused and raises nothing. Without etcd, only a request that carries the fence
+        secret may raise it."""
+        if self._etcd is None and token > self.highest and not self._trusted(scope):
+            raise _fenced(
+                f"fencing token {token} is above the floor {self.highest}, and only a router "
+                "that carries the fence secret (x-narwhal-fence-secret) may raise it"
+            )
         if self._etcd is not None and token > self.highest:
             try:
                 kv = await self._etcd.get(self._key)
@@ -124,6 +138,12 @@ class Fence:
             if token != current:
                 raise _fenced(f"fencing token {token} is not the leader's in etcd ({current})")
         self.raise_to(token)
+
+    def _trusted(self, scope: Scope | None) -> bool:
+        if self._secret is None or scope is None:
+            return False
+        given = (asgi.header(scope, b"x-narwhal-fence-secret") or "").encode("latin-1")
+        return hmac.compare_digest(given, self._secret)
 
     def raise_to(self, token: int) -> None:
         if token > self.highest:

@@ -178,6 +178,14 @@ def _fencing_arguments(p: argparse.ArgumentParser) -> None:
         help="the routers' leader key in etcd (default %(default)s; the routers' ha.key)",
     )
     p.add_argument(
+        "--fence-secret",
+        metavar="SECRET|@PATH",
+        help="with --fence: a token above the floor is taken only from a request that "
+        "carries this secret (x-narwhal-fence-secret; the routers' ha.fence_secret_env), so a "
+        "client that reaches the engine cannot fence the leader out. Needed unless "
+        "--fence-etcd checks tokens against etcd. @PATH reads it from a file",
+    )
+    p.add_argument(
         "--fence-state",
         metavar="PATH",
         help="with --fence, keep the highest accepted token in this file (written before "

@@ -66,8 +66,13 @@ class Router:
         self.metrics.watch(events)
         self.policy.watch(events)
         paths = {p: self.metrics.relayed_streams.labels(p) for p in ("native", "awaited")}
+        ha = config.ha
+        secret = os.environ.get(ha.fence_secret_env) if ha and ha.fence_secret_env else None
         self.relayer = Relayer(
-            config.stream_idle_timeout_s, config.native_relay, lambda path: paths[path].inc()
+            config.stream_idle_timeout_s,
+            config.native_relay,
+            lambda path: paths[path].inc(),
+            secret,
         )
         keys, self.key_tenants = client_keys(config)
         self.client_keys = tuple(k.encode() for k in keys)
@@ -97,6 +102,7 @@ class Router:
         self.background = Background(self.metrics.background_errors)
         self.status = Status(self)
         self.session: aiohttp.ClientSession | None = None
+        self.profiler: Profiler | None = None
 
     def _ha(self, config: RouterConfig) -> None:
         """Leadership, the maintenance wave, and what a new leader takes over."""
@@ -145,6 +151,8 @@ class Router:
             self.relayer,
             self.policy,
             self.tenants.reserve,
+            self.predictor,
+            self.profiler,
         )
 
     # -- lifecycle ----------------------------------------------------------------------
@@ -156,7 +164,9 @@ class Router:
         c, bg, session = self.config, self.background, self.session
         bg.start(
             "health_probes",
-            lambda: self.pool.probe_forever(session, c.health_interval_s, c.health_timeout_s),
+            lambda: self.pool.probe_forever(
+                session, self.config.health_interval_s, self.config.health_timeout_s
+            ),
         )
         bg.start("queue_drain", self.admission.drain_forever)
         self.fleet.start(bg)
@@ -173,7 +183,7 @@ class Router:
             lambda: silent.close_silent_forever(c.header_timeout_s, self.metrics.silent_closed.inc),
         )
         if self.predictor is not None:
-            profiler = Profiler(
+            self.profiler = profiler = Profiler(
                 c.model,
                 self.pool,
                 self.admission,

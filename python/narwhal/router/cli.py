@@ -16,6 +16,7 @@ from narwhal.router.config import (
     load,
 )
 from narwhal.router.config_schema import DIALECTS
+from narwhal.router.urls import redact
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -107,7 +108,10 @@ def register(args: argparse.Namespace) -> int:
         )
         await registrar.sidecar(reg, stop)
 
-    print(f"narwhal register: {args.key} -> {args.url} while its /health answers", file=sys.stderr)
+    print(
+        f"narwhal register: {args.key} -> {redact(args.url)} while its /health answers",
+        file=sys.stderr,
+    )
     asyncio.run(run())
     return 0
 
@@ -179,6 +183,7 @@ def _unfit(config: RouterConfig) -> str | None:
         ("auth.api_keys_env", config.api_keys_env),
         *((f"engines.{e.name}.api_key_env", e.api_key_env) for e in config.engines),
         *((f"auth.api_keys[{t.tenant}].key_env", t.key_env) for t in config.tenant_keys),
+        ("ha.fence_secret_env", config.ha.fence_secret_env if config.ha else None),
     ]:
         if name and not os.environ.get(name):
             return f"config error: {where}: the environment variable {name} is not set"
@@ -187,12 +192,15 @@ def _unfit(config: RouterConfig) -> str | None:
             f"config error: admin.token_env: the environment variable "
             f"{config.admin_token_env} is not set (it holds the admin API's token)"
         )
-    return None
+    from narwhal.router.tenants.registry import auth_problem
+
+    auth = auth_problem(config)
+    return f"config error: {auth}" if auth else None
 
 
 def _engines(config: RouterConfig) -> str:
     """The engines the start-up line names."""
-    named = [e.name + (f" ({e.url})" if e.url else " (managed)") for e in config.engines]
+    named = [e.name + (f" ({redact(e.url)})" if e.url else " (managed)") for e in config.engines]
     if config.etcd_source is not None:
         named.append(f"those registered under {config.etcd_source.prefix} in etcd")
     if config.dns_source is not None:

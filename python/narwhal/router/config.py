@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -11,6 +12,7 @@ import orjson
 import yaml
 
 from narwhal.router.config_schema import SCHEMA, TOKEN_ID_DIALECTS
+from narwhal.router.urls import credentials
 
 _VALIDATOR = jsonschema_rs.validator_for(SCHEMA)
 
@@ -82,6 +84,9 @@ class HA:
     lease_ttl_s: int = 5
     # A leader that has reached no engine for this long steps aside for a router that does.
     resign_unhealthy_s: float = 10.0
+    # The variable holding the secret engines with `--fence-secret` want beside a fencing
+    # token before it may raise their floor (x-narwhal-fence-secret).
+    fence_secret_env: str | None = None
 
     @property
     def margin_s(self) -> float:
@@ -142,6 +147,10 @@ class RouterConfig:
     ha: HA | None = None  # several routers; None: this router is its own leader
     etcd_source: EtcdSource | None = None  # engines_from.etcd
     dns_source: DnsSource | None = None  # engines_from.dns
+    # What engines added at runtime (admin API, etcd, DNS) may name: the addresses they may
+    # be at (CIDRs; none: anywhere but link-local) and the key variables they may use.
+    runtime_allow: tuple[str, ...] = ()
+    runtime_key_envs: tuple[str, ...] = ()
     # A removed engine's in-flight requests have this long to finish; then they end with
     # an error event.
     drain_timeout_s: float = 60.0
@@ -173,20 +182,77 @@ class RouterConfig:
             d["etcd_source"] = EtcdSource(tuple(src["endpoints"]), src["prefix"])
         if d["dns_source"] is not None:
             d["dns_source"] = DnsSource(**d["dns_source"])
+        d["runtime_allow"] = tuple(d["runtime_allow"])
+        d["runtime_key_envs"] = tuple(d["runtime_key_envs"])
         return cls(engines=tuple(engines), **d)
 
 
-def _plain(err: Any, data: Any) -> str:
-    """jsonschema's wording where it is plain, ours where it names a keyword."""
-    if "oneOf" in err.message:  # the one oneOf: an engine's url or launch
-        node = data
-        for part in err.instance_path:
-            node = node[part]
+def _plain(err: Any, data: Any, schema: dict[str, Any] = SCHEMA) -> str:
+    """The rule a value breaks, in words drawn from the schema, never from the value: a
+    config holds keys, and this message reaches the log, `/admin/reload` and `/ready`."""
+    node: Any = data
+    for part in err.instance_path:
+        node = node[part]
+    *where, keyword = [str(p) for p in err.schema_path] or ["?"]
+    rule: Any = schema
+    for part in where:
+        rule = rule[int(part)] if isinstance(rule, list) else rule[part]
+    want = rule.get(keyword) if isinstance(rule, dict) else None
+    if keyword == "oneOf":  # the one oneOf: an engine's url or launch
         given = [k for k in ("url", "launch") if isinstance(node, dict) and k in node]
         if len(given) == 2:
             return "give `url` (an engine to call) or `launch` (a LexiEngine to run), not both"
         return "give `url` (an engine to call) or `launch` (a LexiEngine to run)"
-    return str(err.message)
+    if keyword == "additionalProperties" and isinstance(node, dict):
+        allowed = set(rule.get("properties", {}))
+        unknown = sorted(str(k)[:64] for k in node if k not in allowed)
+        return f"unknown field {unknown[0]!r}" if unknown else "unknown field"
+    if keyword == "required" and isinstance(node, dict):
+        lacking = [k for k in want or () if k not in node]
+        return f"lacks the field {lacking[0]!r}" if lacking else "lacks a required field"
+    if keyword == "anyOf" and isinstance(want, list):
+        # The form of the value's own type says what is wrong with it.
+        for form in want:
+            kind = form.get("type")
+            if kind is not None and _is(node, kind):
+                check = jsonschema_rs.validator_for(form)
+                sub = next(iter(check.iter_errors(node)), None)
+                if sub is not None:
+                    inner = ".".join(str(p) for p in sub.instance_path)
+                    said = _plain(sub, node, form)
+                    return f"{inner}: {said}" if inner else said
+        return "matches none of the forms allowed here"
+    return _words(keyword, want)
+
+
+def _words(keyword: str, want: Any) -> str:
+    """A schema keyword's rule in words (the schema's own numbers and names)."""
+    if keyword == "type":
+        return f"must be of type {want}"
+    if keyword == "enum":
+        return f"must be one of {', '.join(map(str, want or ()))}"
+    if keyword == "pattern":
+        return f"must match the pattern {want}"
+    bounds = {
+        "minLength": "must be at least {} characters long",
+        "maxLength": "must be at most {} characters long",
+        "minimum": "must be at least {}",
+        "maximum": "must be at most {}",
+        "exclusiveMinimum": "must be more than {}",
+        "exclusiveMaximum": "must be less than {}",
+        "minItems": "must list at least {}",
+        "minProperties": "must give at least {} field",
+    }
+    if keyword in bounds:
+        return bounds[keyword].format(want)
+    if keyword == "uniqueItems":
+        return "must not list an item twice"
+    return f"breaks the schema's rule {keyword!r}"
+
+
+def _is(value: Any, kind: str) -> bool:
+    types = {"string": str, "object": dict, "array": list, "boolean": bool}
+    return isinstance(value, types[kind]) if kind in types else False
 
 
 def _path(err: Any) -> str:
@@ -202,7 +268,8 @@ def parse(data: Any) -> RouterConfig:
         raise RouterConfigError("; ".join(f"{_path(e)}: {_plain(e, data)}" for e in errors))
     if "engines" not in data:
         data = {**data, "engines": []}
-    if not data["engines"] and "engines_from" not in data and "admin" not in data:
+    sources = data.get("engines_from", {})
+    if not data["engines"] and not {"etcd", "dns"} & set(sources) and "admin" not in data:
         raise RouterConfigError(
             "engines: no engines: list them, or give `engines_from` (etcd or DNS) or an "
             "admin token (`admin`) to add them while the router runs"
@@ -222,19 +289,47 @@ def parse(data: Any) -> RouterConfig:
             h.get("key", HA.key),
             h.get("lease_ttl_s", HA.lease_ttl_s),
             float(h.get("resign_unhealthy_s", HA.resign_unhealthy_s)),
+            h.get("fence_secret_env"),
         )
     if "admin" in data:
         given["admin_token_env"] = data["admin"]["token_env"]
-    given.update(_sources(data.get("engines_from", {})))
+    given.update(_sources(sources))
     auth = data.get("auth", {})
     keys = auth.get("api_keys") or []
     if any(isinstance(k, str) for k in keys):
         given["api_keys"] = tuple(k for k in keys if isinstance(k, str))
     if any(isinstance(k, dict) for k in keys):
-        given["tenant_keys"] = tuple(TenantKey(**k) for k in keys if isinstance(k, dict))
+        given["tenant_keys"] = _tenant_keys(keys)
     if "api_keys_env" in auth:
         given["api_keys_env"] = auth["api_keys_env"]
     return replace(_DEFAULTS, engines=engines, **given)
+
+
+def _tenant_keys(listed: list[Any]) -> tuple[TenantKey, ...]:
+    """The keys that name a tenant. A tenant's limits and class are the tenant's, shared by
+    its keys: two keys of one tenant that say different things are refused here, rather
+    than one of them being silently ignored (docs/DECISIONS.md)."""
+    first: dict[str, tuple[int, TenantKey]] = {}
+    out = []
+    for i, k in enumerate(listed):
+        if not isinstance(k, dict):
+            continue
+        t = TenantKey(**k)
+        seen = first.setdefault(t.tenant, (i, t))
+        j, other = seen
+        if (t.rpm, t.tpm, t.max_concurrent, t.priority) != (
+            other.rpm,
+            other.tpm,
+            other.max_concurrent,
+            other.priority,
+        ):
+            raise RouterConfigError(
+                f"auth.api_keys.{i}: tenant {t.tenant!r} is also given by auth.api_keys.{j} "
+                "with another priority or other limits: a tenant's keys share one class and "
+                "one set of limits (give them the same, or make them two tenants)"
+            )
+        out.append(t)
+    return tuple(out)
 
 
 def _engines(listed: list[dict[str, Any]]) -> tuple[EngineSpec, ...]:
@@ -243,7 +338,11 @@ def _engines(listed: list[dict[str, Any]]) -> tuple[EngineSpec, ...]:
     if dupes:
         raise RouterConfigError(f"engines: duplicate engine name {sorted(dupes)[0]!r}")
     engines = []
-    for e in listed:
+    for i, e in enumerate(listed):
+        if "api_key_env" in e and "url" in e and credentials(e["url"]) is not None:
+            raise RouterConfigError(
+                f"engines.{i}: give the engine's key in `api_key_env` or in the URL, not both"
+            )
         launch = None
         if "launch" in e:
             la = e["launch"]
@@ -264,6 +363,17 @@ def _sources(sources: dict[str, Any]) -> dict[str, Any]:
     if "etcd" in sources:
         src = sources["etcd"]
         given["etcd_source"] = EtcdSource(tuple(src["endpoints"]), src["prefix"])
+    if "allow" in sources:
+        for cidr in sources["allow"]:
+            try:
+                ipaddress.ip_network(cidr, strict=False)
+            except ValueError:
+                raise RouterConfigError(
+                    f"engines_from.allow: {cidr[:64]!r} is not a CIDR (10.0.0.0/8, fd00::/8)"
+                ) from None
+        given["runtime_allow"] = tuple(sources["allow"])
+    if "api_key_envs" in sources:
+        given["runtime_key_envs"] = tuple(sources["api_key_envs"])
     if "dns" in sources:
         src = sources["dns"]
         given["dns_source"] = DnsSource(
@@ -314,6 +424,23 @@ _FIELDS = {
     ("health", "eject_after"): "eject_after",
 }
 _DEFAULTS = RouterConfig(engines=())
+_NAMES = {name: f"{s}.{k}" if s else k for (s, k), name in _FIELDS.items()} | {
+    "engines": "engines",
+    "ha": "ha",
+    "etcd_source": "engines_from.etcd",
+    "dns_source": "engines_from.dns",
+    "runtime_allow": "engines_from.allow",
+    "runtime_key_envs": "engines_from.api_key_envs",
+    "api_keys": "auth.api_keys",
+    "tenant_keys": "auth.api_keys",
+    "api_keys_env": "auth.api_keys_env",
+    "admin_token_env": "admin.token_env",
+}
+
+
+def yaml_name(field: str) -> str:
+    """Where a RouterConfig field is set in the YAML (`health.interval_s`)."""
+    return _NAMES.get(field, field)
 
 
 def _affinity(value: str | list[int]) -> str | tuple[int, ...]:

@@ -105,6 +105,14 @@ MEANINGS = {
     "admin.token_env": "the environment variable that holds the admin Bearer token",
     "engines_from": "engines that come and go while the router runs (README: Running a "
     "fleet); with `engines` too, both sets serve",
+    "ha.fence_secret_env": "an environment variable holding the fence secret: sent beside "
+    "the fencing token (`x-narwhal-fence-secret`) to engines run with `--fence-secret`, "
+    "which let only it raise their floor",
+    "engines_from.allow": "CIDRs that engines added at runtime (admin API, etcd, DNS) may be "
+    "at, checked on every address their name resolves to (default: anywhere but link-local "
+    "addresses such as 169.254.169.254); never the router's own etcd or listener",
+    "engines_from.api_key_envs": "the environment variables an engine added at runtime may "
+    "name as its `api_key_env` (default: none): a registrant cannot ask for any other secret",
     "engines_from.etcd": "engines registered in etcd (`lexi-engine serve --register-etcd`, or "
     "`narwhal register` beside any engine): a key added is an engine added, a key deleted or "
     "expired an engine drained",
@@ -181,6 +189,8 @@ the router runs (README: Running a fleet):
 model: main
 admin: {token_env: NARWHAL_ADMIN_TOKEN}
 engines_from:
+  allow: ["10.0.0.0/16"]        # where registered engines may be
+  api_key_envs: [ENGINE_KEY]    # the key variables they may name
   etcd: {endpoints: ["http://10.0.0.5:2379"], prefix: /narwhal/main/engines/}
   dns: {name: engines.default.svc.cluster.local, port: 8000, dialect: vllm, every_s: 5}
 ```

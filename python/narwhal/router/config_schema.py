@@ -103,6 +103,7 @@ SCHEMA: dict[str, Any] = {
                 "key": {"type": "string", "pattern": "^/"},
                 "lease_ttl_s": {"type": "integer", "minimum": 2, "maximum": 300},
                 "resign_unhealthy_s": {"type": "number", "exclusiveMinimum": 0, "maximum": 3600},
+                "fence_secret_env": _env_name,
             },
         },
         "auth": {
@@ -149,6 +150,8 @@ SCHEMA: dict[str, Any] = {
             "additionalProperties": False,
             "minProperties": 1,
             "properties": {
+                "allow": {"type": "array", "items": {"type": "string", "minLength": 1}},
+                "api_key_envs": {"type": "array", "items": _env_name},
                 "etcd": {
                     "type": "object",
                     "additionalProperties": False,

@@ -13,13 +13,16 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
 import aiohttp
 
 from narwhal.router.config import EngineSpec
+from narwhal.router.fleet.rules import Refused
+from narwhal.router.urls import redact
 
 if TYPE_CHECKING:
+    from narwhal.router.fleet.rules import Rules
     from narwhal.router.lease import Events, Lease
     from narwhal.router.supervisor import ManagedEngine
 
@@ -41,6 +44,8 @@ class Engine:
     draining: bool = False  # being removed: nothing new, in-flight requests finish
     cut: bool = False  # drained past its timeout: its streams were ended by the router
     source: str = "config"  # where it came from: config, admin, etcd, dns
+    # What a runtime source's engine may be connected to (None: the config file's own).
+    rules: Rules | None = field(default=None, repr=False)
 
     @property
     def state(self) -> str:
@@ -53,6 +58,15 @@ class Engine:
         return self.spec.name
 
     @property
+    def host(self) -> str:
+        return urlsplit(self.url).hostname or ""
+
+    @property
+    def port(self) -> int:
+        u = urlsplit(self.url)
+        return u.port or (443 if u.scheme == "https" else 80)
+
+    @property
     def token_accounting(self) -> str:
         return "token_ids" if self.spec.token_ids else "unavailable"
 
@@ -60,8 +74,13 @@ class Engine:
     def inflight(self) -> int:
         return self.prefill + self.decode
 
-    def describe(self) -> dict[str, object]:
+    def describe(self, detail: bool = True) -> dict[str, object]:
+        """What `/engines` and `/ready` show (`detail=False`: routes open to anyone, where a
+        runtime engine's probe results would make a port scanner of the router for whoever
+        can register one) and `/admin/engines` (`detail=True`)."""
         reason = None if self.healthy else self.reason
+        if reason is not None and not detail and self.rules is not None:
+            reason = "unhealthy (details on /admin/engines)"
         out: dict[str, object] = {
             "name": self.name,
             "url": redact(self.url),
@@ -84,15 +103,6 @@ class Engine:
         return out
 
 
-def redact(url: str) -> str:
-    """The URL without a password in it (`user:pass@host` -> `user:***@host`)."""
-    u = urlsplit(url)
-    if u.password is None:
-        return url
-    host = u.netloc.rpartition("@")[2]
-    return urlunsplit(u._replace(netloc=f"{u.username}:***@{host}"))
-
-
 class Pool:
     def __init__(
         self, engines: list[Engine], prefill_limit: int, decode_limit: int, eject_after: int = 3
@@ -105,6 +115,8 @@ class Pool:
         self.on_healthy: list[Callable[[Engine], None]] = []  # an engine became healthy
         self._probe_now = asyncio.Event()
         self.maintenance: frozenset[str] = frozenset()  # engine names in the wave (no new work)
+        self.probe_interval_s = 2.0  # health probes (probe_forever sets both)
+        self.probe_timeout_s = 2.0
 
     def eligible(self) -> list[Engine]:
         return [
@@ -147,11 +159,15 @@ class Pool:
     async def probe_forever(
         self, session: aiohttp.ClientSession, interval: float, timeout: float
     ) -> None:
+        """Every engine probed each `interval` (`probe_interval_s` and `probe_timeout_s`,
+        read each round: a reload changes them)."""
+        self.probe_interval_s, self.probe_timeout_s = interval, timeout
         while True:
             self._probe_now.clear()
-            await asyncio.gather(*(self.probe(session, e, timeout) for e in self.engines))
+            t = self.probe_timeout_s
+            await asyncio.gather(*(self.probe(session, e, t) for e in self.engines))
             with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._probe_now.wait(), interval)
+                await asyncio.wait_for(self._probe_now.wait(), self.probe_interval_s)
 
     def probe_soon(self) -> None:
         """An engine joined: the next probe round starts now."""
@@ -160,11 +176,16 @@ class Pool:
     async def probe(self, session: aiohttp.ClientSession, e: Engine, timeout: float) -> None:
         was = e.healthy
         try:
+            if e.rules is not None:
+                await e.rules.resolve(e.host, e.port)  # where it points now, before a byte
             async with session.get(
                 e.url + "/health", timeout=aiohttp.ClientTimeout(total=timeout)
             ) as r:
                 ok = r.status == 200
                 e.reason = "ok" if ok else f"/health answered {r.status}"
+        except Refused as exc:
+            ok = False
+            e.reason = f"destination refused: {exc}"
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
             ok = False
             e.reason = f"/health failed: {type(exc).__name__}"

@@ -39,7 +39,9 @@ class Status:
         elif path == "/v1/models":
             await asgi.send_json(send, 200, {"object": "list", "data": [self._model()]})
         elif path == "/engines":
-            await asgi.send_json(send, 200, {"engines": [e.describe() for e in r.pool.engines]})
+            await asgi.send_json(
+                send, 200, {"engines": [e.describe(False) for e in r.pool.engines]}
+            )
         else:
             r.metrics.refresh(r.pool, r.admission, r.predictor)
             await asgi.send_bytes(
@@ -64,7 +66,7 @@ class Status:
 
     async def _ready(self, send: Send) -> None:
         r = self.router
-        engines = [e.describe() for e in r.pool.engines]
+        engines = [e.describe(False) for e in r.pool.engines]
         body: dict[str, Any] = {
             "ready": False,
             "admission": self.router.config.admission,

@@ -16,6 +16,8 @@ from collections.abc import Callable
 from urllib.parse import urlsplit
 
 from narwhal.router.connection import Connection, Exchange, UpstreamError
+from narwhal.router.fleet.rules import Refused, Rules
+from narwhal.router.urls import authorization
 
 # An idle connection older than this is closed rather than reused.
 _IDLE_S = 60.0
@@ -24,7 +26,13 @@ _IDLE_S = 60.0
 class Upstream:
     """Keep-alive connections to one engine base URL (http or https)."""
 
-    def __init__(self, url: str, connect_timeout: float = 5.0, api_key: str | None = None) -> None:
+    def __init__(
+        self,
+        url: str,
+        connect_timeout: float = 5.0,
+        api_key: str | None = None,
+        rules: Rules | None = None,
+    ) -> None:
         u = urlsplit(url)
         if u.scheme not in ("http", "https") or not u.hostname:
             raise ValueError(f"unsupported engine URL {url!r}")
@@ -36,8 +44,10 @@ class Upstream:
         self.prefix = u.path.rstrip("/")
         netloc = u.netloc.rpartition("@")[2]
         self._head = f"Host: {netloc}\r\nUser-Agent: narwhal\r\nContent-Type: application/json\r\n"
-        if api_key:
-            self._head += f"Authorization: Bearer {api_key}\r\n"
+        auth = authorization(url, api_key)
+        if auth is not None:
+            self._head += f"Authorization: {auth}\r\n"
+        self.rules = rules  # a runtime engine: only to the addresses they allow
         self.connect_timeout = connect_timeout
         self._free: list[Connection] = []
         self._all: set[Connection] = set()
@@ -108,11 +118,17 @@ class Upstream:
         timeout = self.connect_timeout
         if deadline is not None:
             timeout = min(timeout, max(deadline - loop.time(), 0.0))
+        host = self.host
+        if self.rules is not None:
+            try:
+                host = (await self.rules.resolve(self.host, self.port))[0]
+            except Refused as e:
+                raise UpstreamError(f"destination refused: {e}") from None
         try:
             _, proto = await asyncio.wait_for(
                 loop.create_connection(
                     lambda: Connection(self),
-                    self.host,
+                    host,
                     self.port,
                     ssl=self.ssl,
                     server_hostname=self.host if self.ssl else None,

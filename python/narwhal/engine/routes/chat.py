@@ -153,15 +153,16 @@ def _history_calls(calls: Any, p: str) -> list[dict[str, Any]]:
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
             raise invalid("a tool call needs function.name", f"{p}.tool_calls[{j}].function")
         args = fn.get("arguments", "{}")
+        where = f"{p}.tool_calls[{j}].function.arguments"
         if isinstance(args, str):
             try:
                 args = orjson.loads(args) if args.strip() else {}
             except orjson.JSONDecodeError as e:
-                raise invalid(
-                    "tool call arguments are not valid JSON",
-                    f"{p}.tool_calls[{j}].function.arguments",
-                ) from e
-            _refuse_unwritable(args, f"{p}.tool_calls[{j}].function.arguments")
+                raise invalid("tool call arguments are not valid JSON", where) from e
+        elif not isinstance(args, dict):
+            raise invalid("tool call arguments must be a JSON string (or an object)", where)
+        # Either form is written into the prompt again: as deep as it may be, in both.
+        _refuse_unwritable(args, where)
         out.append(
             {
                 "id": c.get("id"),

@@ -63,7 +63,7 @@ class EnginesAdmin:
 
     async def _add(self, raw: bytes, send: Send) -> None:
         try:
-            spec = specs.parse(raw)
+            spec = specs.parse(raw, None, self.membership.rules)
         except specs.BadSpec as e:
             raise ApiError(400, f"bad engine: {e}", param=e.field, code="invalid_engine") from None
         existing = self.membership.pool.named(spec.name)

@@ -5,7 +5,10 @@ Every `every_s` the name is resolved; an address that appeared is an engine adde
 (`LABEL-ADDRESS`, the name's first label), one that went is drained. A failed resolution
 changes nothing: the last good set keeps serving and `error` says why (`/ready`). Without
 a `nameserver` the system's resolver answers (getaddrinfo, in its thread pool); with one,
-a query of our own over UDP (`query`), so a test or a cluster's DNS can be named.
+a query of our own (`query`), so a test or a cluster's DNS can be named: over UDP with
+EDNS0 (answers up to 4,096 bytes), again over TCP when the answer comes truncated, and an
+answer that is not a response to our question (its ID, its question, the response bit) is
+no answer. A truncated answer never drains anything. One name adds at most `MAX_ENGINES`.
 """
 
 from __future__ import annotations
@@ -25,10 +28,17 @@ log = logging.getLogger("narwhal.fleet")
 
 TIMEOUT_S = 2.0
 A, AAAA = 1, 28
+OPT = 41
+EDNS_PAYLOAD = 4096  # what we can take over UDP (RFC 6891); more comes over TCP
+MAX_ENGINES = 256  # engines one name may bring: an answer is no way to flood the pool
 
 
 class DnsError(Exception):
     pass
+
+
+class Truncated(DnsError):
+    """The answer did not fit: it says nothing of the addresses left out."""
 
 
 class DnsSource:
@@ -65,6 +75,22 @@ class DnsSource:
 
     def _match(self, addresses: set[str]) -> None:
         c = self.config
+        if len(addresses) > MAX_ENGINES:
+            # Those serving stay; new ones fill what is left, in a stable order.
+            have = {
+                a
+                for a in addresses
+                if f"{self.label}-{a.replace(':', '_')}" in self.membership.names("dns")
+            }
+            rest = sorted(addresses - have)
+            kept = set(sorted(have)[:MAX_ENGINES])
+            addresses = kept | set(rest[: MAX_ENGINES - len(kept)])
+            log.warning(
+                "engines from DNS %s: the answer lists more than %d addresses; %d taken",
+                c.name,
+                MAX_ENGINES,
+                MAX_ENGINES,
+            )
         wanted = {}
         for addr in addresses:
             host = f"[{addr}]" if ":" in addr else addr
@@ -85,8 +111,18 @@ async def query(name: str, qtype: int, server: tuple[str, int]) -> set[str]:
     """The addresses of one A or AAAA query to `server`; DnsError on no answer, a bad
     one, or an error code (NXDOMAIN included: no pod is ready, say)."""
     ident = secrets.randbits(16)
-    packet = struct.pack(">HHHHHH", ident, 0x0100, 1, 0, 0, 0) + _qname(name)
+    qname = _qname(name)
+    packet = struct.pack(">HHHHHH", ident, 0x0100, 1, 0, 0, 1) + qname
     packet += struct.pack(">HH", qtype, 1)
+    # EDNS0: an OPT record (root name, our UDP payload size, no flags, no options).
+    packet += b"\0" + struct.pack(">HHIH", OPT, EDNS_PAYLOAD, 0, 0)
+    try:
+        return parse_answer(await _udp(packet, ident, server), qtype, qname, ident)
+    except Truncated:
+        return parse_answer(await _tcp(packet, server), qtype, qname, ident)
+
+
+async def _udp(packet: bytes, ident: int, server: tuple[str, int]) -> bytes:
     loop = asyncio.get_running_loop()
     answer: asyncio.Future[bytes] = loop.create_future()
 
@@ -109,7 +145,27 @@ async def query(name: str, qtype: int, server: tuple[str, int]) -> set[str]:
             raise DnsError(f"no answer from {server[0]}:{server[1]}") from None
     finally:
         transport.close()
-    return parse_answer(data, qtype)
+    return data
+
+
+async def _tcp(packet: bytes, server: tuple[str, int]) -> bytes:
+    """The same query over TCP (RFC 7766): each message after its 2-byte length."""
+    try:
+        reader, writer = await asyncio.wait_for(
+            asyncio.open_connection(server[0], server[1]), TIMEOUT_S
+        )
+    except (OSError, asyncio.TimeoutError) as e:
+        raise DnsError(
+            f"truncated over UDP, and TCP to {server[0]}:{server[1]} failed: {e}"
+        ) from None
+    try:
+        writer.write(struct.pack(">H", len(packet)) + packet)
+        size = struct.unpack(">H", await asyncio.wait_for(reader.readexactly(2), TIMEOUT_S))[0]
+        return await asyncio.wait_for(reader.readexactly(size), TIMEOUT_S)
+    except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError) as e:
+        raise DnsError(f"truncated over UDP, and no answer over TCP: {e!r}") from None
+    finally:
+        writer.close()
 
 
 def nameserver(spec: str) -> tuple[str, int]:
@@ -137,16 +193,34 @@ def _qname(name: str) -> bytes:
     return out + b"\0"
 
 
-def parse_answer(data: bytes, qtype: int) -> set[str]:
-    """The A or AAAA addresses in a DNS response (every other record skipped)."""
+def parse_answer(
+    data: bytes, qtype: int, qname: bytes | None = None, ident: int | None = None
+) -> set[str]:
+    """The A or AAAA addresses in a DNS response (every other record skipped). With the
+    question's `qname` and `ident`: DnsError unless it answers that question (Truncated
+    when it did not fit)."""
     try:
-        _, flags, qd, an, _, _ = struct.unpack(">HHHHHH", data[:12])
+        got, flags, qd, an, _, _ = struct.unpack(">HHHHHH", data[:12])
+        if not flags & 0x8000:
+            raise DnsError("not a response")
+        if ident is not None and got != ident:
+            raise DnsError("an answer to another query")
         rcode = flags & 0xF
         if rcode:
             raise DnsError(f"the name server answered with code {rcode}")
+        if flags & 0x0200:
+            raise Truncated("the answer was truncated")
         at = 12
-        for _ in range(qd):
-            at = _skip_name(data, at) + 4
+        if qname is not None:
+            end = _skip_name(data, at)
+            if qd != 1 or data[at:end].lower() != qname.lower():
+                raise DnsError("an answer to another question")
+            if struct.unpack(">HH", data[end : end + 4]) != (qtype, 1):
+                raise DnsError("an answer to another question")
+            at = end + 4
+        else:
+            for _ in range(qd):
+                at = _skip_name(data, at) + 4
         found = set()
         for _ in range(an):
             at = _skip_name(data, at)

@@ -85,7 +85,7 @@ class EtcdSource:
             self._drain(name, "removed through the admin API")
             return
         try:
-            spec = specs.parse(value, name)
+            spec = specs.parse(value, name, self.membership.rules)
         except specs.BadSpec as e:
             log.warning("engines from etcd: %s: %s (ignored)", name, e)
             return

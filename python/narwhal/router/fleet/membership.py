@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 from narwhal.router.config import EngineSpec
 from narwhal.router.engines import Engine, Pool
+from narwhal.router.fleet.rules import Rules
+from narwhal.router.urls import redact
 
 log = logging.getLogger("narwhal.fleet")
 
@@ -52,8 +54,15 @@ class _Draining:
 
 
 class Membership:
-    def __init__(self, pool: Pool, drain_timeout_s: float, hooks: Hooks | None = None) -> None:
+    def __init__(
+        self,
+        pool: Pool,
+        drain_timeout_s: float,
+        hooks: Hooks | None = None,
+        rules: Rules | None = None,
+    ) -> None:
         self.pool = pool
+        self.rules = rules or Rules()  # for engines from any source but the config file
         self.drain_timeout_s = drain_timeout_s
         self.hooks = hooks or Hooks()
         self._draining: dict[str, _Draining] = {}
@@ -77,11 +86,12 @@ class Membership:
                 )
             return e
         key = os.environ.get(spec.api_key_env) if spec.api_key_env else None
-        e = Engine(spec, spec.url.rstrip("/"), api_key=key, source=source)
+        rules = None if source == "config" else self.rules
+        e = Engine(spec, spec.url.rstrip("/"), api_key=key, source=source, rules=rules)
         for hook in self.hooks.added:
             hook(e)
         self.pool.add(e)
-        log.info("engine %s added (%s, %s)", e.name, source, e.url)
+        log.info("engine %s added (%s, %s)", e.name, source, redact(e.url))
         self.pool.notify()
         return e
 
@@ -113,7 +123,7 @@ class Membership:
     def describe(self) -> list[dict[str, object]]:
         out = []
         for e in self.pool.engines:
-            d = e.describe()
+            d = e.describe(detail=True)
             drain = self._draining.get(e.name)
             if drain is not None:
                 d["drain_left_s"] = round(max(0.0, drain.deadline - time.monotonic()), 1)

@@ -10,6 +10,8 @@ import orjson
 
 from narwhal.router.config import EngineSpec
 from narwhal.router.config_schema import DIALECTS
+from narwhal.router.fleet.rules import Refused, Rules
+from narwhal.router.urls import credentials
 
 NAME = re.compile(r"[A-Za-z0-9_.-]{1,128}")
 _ENV = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,127}")
@@ -25,17 +27,19 @@ class BadSpec(ValueError):
         self.field = field
 
 
-def parse(raw: bytes, name: str | None = None) -> EngineSpec:
+def parse(raw: bytes, name: str | None = None, rules: Rules | None = None) -> EngineSpec:
     """`{"name", "url", "dialect", "api_key_env"}` as JSON; `name` given apart (an etcd
     key's last segment) wins over one in the body, which must then agree."""
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError:
         raise BadSpec("not JSON") from None
-    return of(body, name)
+    return of(body, name, rules)
 
 
-def of(body: Any, name: str | None = None) -> EngineSpec:
+def of(body: Any, name: str | None = None, rules: Rules | None = None) -> EngineSpec:
+    """The engine `body` describes; with `rules` (a runtime source's), only the key
+    variables and destinations they allow."""
     if not isinstance(body, dict):
         raise BadSpec('an engine is a JSON object: {"name", "url", "dialect", "api_key_env"}')
     unknown = sorted(set(body) - FIELDS)
@@ -55,6 +59,15 @@ def of(body: Any, name: str | None = None) -> EngineSpec:
     key_env = body.get("api_key_env")
     if key_env is not None and (not isinstance(key_env, str) or not _ENV.fullmatch(key_env)):
         raise BadSpec("'api_key_env' must be an environment variable's name", "api_key_env")
+    if key_env is not None and credentials(url) is not None:
+        raise BadSpec("give the engine's key in 'api_key_env' or in the URL, not both", "url")
+    if rules is not None:
+        try:
+            if key_env is not None:
+                rules.key_env(key_env)
+            rules.literal(url)
+        except Refused as e:
+            raise BadSpec(str(e), e.field) from None
     return EngineSpec(given, dialect, url, None, key_env)
 
 

@@ -16,12 +16,25 @@ from narwhal.router.fleet.dns_source import DnsSource
 from narwhal.router.fleet.etcd_source import EtcdSource
 from narwhal.router.fleet.membership import Hooks, Membership
 from narwhal.router.fleet.reload import Reloader
+from narwhal.router.fleet.rules import Rules, networks, own_endpoints
 from narwhal.router.ha.leadership import Leadership
 from narwhal.router.metrics import RouterMetrics
 from narwhal.router.policies import Policy
 from narwhal.router.relay.relayer import Relayer
 
 CONFIG_PATH_ENV = "NARWHAL_ROUTER_CONFIG_PATH"  # the YAML itself, for reloads
+
+
+def rules_of(config: RouterConfig) -> Rules:
+    """What engines from runtime sources may name, from the config file."""
+    etcd = list(config.ha.etcd if config.ha else ())
+    if config.etcd_source is not None:
+        etcd += config.etcd_source.endpoints
+    return Rules(
+        frozenset(config.runtime_key_envs),
+        networks(config.runtime_allow),
+        own_endpoints(etcd, (config.host, config.port)),
+    )
 
 
 class Fleet:
@@ -49,7 +62,7 @@ class Fleet:
             lambda e: metrics.forget(e.name),
             lambda e: changes.labels("removed", e.source).inc(),
         ]
-        self.membership = Membership(pool, config.drain_timeout_s, hooks)
+        self.membership = Membership(pool, config.drain_timeout_s, hooks, rules_of(config))
         ha = config.ha
         edits = ha.sibling("engines") + "/" if ha is not None else None
         self.admin = EnginesAdmin(self.membership, leadership, leadership.etcd, edits)

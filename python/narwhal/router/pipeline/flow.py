@@ -74,6 +74,12 @@ class Flow:
                 fair = self.tenants.fair_share(tenant)
                 req.share *= fair
                 req.standing = 2 * req.rank + (fair < 1.0)
+                if req.share < 1.0:
+                    # A lower class (or a tenant over its share) is judged against less
+                    # than the budget: a target of its own may lower it, never raise it
+                    # past the configured one, or a sheddable request could ask its way
+                    # out of being refused first.
+                    budget = min(budget, self.config.ttft_budget_s)
                 budget *= req.share
                 ticket = self.tenants.admit(tenant, req.estimated_prompt_tokens(), req.rank)
                 try:

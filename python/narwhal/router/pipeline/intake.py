@@ -96,6 +96,33 @@ def _text_bytes(content: Any) -> int:
     return sum(len(p) for p in _text_parts(content))
 
 
+def _message_bytes(m: dict[str, Any]) -> int:
+    """A message's share of the prompt: its text, and the tool calls it made (a history's
+    calls are rendered into the prompt with their arguments)."""
+    n = _text_bytes(m.get("content"))
+    calls = m.get("tool_calls")
+    if calls:
+        n += _json_bytes(calls)
+    return n
+
+
+# What else a template renders into the prompt: the tools' schemas, the legacy functions,
+# a JSON schema to answer in, the template's own arguments. A tenant's tokens a minute are
+# estimated from all of it: 8 KB is 8 KB whether it sits in `messages` or in `tools`.
+_BESIDE = ("tools", "functions", "response_format", "chat_template_kwargs")
+
+
+def _beside_bytes(body: dict[str, Any]) -> int:
+    return sum(_json_bytes(body[k]) for k in _BESIDE if body.get(k))
+
+
+def _json_bytes(value: Any) -> int:
+    try:
+        return len(orjson.dumps(value))
+    except orjson.JSONEncodeError:
+        return 0  # too deep: refused before this counts (_refuse_too_deep)
+
+
 _ROLE_MARK = b"\x00"  # never in JSON text: a role line cannot be confused with content
 
 
@@ -150,7 +177,8 @@ def check(route: str, raw: bytes, model: str) -> Intake:
     if route == RESPONSES:
         v = body.get("max_output_tokens")
         most = v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None
-        return Intake(route, body, stream, False, False, _input_bytes(body), session, most)
+        size = _input_bytes(body) + _beside_bytes(body)
+        return Intake(route, body, stream, False, False, size, session, most)
     if route == CHAT:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
@@ -158,7 +186,7 @@ def check(route: str, raw: bytes, model: str) -> Intake:
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or not isinstance(m.get("role"), str):
                 raise invalid("each message must be an object with a role", f"messages[{i}]")
-        prompt_bytes = sum(_text_bytes(m.get("content")) for m in messages)
+        prompt_bytes = sum(_message_bytes(m) for m in messages) + _beside_bytes(body)
     else:
         prompt = body.get("prompt")
         if isinstance(prompt, str):
@@ -167,6 +195,7 @@ def check(route: str, raw: bytes, model: str) -> Intake:
             prompt_bytes = sum(len(p.encode()) if isinstance(p, str) else 4 for p in prompt)
         else:
             raise invalid("'prompt' must be a string or a nonempty list", "prompt")
+        prompt_bytes += _beside_bytes(body)
 
     if not stream:
         _refuse_unassemblable(body)

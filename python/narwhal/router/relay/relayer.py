@@ -44,17 +44,21 @@ class Relayer:
         idle_s: float = 120.0,
         native: bool = True,
         count_path: Callable[[str], None] | None = None,
+        fence_secret: str | None = None,
     ) -> None:
         self.idle_s = idle_s  # an engine silent this long in the middle of an answer stalled
         self.native = native  # streams relayed from the read callback where `send` allows
         self.count_path = count_path or (lambda _: None)
         self.warned = False
         self.upstreams: dict[str, Upstream] = {}
+        # The header line that lets this router's fencing tokens raise engines' floors.
+        self.fence_secret = f"x-narwhal-fence-secret: {fence_secret}\r\n" if fence_secret else ""
 
     def upstream(self, e: Engine) -> Upstream:
-        up = self.upstreams.get(e.url)
+        # By name: two engines at one URL with different keys are two pools.
+        up = self.upstreams.get(e.name)
         if up is None:
-            up = self.upstreams[e.url] = Upstream(e.url, api_key=e.api_key)
+            up = self.upstreams[e.name] = Upstream(e.url, api_key=e.api_key, rules=e.rules)
         return up
 
     def close(self) -> None:
@@ -64,13 +68,13 @@ class Relayer:
     def cut(self, e: Engine) -> None:
         """Close every connection to `e`: the answers still running there end now (an
         engine drained past its timeout)."""
-        up = self.upstreams.get(e.url)
+        up = self.upstreams.get(e.name)
         if up is not None:
             up.close()
 
     def forget(self, e: Engine) -> None:
         """`e` left the fleet: its connections go (another engine may come at its URL)."""
-        up = self.upstreams.pop(e.url, None)
+        up = self.upstreams.pop(e.name, None)
         if up is not None:
             up.close()
 
@@ -88,7 +92,9 @@ class Relayer:
         e = lease.on
         body = upstream_body(lease.intake, e.spec.token_ids)
         lease.measured.sent_at = time.monotonic()
-        headers = "" if lease.fence is None else f"x-narwhal-fence: {lease.fence}\r\n"
+        headers = (
+            "" if lease.fence is None else f"x-narwhal-fence: {lease.fence}\r\n{self.fence_secret}"
+        )
         rec = asgi.current.get()
         if rec is not None:  # the ID is printable ASCII without spaces (asgi.begin)
             headers += f"x-request-id: {rec.id}\r\n"

@@ -117,15 +117,34 @@ class Tenants:
         return 1.0 if name is None else self.shares.fair_share(name)
 
 
+def auth_problem(config: RouterConfig) -> str | None:
+    """Why the client keys as configured cannot be used, or None. Auth is on as soon as
+    `auth` lists a key or names a variable: then a variable that holds no key, or no key at
+    all, is an error, never a router that serves anyone."""
+    if config.api_keys_env and not _split(os.environ.get(config.api_keys_env, "")):
+        return f"auth.api_keys_env: the environment variable {config.api_keys_env} holds no key"
+    for t in config.tenant_keys:
+        if t.key_env is not None and not os.environ.get(t.key_env, "").strip():
+            return f"auth.api_keys[{t.tenant}].key_env: the variable {t.key_env} holds no key"
+    configured = config.api_keys or config.api_keys_env or config.tenant_keys
+    if configured and not client_keys(config)[0]:
+        return "auth: client keys are configured but none results: the router would serve anyone"
+    return None
+
+
+def _split(raw: str) -> list[str]:
+    return [k.strip() for k in raw.split(",") if k.strip()]
+
+
 def client_keys(config: RouterConfig) -> tuple[list[str], list[str | None]]:
     """The accepted client keys (`auth.api_keys`, those in `auth.api_keys_env`, the
     tenants' keys), and the tenant each key is for (None: no tenant)."""
     keys = list(config.api_keys)
     if config.api_keys_env:
-        keys += [k.strip() for k in os.environ.get(config.api_keys_env, "").split(",") if k.strip()]
+        keys += _split(os.environ.get(config.api_keys_env, ""))
     tenants: list[str | None] = [None] * len(keys)
     for t in config.tenant_keys:
-        key = t.key if t.key is not None else os.environ.get(t.key_env or "", "")
+        key = t.key if t.key is not None else os.environ.get(t.key_env or "", "").strip()
         if key:
             keys.append(key)
             tenants.append(t.tenant)
