@@ -119,7 +119,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     if name == "prefill_serial":
         # Compute-bound prefill: one prompt at a time, as on a busy accelerator.
         async with PREFILL_LOCK:
-            await asyncio.sleep(_prompt_tokens(body) * int(arg.split(":")[0]) / 1000)
+            await asyncio.sleep(_prompt_tokens(body) * float(arg.split(":")[0]) / 1000)
     if name == "prefill":
         # A prompt of N tokens (4 bytes each) takes N * ARG ms before the first token.
         await asyncio.sleep(_prompt_tokens(body) * int(arg.split(":")[0]) / 1000)

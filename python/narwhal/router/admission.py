@@ -32,6 +32,20 @@ class Expired(Exception):
     """The admission wait or the request deadline ran out before placement."""
 
 
+class BudgetSpent(Exception):
+    """A request waiting for a seat can no longer have its first token within its TTFT
+    budget: it is refused rather than placed late (`overrun_s`: by how much it would miss)."""
+
+    def __init__(self, overrun_s: float) -> None:
+        super().__init__(f"over the TTFT budget by {overrun_s:.2f}s")
+        self.overrun_s = overrun_s
+
+
+# Whether a waiting lease placed on an engine now still makes its TTFT budget (the policy's
+# projection; None: every placement does).
+Fits = Callable[[Lease, Engine, float], float | None]
+
+
 class Admission:
     def __init__(
         self,
@@ -48,6 +62,9 @@ class Admission:
         self.wait_s = wait_s
         self.retained = 0
         self._queue: FairQueue[tuple[asyncio.Future[None], Lease]] = FairQueue()
+        # Set by a policy that holds a TTFT budget: how far past its budget a waiting
+        # lease's first token would come if placed on an engine now (None: in time).
+        self.overrun: Fits | None = None
 
     @property
     def queued(self) -> int:
@@ -75,10 +92,13 @@ class Admission:
         tokens: int = 0,
         predicted_s: float | None = None,
         exclude: frozenset[str] = frozenset(),
+        ttft_by: float | None = None,
+        own_s: float | None = None,
     ) -> Placing:
         """A lease on an engine with room (waiting in the queue for one if need be), given
-        back when the block exits; or `Expired`, or a refusal. `predicted_s` is kept only
-        if the lease lands on `prefer` (the engine it was projected for)."""
+        back when the block exits; or `Expired`, `BudgetSpent` (its first token can no
+        longer come by `ttft_by`), or a refusal. `predicted_s` is kept only if the lease
+        lands on `prefer` (the engine it was projected for)."""
         lease = Lease(
             self,
             self.events,
@@ -89,6 +109,8 @@ class Admission:
             predicted_s=predicted_s,
             prefer=prefer,
             exclude=exclude,
+            ttft_by=ttft_by,
+            own_s=own_s,
         )
         return Placing(self, lease)
 
@@ -141,18 +163,42 @@ class Admission:
         cost = lease.tokens or lease.intake.estimated_prompt_tokens()
         i = lease.intake
         self._queue.push((fut, lease), i.rank, i.tenant, lease.deadline, cost)
+        self._enqueue(lease)
         self._drain()
-        timeout = min(self.wait_s, lease.deadline - time.monotonic())
+        now = time.monotonic()
+        timeout = min(self.wait_s, lease.deadline - now)
+        # The last moment a seat could still give it its first token in time: its own
+        # prefill has to fit between the seat and `ttft_by`.
+        give_up = None if lease.ttft_by is None else lease.ttft_by - (lease.own_s or 0.0) - now
+        if give_up is not None:
+            timeout = min(timeout, give_up)
         try:
             await asyncio.wait_for(asyncio.shield(fut), max(timeout, 0))
         except (asyncio.TimeoutError, asyncio.CancelledError) as e:
-            if fut.done() and not fut.cancelled():
+            if fut.done() and not fut.cancelled() and fut.exception() is None:
                 lease.release()  # placed just as we gave up
             else:
                 fut.cancel()
             if isinstance(e, asyncio.TimeoutError):
+                if give_up is not None and timeout == give_up:
+                    raise BudgetSpent(lease.own_s or 0.0) from None
                 raise Expired from None
             raise
+        finally:
+            self._unqueue(lease)
+
+    def _enqueue(self, lease: Lease) -> None:
+        """A waiting lease's prompt counts as prefill ahead on the engine it was judged
+        for, in its class, until it leaves the queue."""
+        e = lease.prefer
+        if e is not None and lease.tokens:
+            e.queued_tokens[lease.intake.rank] += lease.tokens
+            lease.queued_on = e
+
+    def _unqueue(self, lease: Lease) -> None:
+        e, lease.queued_on = lease.queued_on, None
+        if e is not None:
+            e.queued_tokens[lease.intake.rank] -= lease.tokens
 
     def _take(self, lease: Lease, e: Engine) -> None:
         """The one place a seat is taken."""
@@ -195,6 +241,13 @@ class Admission:
             e = self.pool.pick(lease.prefer, lease.exclude)
             if e is None:
                 return  # the next in turn waits for room it may take, and the rest behind it
+            self._unqueue(lease)
+            late = self.overrun(lease, e, time.monotonic()) if self.overrun else None
+            if late is not None:
+                # Its wait spent its budget: refused now, never placed to miss it.
+                q.pop(served=False)
+                fut.set_exception(BudgetSpent(late))
+                continue
             q.pop()
             self._take(lease, e)
             fut.set_result(None)

@@ -62,6 +62,8 @@ class Router:
         )
         self.tenants = Tenants(list(config.tenant_keys), self.metrics, config.critical_reserve)
         self.policy = choose(config, engines, self.predictor, self.tenants.reserve)
+        if self.predictor is not None:
+            self.admission.overrun = self.policy.overrun  # the queue holds the TTFT budget
         self.pool.watch(events)
         self.metrics.watch(events)
         self.policy.watch(events)

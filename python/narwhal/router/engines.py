@@ -38,6 +38,10 @@ class Engine:
     prefill: int = 0  # placed requests before their first token
     decode: int = 0  # requests streaming tokens
     prefill_tokens: int = 0  # sized prompt tokens of the requests in prefill
+    # Sized prompt tokens of requests waiting in the router's queue for a seat here, by
+    # class (critical, standard, sheddable): the prefill ahead of a new request of that
+    # class or a lower one. Written by Admission alone, as the seats are.
+    queued_tokens: list[int] = field(default_factory=lambda: [0, 0, 0])
     strikes: int = 0  # request faults in a row (reset by a full answer or a probe's return)
     managed: ManagedEngine | None = None  # the process behind it, when the router runs it
     api_key: str | None = field(default=None, repr=False)  # sent upstream; never shown

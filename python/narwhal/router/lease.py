@@ -114,11 +114,14 @@ class Lease:
         "fence",
         "intake",
         "measured",
+        "own_s",
         "phase",
         "plan",
         "predicted_s",
         "prefer",
+        "queued_on",
         "tokens",
+        "ttft_by",
     )
 
     def __init__(
@@ -133,6 +136,8 @@ class Lease:
         predicted_s: float | None = None,
         prefer: Engine | None = None,
         exclude: frozenset[str] = frozenset(),
+        ttft_by: float | None = None,
+        own_s: float | None = None,
     ) -> None:
         self._seats = seats
         self._events = events
@@ -143,6 +148,12 @@ class Lease:
         self.predicted_s = predicted_s  # projected TTFT on `prefer`, for drift scoring
         self.prefer = prefer
         self.exclude = exclude  # engine names not to place on (they refused it already)
+        # When its first token is due (monotonic; None: no TTFT budget is held), and its own
+        # prefill's projected time: a request still waiting for a seat at ttft_by - own_s
+        # can no longer make it.
+        self.ttft_by = ttft_by
+        self.own_s = own_s
+        self.queued_on: Engine | None = None  # whose queued_tokens count it while it waits
         self.phase = Phase.QUEUED
         self.engine: Engine | None = None
         self.alone = False  # the engine's prefill was ours alone at placement

@@ -134,6 +134,7 @@ class Projection:
     # The projection widened by the engine's typical miss (drift): a request projected just
     # under the budget is exactly the one a slightly slow prefill pushes over it.
     guarded_s: float | None = None
+    waiting_s: float = 0.0  # of total_s, the prefill still waiting in the router's queue
 
 
 class Predictor:
@@ -268,10 +269,12 @@ class Predictor:
         bpt = self.profiles[e.name].bytes_per_token or 4.0
         return max(1, math.ceil(prompt_bytes / bpt))
 
-    def project(self, prompt_bytes: int, e: Engine, cached: int = 0) -> Projection:
+    def project(self, prompt_bytes: int, e: Engine, cached: int = 0, rank: int = 2) -> Projection:
         """TTFT on `e` for a prompt of `prompt_bytes` of which `cached` tokens are expected
-        to come from its prefix cache: the prefill queued there, then what is left of this
-        prompt (at least its last token: an engine always computes that)."""
+        to come from its prefix cache: the prefill ahead of it there (placed on the engine,
+        and waiting in the router's queue for a seat there in its class `rank` or a higher
+        one, which go first), then what is left of this prompt (at least its last token:
+        an engine always computes that)."""
         tokens = self.size(prompt_bytes, e)
         fresh = tokens - min(cached, tokens - 1)
         prof = self.profiles[e.name]
@@ -279,8 +282,9 @@ class Predictor:
             return Projection(e, fresh, None, None)
         rate = prof.prefill_tps / prof.correction
         own = fresh / rate
-        total = own + e.prefill_tokens / rate
-        return Projection(e, fresh, own, total, total * self.margin(prof))
+        waiting = sum(e.queued_tokens[: rank + 1]) / rate
+        total = own + e.prefill_tokens / rate + waiting
+        return Projection(e, fresh, own, total, total * self.margin(prof), waiting)
 
     def judge(
         self,
@@ -291,6 +295,8 @@ class Predictor:
         home: Engine | None = None,
         keeps_pace: Callable[[Projection], bool] | None = None,
         stall: Callable[[Projection], float] | None = None,
+        klass: int = 2,
+        share: float = 1.0,
     ) -> Projection:
         """The best projection within budget, or the spec's 429 refusals. `cached` says
         per engine name how many of the prompt's tokens its cache is expected to serve;
@@ -301,13 +307,16 @@ class Predictor:
         target (engines that would not are avoided while another fits); `stall` is what
         placing there costs the streams decoding beside it, in stream-seconds: with it, the
         engines within budget are ranked by that cost plus their projection (a TTFT within
-        budget meets the SLO however small; a stall may break others' TPOT)."""
+        budget meets the SLO however small; a stall may break others' TPOT). `klass` is the
+        request's class (what waits in the router's queue in a lower class goes after it);
+        `share` the part of its own budget it is judged against (`budget_s`): a prompt that
+        fits its own budget but not the share is refused for load, not for its length."""
         cached = cached or {}
-        ps = [self.project(prompt_bytes, e, cached.get(e.name, 0)) for e in engines]
+        ps = [self.project(prompt_bytes, e, cached.get(e.name, 0), klass) for e in engines]
         unknown = [p for p in ps if p.total_s is None]
         if unknown:
             return min(unknown, key=lambda p: p.engine.prefill)
-        fit = _within_budget(ps, budget_s)
+        fit = _within_budget(ps, budget_s, share)
         at_home = next((p for p in fit if p.engine is home), None)
         if at_home is not None:
             if keeps_pace is None or keeps_pace(at_home):
@@ -347,9 +356,9 @@ class Predictor:
         return p
 
 
-def _within_budget(ps: list[Projection], budget_s: float) -> list[Projection]:
+def _within_budget(ps: list[Projection], budget_s: float, share: float = 1.0) -> list[Projection]:
     """The projections within the TTFT budget, or the spec's 429 when there are none."""
-    if min(p.own_s or 0.0 for p in ps) > budget_s:
+    if min(p.own_s or 0.0 for p in ps) > budget_s / share:
         fastest = min(ps, key=lambda p: p.own_s or 0.0)
         raise ApiError(
             429,
@@ -364,14 +373,22 @@ def _within_budget(ps: list[Projection], budget_s: float) -> list[Projection]:
         best = min(ps, key=_rank)
         assert best.guarded_s is not None
         overrun = max(1, round(best.guarded_s - budget_s))
+        # Refused for the router's own queue where an engine would fit without it.
+        queue = any(
+            p.total_s is not None
+            and (p.guarded_s or 0.0) * (1 - p.waiting_s / p.total_s) <= budget_s
+            for p in ps
+            if p.waiting_s
+        )
         raise ApiError(
             429,
             f"projected time to first token {best.guarded_s:.2f}s exceeds "
-            f"the {budget_s:.2f}s budget",
+            f"the {budget_s:.2f}s budget"
+            + (" (counting the requests waiting in the router for a seat)" if queue else ""),
             type="rate_limit_error",
             code="ttft_budget_exceeded",
             headers={"retry-after": str(overrun)},
-        )
+        ).ended("refused", "queue_wait" if queue else "ttft_budget_exceeded")
     return fit
 
 

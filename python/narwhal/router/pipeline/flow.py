@@ -103,6 +103,8 @@ class Flow:
             rec = asgi.current.get()
             if rec is not None:
                 rec.fields["outcome"] = end.outcome
+                if end.outcome in ("refused", "rejected"):
+                    rec.fields["reason"] = end.label
 
     async def _serve(
         self,
@@ -126,7 +128,10 @@ class Flow:
                 raise
             try:
                 busy = self.gate.cannot_serve(req)
-                await self.placer.serve(req, send, arrived, deadline, plan, busy, end)
+                # Where a projection judged it, its whole TTFT is held: the wait for a seat
+                # counts, and a request whose budget a wait spent is refused, not placed.
+                ttft_by = arrived + budget if plan.predicted_s is not None else None
+                await self.placer.serve(req, send, arrived, deadline, plan, busy, end, ttft_by)
             finally:
                 plan.settle()
         except asyncio.CancelledError:

@@ -13,7 +13,7 @@ from typing import Any
 from narwhal import asgi
 from narwhal.asgi import Send
 from narwhal.errors import ApiError, unavailable
-from narwhal.router.admission import Admission, Expired
+from narwhal.router.admission import Admission, BudgetSpent, Expired
 from narwhal.router.engines import Pool
 from narwhal.router.lease import Lease
 from narwhal.router.pipeline import Ending
@@ -54,11 +54,15 @@ class Placer:
         plan: Plan,
         busy: frozenset[str],
         end: Ending,
+        ttft_by: float | None = None,
     ) -> None:
-        """Placed and relayed; `busy` names the engines not to place on."""
+        """Placed and relayed; `busy` names the engines not to place on; `ttft_by`: when
+        its first token is due, held while it waits for a seat (None: not held)."""
         while True:
             try:
-                end.outcome = await self._once(req, send, arrived, deadline, plan, busy, end)
+                end.outcome = await self._once(
+                    req, send, arrived, deadline, plan, busy, end, ttft_by
+                )
                 return
             except EngineBusy as e:
                 busy = busy | {e.engine}
@@ -81,6 +85,7 @@ class Placer:
         plan: Plan,
         busy: frozenset[str],
         end: Ending,
+        ttft_by: float | None,
     ) -> str:
         placed = False
         try:
@@ -92,6 +97,8 @@ class Placer:
                 tokens=plan.tokens,
                 predicted_s=plan.predicted_s,
                 exclude=busy,
+                ttft_by=ttft_by,
+                own_s=plan.own_s,
             ) as lease:
                 # Again once placed (the queue may have waited), but only leadership: the
                 # token the request carries must be one this router still holds. (The engine
@@ -111,6 +118,15 @@ class Placer:
             raise unavailable(f"this router was fenced ({e}); retry shortly", "fenced").ended(
                 "rejected", "fenced"
             ) from None
+        except BudgetSpent as e:
+            raise ApiError(
+                429,
+                "waiting for a seat spent the TTFT budget: its first token could no longer "
+                "come in time",
+                type="rate_limit_error",
+                code="ttft_budget_exceeded",
+                headers={"retry-after": str(max(1, round(e.overrun_s)))},
+            ).ended("refused", "queue_wait") from None
         except Expired:
             raise ApiError(
                 504,

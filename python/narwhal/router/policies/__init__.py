@@ -40,6 +40,7 @@ class Plan:
     # The prompt's prefill, charged to the TPOT ledger of `prefer` when it was judged, so
     # that a request judged before this one is placed does not count on the same headroom.
     charge: Charge | None = None
+    own_s: float | None = None  # its own prefill's projected time on `prefer`
 
     def settle(self) -> None:
         """The request is over: a charge its placement did not take up is let go."""
@@ -72,3 +73,7 @@ class Policy(Protocol):
 
     def degraded(self, engines: list[Engine]) -> str | None:
         """Why the policy's predictions for these engines cannot be trusted now, or None."""
+
+    def overrun(self, lease: Lease, engine: Engine, now: float) -> float | None:
+        """How far past its TTFT budget the first token of a lease that waited for a seat
+        would come if placed on `engine` now; None when in time (or nothing is projected)."""

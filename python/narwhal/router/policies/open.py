@@ -31,3 +31,6 @@ class OpenPolicy:
 
     def degraded(self, engines: list[Engine]) -> str | None:
         return None  # it predicts nothing
+
+    def overrun(self, lease: Lease, engine: Engine, now: float) -> float | None:
+        return None  # it holds no budget

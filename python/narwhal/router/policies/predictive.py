@@ -126,6 +126,8 @@ class PredictivePolicy:
             self._engines.get(home or ""),
             self._paced(req.share, req.rank) if paced else None,
             self._stall if paced else None,
+            req.rank,
+            req.share,
         )
         if paced and any(self._waiting[: req.standing]):
             # A request of a higher class (or of a tenant within its fair share, where
@@ -140,7 +142,16 @@ class PredictivePolicy:
             rate = self._rate(proj.engine.name)
             if rate is not None:
                 charge = self.streams[proj.engine.name].charge(proj.tokens / rate)
-        return Plan(proj.engine, proj.tokens, proj.total_s, blocks, expected, req.session, charge)
+        return Plan(
+            proj.engine,
+            proj.tokens,
+            proj.total_s,
+            blocks,
+            expected,
+            req.session,
+            charge,
+            proj.own_s,
+        )
 
     def _paced(self, share: float, rank: int) -> Callable[[Projection], bool]:
         # The reserve is read once a request, not once an engine.
@@ -169,6 +180,19 @@ class PredictivePolicy:
         stream decoding there waits out the prefill's share of every step it shares."""
         rate = self._rate(p.engine.name)
         return 0.0 if rate is None else p.tokens / rate * p.engine.decode
+
+    def overrun(self, lease: Lease, engine: Engine, now: float) -> float | None:
+        """A waiting lease placed on `engine` now: its first token after the prefill seated
+        there and its own, against its budget (`ttft_by`), as the judge projected it."""
+        if lease.ttft_by is None:
+            return None
+        prof = self.predictor.profiles.get(engine.name)
+        rate = self._rate(engine.name) if prof is not None else None
+        if prof is None or rate is None:
+            return None
+        due = (engine.prefill_tokens + lease.tokens) / rate * self.predictor.margin(prof)
+        late = now + due - lease.ttft_by
+        return late if late > 0 else None
 
     def _rate(self, name: str) -> float | None:
         prof = self.predictor.profiles[name]
