@@ -118,3 +118,14 @@ def test_metrics_users_chart(json_router: Server) -> None:
     assert 'narwhal_engine_healthy{engine="s"} 1.0' in m
     assert 'narwhal_info{model="main",version="' in m
     assert 'narwhal_time_to_first_byte_seconds_bucket{engine="s",le="600.0"}' in m
+
+
+def test_a_json_line_stays_one_object_whatever_the_client_put_in_its_path(
+    json_router: Server,
+) -> None:
+    httpx.get(
+        json_router.url + "/x%0A%7B%22level%22:%22error%22%7D", headers={"x-request-id": "j-2"}
+    )
+    (line,) = access_lines(json_router, "j-2")
+    assert line["msg"] == 'GET /x\n{"level":"error"} 404'
+    assert not any(x.startswith('{"level":"error"}') for x in json_router.stderr().splitlines())

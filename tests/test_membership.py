@@ -27,6 +27,7 @@ from narwhal.router.fleet.dns_source import (
     query,
 )
 from narwhal.router.fleet.membership import Conflict, Hooks, Membership
+from narwhal.router.fleet.rules import Refused, Rules, networks, own_endpoints
 from narwhal.router.policies.predictive import PredictivePolicy
 from narwhal.router.policies.prefix_cache import PrefixCache
 from narwhal.router.predict import Predictor
@@ -276,3 +277,35 @@ def test_one_dns_answer_adds_at_most_max_engines() -> None:
         assert {e.name for e in pool.engines if not e.draining} == serving
 
     asyncio.run(run())
+
+
+def test_a_runtime_engine_is_held_to_the_config_files_rules() -> None:
+    rules = Rules(
+        frozenset({"ENGINE_KEY"}),
+        networks(["10.0.0.0/8"]),
+        own_endpoints(["http://10.0.0.5:2379"], ("0.0.0.0", 8000)),
+    )
+    ok = specs.parse(b'{"url": "http://10.0.0.7:8000", "api_key_env": "ENGINE_KEY"}', "n", rules)
+    assert ok.api_key_env == "ENGINE_KEY"
+    for body, field in (
+        (b'{"url": "http://10.0.0.7:8000", "api_key_env": "NARWHAL_ADMIN_TOKEN"}', "api_key_env"),
+        (b'{"url": "http://192.168.1.1:8000"}', "url"),  # outside allow
+        (b'{"url": "http://10.0.0.5:2379"}', "url"),  # the router's own etcd
+        (b'{"url": "http://u:p@10.0.0.7", "api_key_env": "ENGINE_KEY"}', "url"),  # two keys
+    ):
+        with pytest.raises(specs.BadSpec) as refused:
+            specs.parse(body, "n", rules)
+        assert refused.value.field == field, body
+    # Without `allow`, anywhere but link-local; the same body without rules (the config
+    # file's own engines, `narwhal register`'s value) is not held to them.
+    assert specs.parse(b'{"url": "http://192.168.1.1:8000"}', "n", Rules()).url
+    with pytest.raises(specs.BadSpec):
+        specs.parse(b'{"url": "http://169.254.169.254"}', "n", Rules())
+
+    async def resolved() -> None:
+        # A name is checked on every address it resolves to, where the connection is made.
+        assert await Rules().resolve("localhost", 80)
+        with pytest.raises(Refused):
+            await rules.resolve("localhost", 80)  # 127.0.0.1 is outside 10.0.0.0/8
+
+    asyncio.run(resolved())
