@@ -3,6 +3,7 @@ HTTP side, and the trace generator (bench/fleet)."""
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import socket
 import subprocess
@@ -10,11 +11,22 @@ import sys
 import time
 from collections.abc import Iterator
 
+import aiohttp
 import httpx
 import orjson
 import pytest
 
 from bench.fleet.gpu import Gpu, GpuModel, Seq, block_hashes
+from bench.fleet.replay import (
+    EXACT,
+    Client,
+    Outcome,
+    Result,
+    duration_s,
+    one,
+    peer_command,
+    request_body,
+)
 from bench.fleet.traces import Request, describe, generate, prompt_text
 from tests.support import ROOT, free_port, sse_frames, wait_http
 
@@ -160,8 +172,9 @@ def test_a_client_that_leaves_cancels_its_sequence(sim: str) -> None:
         )
         assert s.recv(4096).startswith(b"HTTP/1.1 200")
     end = time.monotonic() + 10
-    while httpx.get(sim + "/sim/stats").json()["running"]:
-        assert time.monotonic() < end, "the sequence kept running after its client left"
+    # Too large to ever fit the KV pool, it waits; gone with its client, waiting or not.
+    while (st := httpx.get(sim + "/sim/stats").json())["running"] or st["waiting"]:
+        assert time.monotonic() < end, "the sequence stayed after its client left"
         time.sleep(0.05)
 
 
@@ -186,3 +199,62 @@ def test_the_placement_cost_bench_judges_a_paced_fleet() -> None:
     from bench.fleet.placement_cost import judge_us
 
     assert judge_us(4, 400, True, tpot=True, rounds=5) > 0
+
+
+# -- the replay's protocol: what keeps a comparison fair --------------------------------
+
+
+def test_a_peer_runs_with_its_own_admission_or_says_it_runs_at_its_defaults() -> None:
+    engines = ["http://127.0.0.1:1", "http://127.0.0.1:2"]
+    cmd = peer_command("sglang-cache_aware@64", ["sgl", "launch"], 9, engines, budget_s=15.0)
+    flags = dict(itertools.pairwise(cmd))
+    assert flags["--max-concurrent-requests"] == "64" and flags["--queue-size"] == "64"
+    assert flags["--queue-timeout-secs"] == "15"  # the TTFT budget, as the clients see it
+    assert flags["--policy"] == "cache_aware"
+    defaults = peer_command("vllm-cache_aware@defaults", ["vr"], 9, engines, budget_s=15.0)
+    assert "--max-concurrent-requests" not in defaults
+    # A peer named without saying how it is run is not run at all.
+    for unsaid in ("sglang-cache_aware", "vllm-round_robin@", "sglang-cache_aware@many"):
+        with pytest.raises(SystemExit):
+            peer_command(unsaid, ["x"], 9, engines, budget_s=15.0)
+
+
+def test_goodput_is_over_the_traces_duration_the_same_for_every_door() -> None:
+    trace = [Request(t, 100, 10, [1]) for t in (0.0, 5000.0, 10000.0)]
+    met = [Outcome(status=200, ttft_s=0.1, tpot_s=0.01, tokens=10) for _ in trace]
+    quick = Result("quick", 2.0, met, span_s=1.0)  # a door that finished sooner
+    slow = Result("slow", 2.0, met, span_s=60.0)  # one that drained a queue for a minute
+    d = duration_s(trace, 2.0)
+    assert d == 5.0
+    assert quick.summary(5.0, 0.1, d)["goodput_per_s"] == slow.summary(5.0, 0.1, d)["goodput_per_s"]
+    assert quick.summary(5.0, 0.1, d)["goodput_per_s"] == 3 / 5.0
+
+
+def test_under_the_fair_protocol_no_door_can_read_an_answers_length(sim: str) -> None:
+    r = Request(0.0, 40, 7, [123])
+    body = request_body(r, Client(True, 2048, 10.0))
+    assert body["max_tokens"] == 2048 and str(r.output_length) in body["messages"][0]["content"]
+    frames = sse_frames(httpx.post(sim + "/v1/chat/completions", json=body, timeout=30).text)
+    tokens = [
+        f
+        for f in frames
+        if isinstance(f, dict) and f["choices"] and f["choices"][0]["delta"].get("content")
+    ]
+    assert len(tokens) == 7  # the engine stops at the hidden length, as at an EOS
+    assert request_body(r, EXACT)["max_tokens"] == 7  # the older protocol told the door
+
+
+def test_a_client_out_of_patience_leaves_and_counts_as_a_miss(sim: str) -> None:
+    # A prompt whose prefill takes far longer than the client waits for its first token.
+    r = Request(0.0, 100_000, 5, list(range(200)))
+    out = Outcome()
+
+    async def go() -> None:
+        async with aiohttp.ClientSession() as s:
+            await one(s, sim, r, 0.05, 600, out, Client(True, 2048, patience_s=1.0))
+
+    asyncio.run(go())
+    assert out.abandoned and out.ttft_s is None
+    res = Result("d", 1.0, [out])
+    row = res.summary(5.0, 0.1, 1.0)
+    assert row["abandoned"] == 1 and row["misses"] == 1.0 and row["served"] == 0

@@ -9,12 +9,29 @@
 For every load and door: the engines' caches and counters are reset, the door starts, a
 short warm-up of unique prompts (not counted) lets learning doors learn, then the trace
 is offered at `load` times its own pace (1x = the fleet's capacity, see traces.py), every
-request streamed with `max_tokens` = its output length. Per door and load: offered,
-served, refused (by status and code), failed, SLO attainment (served with TTFT within the
-budget and mean TPOT within the target, over offered), goodput (SLO-met requests a
-second), TTFT p50/p90/p99 of what was served, the fleet's prefix-cache hit rate (cached /
-prompt tokens, as the engines counted them), and the door's CPU per request (its whole
-process tree). Every time is measured on the wall clock and divided by `--time-scale`.
+request streamed. Per door and load: offered, served, refused (by status and code),
+failed, abandoned, SLO attainment (served with TTFT within the budget and mean TPOT within
+the target, over offered), misses (1 - attainment: refused, abandoned, failed or late),
+goodput (SLO-met requests a second over the trace's own duration at that load, the same
+divisor for every door), TTFT p50/p90/p99 of what was served, the fleet's prefix-cache hit
+rate (cached / prompt tokens, as the engines counted them), and the door's CPU per request
+(its whole process tree). Every time is measured on the wall clock and divided by
+`--time-scale`.
+
+The protocol (`--protocol`):
+- `fair` (the default): a client asks for a generous `max_tokens` (`--max-tokens`, 2,048)
+  and the engine stops at the trace's output length, which only the prompt's last word
+  (`stop@N`, read by the simulated engine) carries: no door knows an answer's length. A
+  client gives up on a request that has no first token after `--patience` times the TTFT
+  budget, closing the connection (which cancels it upstream): it counts as a miss.
+- `exact`: the older protocol, kept to reproduce the figures measured with it:
+  `max_tokens` = the output length, and clients that never give up.
+
+Peers run as their operators run them: `sglang-POLICY@CAP` and `vllm-POLICY@CAP` with
+`--max-concurrent-requests CAP --queue-size CAP --queue-timeout-secs` (the TTFT budget),
+or `@defaults` for a peer with nothing set; a peer named with neither is refused.
+`--runs N` repeats every cell N times, every door in each run, and the table gives each
+figure's median and range.
 
 Loopback only; every request loop is bounded by the trace and a deadline.
 """
@@ -23,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import os
 import re
 import signal
@@ -37,6 +55,7 @@ from typing import Any
 import aiohttp
 import orjson
 
+from bench.fleet.server import STOP_MARK
 from bench.fleet.traces import Request, prompt_text, read
 from bench.router_e2e import tree_cpu
 from tests.support import BIN, ROOT, free_port, wait_http
@@ -56,6 +75,7 @@ class Outcome:
     failed: bool = False
     klass: str = ""  # its class or tenant (--classes), sent as its tenant's key
     prompt: int = 0  # its prompt tokens, as the trace says
+    abandoned: bool = False  # the client gave up before a first token (a miss)
 
 
 @dataclass
@@ -67,12 +87,19 @@ class Result:
     cpu_s: float = 0.0
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    run: int = 1
 
-    def summary(self, budget_s: float, tpot_s: float) -> dict[str, Any]:
+    def summary(self, budget_s: float, tpot_s: float, duration_s: float) -> dict[str, Any]:
+        """The figures of this door at this load; `duration_s` is the trace's own span at
+        this load, the one divisor of goodput for every door (a door that refuses fast
+        would otherwise gain by finishing sooner)."""
         o = self.outcomes
-        served = [x for x in o if x.status == 200 and not x.failed]
-        refused = [x for x in o if x.status not in (0, 200)]
-        failed = [x for x in o if x.status in (0, 200) and (x.failed or x.status == 0)]
+        served = [x for x in o if x.status == 200 and not x.failed and not x.abandoned]
+        refused = [x for x in o if x.status not in (0, 200) and not x.abandoned]
+        abandoned = [x for x in o if x.abandoned]
+        failed = [
+            x for x in o if x.status in (0, 200) and (x.failed or x.status == 0) and not x.abandoned
+        ]
         met = [
             x
             for x in served
@@ -87,14 +114,18 @@ class Result:
         return {
             "door": self.door,
             "load": self.load,
+            "run": self.run,
             "offered": len(o),
+            "abandoned": len(abandoned),
+            "misses": 1 - len(met) / len(o) if o else 0.0,
             "served": len(served),
             "refused": len(refused),
             "refused_by": codes,
             "failed": len(failed),
             "slo_attainment": len(met) / len(o) if o else 0.0,
             "served_within_slo": len(met) / len(served) if served else 0.0,
-            "goodput_per_s": len(met) / self.span_s if self.span_s else 0.0,
+            "goodput_per_s": len(met) / duration_s if duration_s else 0.0,
+            "goodput_tokens_per_s": sum(x.tokens for x in met) / duration_s if duration_s else 0.0,
             "ttft_p50_s": _pct(ttfts, 50),
             "ttft_p90_s": _pct(ttfts, 90),
             "ttft_p99_s": _pct(ttfts, 99),
@@ -123,6 +154,33 @@ def _pct(xs: list[float], p: float) -> float | None:
     return xs[min(len(xs) - 1, max(0, round(p / 100 * len(xs)) - 1))]
 
 
+@dataclass(frozen=True)
+class Client:
+    """How the clients behave (`--protocol`)."""
+
+    hidden_lengths: bool = True  # a generous max_tokens; the answer's length in the prompt
+    max_tokens: int = 2048
+    patience_s: float | None = None  # unscaled: no first token by then, the client leaves
+
+
+EXACT = Client(hidden_lengths=False)
+
+
+def request_body(r: Request, client: Client) -> dict[str, Any]:
+    """What a client sends for `r`: under the fair protocol no door can tell the answer's
+    length (only the engine reads the prompt's last word)."""
+    text = prompt_text(r)
+    if client.hidden_lengths:
+        text += f" {STOP_MARK}{r.output_length}"
+    return {
+        "model": "main",
+        "messages": [{"role": "user", "content": text}],
+        "max_tokens": max(client.max_tokens, 1) if client.hidden_lengths else r.output_length,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+
+
 async def one(
     session: aiohttp.ClientSession,
     url: str,
@@ -130,14 +188,42 @@ async def one(
     scale: float,
     deadline_s: float,
     out: Outcome,
+    client: Client = EXACT,
 ) -> None:
-    body = {
-        "model": "main",
-        "messages": [{"role": "user", "content": prompt_text(r)}],
-        "max_tokens": r.output_length,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
+    task = asyncio.current_task()
+    assert task is not None
+    first_seen: list[float] = []
+    watchdog = None
+    if client.patience_s is not None:
+        # No first token within its patience: the client closes the connection.
+        def give_up() -> None:
+            if out.ttft_s is None and not first_seen:
+                out.abandoned = True
+                task.cancel()
+
+        watchdog = asyncio.get_running_loop().call_later(client.patience_s * scale, give_up)
+    try:
+        await _one(session, url, r, scale, deadline_s, out, client, first_seen)
+    except asyncio.CancelledError:
+        if not out.abandoned:
+            raise
+        out.code = "abandoned"
+    finally:
+        if watchdog is not None:
+            watchdog.cancel()
+
+
+async def _one(
+    session: aiohttp.ClientSession,
+    url: str,
+    r: Request,
+    scale: float,
+    deadline_s: float,
+    out: Outcome,
+    client: Client,
+    first_seen: list[float],
+) -> None:
+    body = request_body(r, client)
     headers = {"content-type": "application/json"}
     if out.klass:
         headers["authorization"] = f"Bearer key-{out.klass}"
@@ -167,6 +253,7 @@ async def one(
                     now = time.monotonic()
                     if not first:
                         first = now
+                        first_seen.append(now)
                     last = now
                     out.tokens += n
                 if b"cached_tokens" in chunk and (m := CACHED.search(chunk)):
@@ -190,6 +277,7 @@ async def offer(
     scale: float,
     classes: list[tuple[str, float]] | None = None,
     only: str | None = None,
+    client: Client = EXACT,
 ) -> tuple[list[Outcome], float]:
     """Every request at its time (open loop): the trace's pace times `load`, spread over
     `urls` in turn (a door's one URL, or the engines themselves for `direct`); with
@@ -213,7 +301,7 @@ async def offer(
             if delay > 0:
                 await asyncio.sleep(delay)
             url = urls[i % len(urls)]
-            tasks.append(asyncio.create_task(one(s, url, r, scale, 600 * scale, o)))
+            tasks.append(asyncio.create_task(one(s, url, r, scale, 600 * scale, o, client)))
         await asyncio.gather(*tasks)
         span = (time.monotonic() - start) / scale
     return [o for o in outs if only is None or o.klass == only], span
@@ -304,20 +392,56 @@ def doors(a: argparse.Namespace, engines: list[str], tmp: Path) -> list[Door]:
                 Door(name, [str(BIN / "narwhal"), "serve", "--config", str(cfg)], "/ready", port)
             )
         elif (name.startswith("sglang-") and a.sglang) or (name.startswith("vllm-") and a.vllm):
-            # Both Rust routers take the same flags; sglang-router's under `launch`. Each its
-            # own metrics port (both default to 29000).
             exe = [a.sglang, "launch"] if name.startswith("sglang-") else [a.vllm]
-            cmd = [*exe, "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *engines]
-            cmd += ["--policy", name.split("-", 1)[1], "--prometheus-port", str(free_port())]
+            cmd = peer_command(name, exe, port, engines, a.ttft_budget_s * a.time_scale)
             out.append(Door(name, cmd, "/health", port))
     return out
 
 
+def peer_command(
+    name: str, exe: list[str], port: int, engines: list[str], budget_s: float
+) -> list[str]:
+    """A Rust router as its operators run it: `PEER-POLICY@CAP` with its own admission (at
+    most CAP requests at once, CAP more queued, a queued one refused after the TTFT budget),
+    or `PEER-POLICY@defaults` with nothing set. Both routers take the same flags
+    (sglang-router's under `launch`), each its own metrics port (both default to 29000)."""
+    door, at, cap = name.partition("@")
+    if not at or not (cap == "defaults" or cap.isdigit()):
+        raise SystemExit(
+            f"door {name!r}: say how the peer is run: {door}@CAP (its admission: "
+            f"--max-concurrent-requests CAP, a queue of CAP, the budget as its timeout) "
+            f"or {door}@defaults"
+        )
+    cmd = [*exe, "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *engines]
+    cmd += ["--policy", door.split("-", 1)[1], "--prometheus-port", str(free_port())]
+    if cap != "defaults":
+        cmd += ["--max-concurrent-requests", cap, "--queue-size", cap]
+        cmd += ["--queue-timeout-secs", str(max(1, math.ceil(budget_s)))]
+    return cmd
+
+
+def client_of(a: argparse.Namespace) -> Client:
+    if a.protocol == "exact":
+        return EXACT
+    return Client(True, a.max_tokens, a.patience * a.ttft_budget_s)
+
+
+def duration_s(trace: list[Request], load: float) -> float:
+    """The trace's own span at `load` (unscaled): goodput's divisor, the same for every
+    door."""
+    return (trace[-1].timestamp_ms - trace[0].timestamp_ms) / 1000 / load
+
+
 def run_door(
-    door: Door, engines: list[str], trace: list[Request], load: float, a: argparse.Namespace
+    door: Door,
+    engines: list[str],
+    trace: list[Request],
+    load: float,
+    a: argparse.Namespace,
+    run: int = 1,
 ) -> Result:
     asyncio.run(reset(engines))
-    res = Result(door.name, load)
+    res = Result(door.name, load, run=run)
     proc = None
     try:
         if door.cmd is not None:
@@ -335,7 +459,7 @@ def run_door(
         cpu0 = tree_cpu(proc.pid) if proc else 0.0
         urls = engines if door.cmd is None else [f"http://127.0.0.1:{door.port}"]
         res.outcomes, res.span_s = asyncio.run(
-            offer(urls, trace, load, a.time_scale, classes(a) or None, a.only)
+            offer(urls, trace, load, a.time_scale, classes(a) or None, a.only, client_of(a))
         )
         res.cpu_s = (tree_cpu(proc.pid) - cpu0) if proc else 0.0
         res.prompt_tokens, res.cached_tokens = asyncio.run(engine_stats(engines))
@@ -384,9 +508,38 @@ def dump(folder: Path, res: Result, trace: list[Request]) -> None:
     (folder / f"{res.door}-{res.load:g}x.jsonl").write_bytes(b"\n".join(lines) + b"\n")
 
 
+def spread(rows: list[dict[str, Any]]) -> str:
+    """Per load and door over the runs: misses and goodput as median [min-max]."""
+    out = [
+        "| load | door | runs | misses (of offered) | goodput/s | goodput tokens/s | "
+        "served within SLO | TTFT p99 |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    cells: dict[tuple[float, str], list[dict[str, Any]]] = {}
+    for r in rows:
+        cells.setdefault((r["load"], r["door"]), []).append(r)
+    for (load, door), rs in cells.items():
+
+        def fig(key: str, pct: bool = False, rs: list[dict[str, Any]] = rs) -> str:
+            xs = sorted(float(r[key] or 0.0) * (100 if pct else 1) for r in rs)
+            mid = xs[len(xs) // 2]
+            unit = " %" if pct else ""
+            if len(xs) == 1:
+                return f"{mid:.1f}{unit}"
+            return f"{mid:.1f}{unit} [{xs[0]:.1f}-{xs[-1]:.1f}]"
+
+        out.append(
+            f"| {load:g}x | {door} | {len(rs)} | {fig('misses', True)} | "
+            f"{fig('goodput_per_s')} | {fig('goodput_tokens_per_s')} | "
+            f"{fig('served_within_slo', True)} | {fig('ttft_p99_s')} |"
+        )
+    return "\n".join(out)
+
+
 def table(rows: list[dict[str, Any]]) -> str:
     head = (
-        "| load | door | served | refused | failed | within SLO (of offered) | served within SLO "
+        "| load | door | served | refused | failed / abandoned | within SLO (of offered) "
+        "| served within SLO "
         "| goodput/s | TTFT p50 | TTFT p99 | TPOT p99 | missed TTFT / TPOT | prefix hit "
         "| door CPU ms/req |\n"
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
@@ -396,7 +549,8 @@ def table(rows: list[dict[str, Any]]) -> str:
         o = r["offered"]
         out.append(
             f"| {r['load']:g}x | {r['door']} | {100 * r['served'] / o:.1f} % | "
-            f"{100 * r['refused'] / o:.1f} % | {r['failed']} | {100 * r['slo_attainment']:.1f} % | "
+            f"{100 * r['refused'] / o:.1f} % | {r['failed']} / {r.get('abandoned', 0)} | "
+            f"{100 * r['slo_attainment']:.1f} % | "
             f"{100 * r['served_within_slo']:.1f} % | {r['goodput_per_s']:.2f} | "
             f"{_s(r['ttft_p50_s'])} | {_s(r['ttft_p99_s'])} | {r['tpot_p99_ms']:.0f} ms | "
             f"{r['missed_ttft']} / {r['missed_tpot']} | {100 * r['prefix_hit']:.0f} % | "
@@ -499,9 +653,18 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=24)
     ap.add_argument(
         "--doors",
-        default="direct,narwhal-predictive,narwhal-open,sglang-cache_aware,"
-        "sglang-power_of_two,vllm-cache_aware",
+        default="direct,narwhal-predictive,sglang-cache_aware@defaults,sglang-cache_aware@64,"
+        "vllm-cache_aware@64",
     )
+    ap.add_argument("--protocol", choices=("fair", "exact"), default="fair")
+    ap.add_argument("--max-tokens", type=int, default=2048, help="fair: what clients ask for")
+    ap.add_argument(
+        "--patience",
+        type=float,
+        default=2.0,
+        help="fair: a client leaves a request with no first token after this many TTFT budgets",
+    )
+    ap.add_argument("--runs", type=int, default=1, help="every cell this many times")
     ap.add_argument("--sglang")
     ap.add_argument("--vllm")
     ap.add_argument("--json", type=Path)
@@ -535,10 +698,14 @@ def main() -> None:
     rows = []
     try:
         with tempfile.TemporaryDirectory() as tmp:
-            for load in [float(x) for x in a.loads.split(",")]:
+            for run, load in [
+                (k, float(x)) for k in range(1, a.runs + 1) for x in a.loads.split(",")
+            ]:
                 for door in doors(a, engines, Path(tmp)):
-                    res = run_door(door, engines, trace, load, a)
-                    row = res.summary(a.ttft_budget_s, a.tpot_target_ms / 1000)
+                    res = run_door(door, engines, trace, load, a, run)
+                    row = res.summary(
+                        a.ttft_budget_s, a.tpot_target_ms / 1000, duration_s(trace, load)
+                    )
                     rows.append(row)
                     if a.dump:
                         sent = [
@@ -555,8 +722,10 @@ def main() -> None:
         f"{a.trace.name}: {len(trace)} requests, {a.engines} engines, TTFT budget "
         f"{a.ttft_budget_s:g} s, TPOT target {a.tpot_target_ms:g} ms"
     )
+    title += f", {a.protocol} protocol"
     print(title)
     print(table(rows))
+    print(spread(rows))
     if a.classes:
         print(class_table(rows))
     if a.json:

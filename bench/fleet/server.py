@@ -31,6 +31,7 @@ from aiohttp import web
 from bench.fleet.gpu import Gpu, GpuModel, Seq, block_hashes
 
 MAX_MODEL_LEN = 131_072
+STOP_MARK = "stop@"  # a prompt's last word `stop@N`: the answer ends after N tokens
 
 
 class SimEngine:
@@ -108,6 +109,11 @@ def make_app(engine: SimEngine) -> web.Application:
         if not words:
             return _error(400, "empty prompt")
         max_tokens = int(body.get("max_tokens") or body.get("max_completion_tokens") or 16)
+        # The fair protocol's hidden length: the answer stops there (as at an EOS), which a
+        # router cannot read from the request's max_tokens.
+        if words[-1].startswith(STOP_MARK):
+            with contextlib.suppress(ValueError):
+                max_tokens = max(1, min(max_tokens, int(words[-1][len(STOP_MARK) :])))
         if len(words) + max_tokens > MAX_MODEL_LEN:
             return _error(400, f"prompt and output exceed {MAX_MODEL_LEN} tokens")
         model = engine.gpu.model
@@ -308,7 +314,10 @@ async def serve(n: int, port: int, model: GpuModel, scale: float, host: str = "1
     for i in range(n):
         engine = SimEngine(f"e{i}", model, scale)
         tasks.append(asyncio.create_task(engine.run()))
-        runner = web.AppRunner(make_app(engine), access_log=None)
+        # A client that leaves cancels its handler (aiohttp no longer does by default since
+        # 3.9): its sequence is dropped even while it waits for KV room, as vLLM aborts a
+        # request whose client disconnected, and a fair protocol's clients do leave.
+        runner = web.AppRunner(make_app(engine), access_log=None, handler_cancellation=True)
         await runner.setup()
         await web.TCPSite(runner, host, port + i, backlog=1024).start()
         runners.append(runner)
