@@ -4,6 +4,7 @@ HTTP side, and the trace generator (bench/fleet)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import socket
 import subprocess
@@ -258,3 +259,23 @@ def test_a_client_out_of_patience_leaves_and_counts_as_a_miss(sim: str) -> None:
     res = Result("d", 1.0, [out])
     row = res.summary(5.0, 0.1, 1.0)
     assert row["abandoned"] == 1 and row["misses"] == 1.0 and row["served"] == 0
+
+
+def test_prefill_slows_with_the_context_as_the_calibration_measured() -> None:
+    flat = GpuModel(prefill_tps=38_000)
+    h200 = GpuModel(prefill_tps=38_000, prefill_half_context=12_000)
+    assert flat.chunk_s(8192, 2048) == flat.chunk_s(0, 2048)
+    # The calibration's 2,048-token chunks: 38k tokens/s at no context, 23k at 8,192.
+    rate_at = 2048 / h200.chunk_s(8192, 2048)
+    assert 20_000 < rate_at < 26_000
+    # A long prompt's chunks in one engine: each later chunk takes longer than the first.
+    gpu = Gpu(dataclasses.replace(h200, chunk_tokens=2048, block_tokens=512))
+    gpu.submit(Seq(16384, 1, []))
+    steps = run_to_end(gpu)
+    prefill_steps = steps[:8]
+    assert prefill_steps == sorted(prefill_steps) and prefill_steps[-1] > 1.4 * prefill_steps[0]
+
+
+def test_a_slower_engine_takes_longer_for_everything() -> None:
+    slow = dataclasses.replace(MODEL, speed=0.5)
+    assert slow.step_s(3, 100) == pytest.approx(2 * MODEL.step_s(3, 100))

@@ -8,6 +8,13 @@ prefill (oldest first) plus one token for every sequence that is decoding, and l
 
     step_s = step_base_s + step_per_seq_s x decoding sequences + prefill tokens / prefill_tps
 
+With `prefill_half_context` set, a chunk's tokens are computed at a rate that falls with
+the context they attend to, `prefill_tps / (1 + context / prefill_half_context)` at the
+chunk's middle: attention grows with the context. The H200 calibration
+(calibration-h200.json, Llama-3-8B's shape) fits it with a half-context near 12,000 tokens
+(38k tokens/s at none, 28k at 4,096, 23k at 8,192). `speed` scales a whole engine (a slower
+or older GPU in a mixed fleet: 0.5 takes twice as long for everything).
+
 The defaults are shaped like one H100 serving an 8B model in bf16 (bench/README.md gives
 the sources): a decode step reads the 16 GB of weights (~5 ms at 3.35 TB/s, 8 ms with
 launch overheads), each sequence adds its KV reads, prefill runs near 10k tokens/s at
@@ -32,9 +39,20 @@ class GpuModel:
     block_tokens: int = 512
     kv_blocks: int = 840
     max_seqs: int = 128
+    prefill_half_context: float = 0.0  # 0: one prefill rate whatever the context
+    speed: float = 1.0
 
-    def step_s(self, decoding: int, prefill_tokens: int) -> float:
-        return self.step_base_s + self.step_per_seq_s * decoding + prefill_tokens / self.prefill_tps
+    def step_s(self, decoding: int, prefill_tokens: int, prefill_s: float | None = None) -> float:
+        """A step's time; `prefill_s`, when given, is its prefill's own (context-aware)."""
+        prefill = prefill_tokens / self.prefill_tps if prefill_s is None else prefill_s
+        return (self.step_base_s + self.step_per_seq_s * decoding + prefill) / self.speed
+
+    def chunk_s(self, context: int, tokens: int) -> float:
+        """The time to prefill `tokens` prompt tokens after `context` already computed."""
+        if not self.prefill_half_context:
+            return tokens / self.prefill_tps
+        middle = context + tokens / 2
+        return tokens * (1 + middle / self.prefill_half_context) / self.prefill_tps
 
 
 def block_hashes(words: list[str], block: int) -> list[int]:
@@ -106,6 +124,7 @@ class Gpu:
         self._admit()
         budget = self.model.chunk_tokens
         prefill = 0
+        prefill_s = 0.0
         producing: list[Seq] = []
         decoding = 0
         for s in self.running:
@@ -113,6 +132,7 @@ class Gpu:
                 if budget <= 0:
                     continue
                 take = min(budget, s.prompt_tokens - s.prefilled)
+                prefill_s += self.model.chunk_s(s.prefilled, take)
                 s.prefilled += take
                 budget -= take
                 prefill += take
@@ -121,7 +141,7 @@ class Gpu:
             else:
                 decoding += 1
                 producing.append(s)
-        return self.model.step_s(decoding, prefill), producing, prefill
+        return self.model.step_s(decoding, prefill, prefill_s), producing, prefill
 
     def finish_step(self, producing: list[Seq]) -> list[Seq]:
         """Each producing sequence got a token; those that are done leave (returned)."""

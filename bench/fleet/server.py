@@ -21,7 +21,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import logging
+import random
 import time
 from typing import Any
 
@@ -35,10 +37,16 @@ STOP_MARK = "stop@"  # a prompt's last word `stop@N`: the answer ends after N to
 
 
 class SimEngine:
-    def __init__(self, name: str, model: GpuModel, time_scale: float) -> None:
+    def __init__(
+        self, name: str, model: GpuModel, time_scale: float, jitter: float = 0.0, seed: int = 0
+    ) -> None:
         self.name = name
         self.gpu = Gpu(model)
         self.scale = time_scale
+        # Each step's time times a log-normal factor of this spread (median 1): kernels,
+        # the host and the network do not keep time to the microsecond.
+        self.jitter = jitter
+        self.rng = random.Random(seed)
         self.wake = asyncio.Event()
         self.ready: dict[Seq, asyncio.Event] = {}
         self.busy_s = 0.0
@@ -55,6 +63,8 @@ class SimEngine:
                 self.wake.clear()
                 await self.wake.wait()
                 continue
+            if self.jitter:
+                dur *= self.rng.lognormvariate(0.0, self.jitter)
             await asyncio.sleep(dur * self.scale)
             self.busy_s += dur
             gpu.finish_step(producing)
@@ -294,6 +304,7 @@ def model_from(a: argparse.Namespace) -> GpuModel:
         block_tokens=a.block_tokens,
         kv_blocks=a.kv_blocks,
         max_seqs=a.max_seqs,
+        prefill_half_context=a.prefill_half_context,
     )
 
 
@@ -306,13 +317,36 @@ def add_model_flags(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--block-tokens", type=int, default=d.block_tokens)
     ap.add_argument("--kv-blocks", type=int, default=d.kv_blocks)
     ap.add_argument("--max-seqs", type=int, default=d.max_seqs)
+    ap.add_argument(
+        "--prefill-half-context",
+        type=float,
+        default=d.prefill_half_context,
+        help="the context at which prefill runs at half its rate (0: one rate; the H200 "
+        "calibration: ~12000)",
+    )
+    ap.add_argument("--jitter", type=float, default=0.0, help="log-normal spread of step times")
+    ap.add_argument(
+        "--speeds",
+        default="",
+        help="each engine's speed, comma-separated, repeated over the fleet (1,1,0.5: every "
+        "third engine half as fast); empty: all 1",
+    )
 
 
-async def serve(n: int, port: int, model: GpuModel, scale: float, host: str = "127.0.0.1") -> None:
+async def serve(
+    n: int,
+    port: int,
+    model: GpuModel,
+    scale: float,
+    host: str = "127.0.0.1",
+    jitter: float = 0.0,
+    speeds: tuple[float, ...] = (),
+) -> None:
     runners = []
     tasks = []
     for i in range(n):
-        engine = SimEngine(f"e{i}", model, scale)
+        own = dataclasses.replace(model, speed=speeds[i % len(speeds)]) if speeds else model
+        engine = SimEngine(f"e{i}", own, scale, jitter, seed=i)
         tasks.append(asyncio.create_task(engine.run()))
         # A client that leaves cancels its handler (aiohttp no longer does by default since
         # 3.9): its sequence is dropped even while it waits for KV room, as vLLM aborts a
@@ -345,7 +379,10 @@ def main() -> None:
         uvloop.install()
     except ImportError:
         pass
-    asyncio.run(serve(a.engines, a.port, model_from(a), a.time_scale))
+    speeds = tuple(float(x) for x in a.speeds.split(",") if x)
+    asyncio.run(
+        serve(a.engines, a.port, model_from(a), a.time_scale, jitter=a.jitter, speeds=speeds)
+    )
 
 
 if __name__ == "__main__":
