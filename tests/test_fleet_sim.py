@@ -279,3 +279,28 @@ def test_prefill_slows_with_the_context_as_the_calibration_measured() -> None:
 def test_a_slower_engine_takes_longer_for_everything() -> None:
     slow = dataclasses.replace(MODEL, speed=0.5)
     assert slow.step_s(3, 100) == pytest.approx(2 * MODEL.step_s(3, 100))
+
+
+def test_kv_taken_as_output_grows_preempts_the_last_admitted_and_both_finish() -> None:
+    # Room for 12 blocks of 10 tokens: two prompts of 20 fit at once, their answers do not.
+    small = dataclasses.replace(MODEL, kv_blocks=12, kv_on_demand=True)
+    gpu = Gpu(small)
+    first, second = seq(text("a", 20), out=45), seq(text("b", 20), out=45)
+    gpu.submit(first)
+    gpu.submit(second)
+    gpu.plan()
+    assert gpu.running == [first, second]  # admitted together: their prompts fit
+    run_to_end(gpu)
+    assert first.done and second.done and gpu.served == 2
+    assert second.preempted and not first.preempted  # the one admitted last gave way
+    assert gpu.preemptions >= 1 and gpu.pinned_blocks == gpu.private_blocks == 0
+    # Reserved up front (the default), the second waits for the first and nothing is
+    # preempted.
+    gpu = Gpu(dataclasses.replace(small, kv_on_demand=False))
+    a, b = seq(text("a", 20), out=45), seq(text("b", 20), out=45)
+    gpu.submit(a)
+    gpu.submit(b)
+    gpu.plan()
+    assert gpu.running == [a]
+    run_to_end(gpu)
+    assert gpu.served == 2 and gpu.preemptions == 0

@@ -15,6 +15,12 @@ chunk's middle: attention grows with the context. The H200 calibration
 (38k tokens/s at none, 28k at 4,096, 23k at 8,192). `speed` scales a whole engine (a slower
 or older GPU in a mixed fleet: 0.5 takes twice as long for everything).
 
+KV: by default a sequence reserves blocks for its whole prompt and `max_tokens` when it is
+admitted, so nothing is ever preempted. With `kv_on_demand` (vLLM's behaviour) it reserves
+its prompt alone and takes a block as its output needs one; when the pool runs out, the
+sequence admitted last is preempted (its blocks freed, back to the head of the queue, its
+prompt and output so far recomputed when it is admitted again), as vLLM's scheduler does.
+
 The defaults are shaped like one H100 serving an 8B model in bf16 (bench/README.md gives
 the sources): a decode step reads the 16 GB of weights (~5 ms at 3.35 TB/s, 8 ms with
 launch overheads), each sequence adds its KV reads, prefill runs near 10k tokens/s at
@@ -41,6 +47,7 @@ class GpuModel:
     max_seqs: int = 128
     prefill_half_context: float = 0.0  # 0: one prefill rate whatever the context
     speed: float = 1.0
+    kv_on_demand: bool = False  # blocks taken as output grows, preemption when out
 
     def step_s(self, decoding: int, prefill_tokens: int, prefill_s: float | None = None) -> float:
         """A step's time; `prefill_s`, when given, is its prefill's own (context-aware)."""
@@ -77,10 +84,12 @@ class Seq:
     generated: int = 0
     pinned: int = 0  # KV blocks it holds
     cancelled: bool = False
+    recompute: int = 0  # output tokens to compute again after a preemption
+    preempted: int = 0  # times it was
 
     @property
     def in_prefill(self) -> bool:
-        return self.prefilled < self.prompt_tokens
+        return self.prefilled < self.prompt_tokens + self.recompute
 
     @property
     def done(self) -> bool:
@@ -103,6 +112,7 @@ class Gpu:
         self.prompt_tokens = 0
         self.cached_tokens = 0
         self.served = 0
+        self.preemptions = 0
 
     # -- what the HTTP side does ------------------------------------------------------
     def submit(self, seq: Seq) -> None:
@@ -122,6 +132,10 @@ class Gpu:
         token at its end, the prefill tokens it computes)."""
         self._drop_cancelled()
         self._admit()
+        if self.model.kv_on_demand:
+            for s in list(self.running):
+                if s in self.running and not s.in_prefill:
+                    self._grow(s)
         budget = self.model.chunk_tokens
         prefill = 0
         prefill_s = 0.0
@@ -131,7 +145,7 @@ class Gpu:
             if s.in_prefill:
                 if budget <= 0:
                     continue
-                take = min(budget, s.prompt_tokens - s.prefilled)
+                take = min(budget, s.prompt_tokens + s.recompute - s.prefilled)
                 prefill_s += self.model.chunk_s(s.prefilled, take)
                 s.prefilled += take
                 budget -= take
@@ -182,7 +196,8 @@ class Gpu:
                     break
             ours = {h for h in s.hashes if h in self.free_cached}
             new = sum(1 for h in s.hashes if h not in self.pins and h not in self.free_cached)
-            tail = self._blocks_for(s.prompt_tokens + s.max_tokens) - len(s.hashes)
+            held = s.recompute + (1 if self.model.kv_on_demand else s.max_tokens)
+            tail = self._blocks_for(s.prompt_tokens + held) - len(s.hashes)
             evictable = len(self.free_cached) - len(ours)
             if new + tail > cap - self._used() + evictable:
                 return
@@ -194,11 +209,39 @@ class Gpu:
             while self._used() > cap and self.free_cached:
                 self.free_cached.popitem(last=False)  # least recently used out
             # An engine never serves the whole prompt from cache: the last token is computed.
-            s.cached_tokens = min(hit * self.model.block_tokens, s.prompt_tokens - 1)
-            s.prefilled = s.cached_tokens
-            self.prompt_tokens += s.prompt_tokens
-            self.cached_tokens += s.cached_tokens
+            cached = min(hit * self.model.block_tokens, s.prompt_tokens - 1)
+            s.prefilled = cached
+            if not s.preempted:  # a recomputation is not a new prompt (nor what it reports)
+                s.cached_tokens = cached
+                self.prompt_tokens += s.prompt_tokens
+                self.cached_tokens += s.cached_tokens
             self.running.append(s)
+
+    def _grow(self, s: Seq) -> None:
+        """A block for `s`'s next token if it needs one, preempting the sequence admitted
+        last (`s` itself when it is the last) while the pool has none free."""
+        cap = self.model.kv_blocks
+        need = self._blocks_for(s.prompt_tokens + s.generated + 1) - len(s.hashes) - s.pinned
+        while need > 0:
+            if cap - self.pinned_blocks - self.private_blocks >= need:
+                self.private_blocks += need
+                s.pinned += need
+                while self._used() > cap and self.free_cached:
+                    self.free_cached.popitem(last=False)
+                return
+            victim = next((v for v in reversed(self.running) if v is not s), s)
+            self._preempt(victim)
+            if victim is s:
+                return
+
+    def _preempt(self, s: Seq) -> None:
+        self._release(s)
+        s.pinned = 0
+        s.prefilled = 0
+        s.recompute = s.generated
+        s.preempted += 1
+        self.preemptions += 1
+        self.waiting.appendleft(s)
 
     def _pin(self, h: int) -> None:
         n = self.pins.get(h, 0)

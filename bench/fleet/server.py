@@ -188,6 +188,7 @@ def make_app(engine: SimEngine) -> web.Application:
                 "busy_s": engine.busy_s,
                 "running": len(g.running),
                 "waiting": len(g.waiting),
+                "preemptions": g.preemptions,
             }
         )
 
@@ -305,6 +306,7 @@ def model_from(a: argparse.Namespace) -> GpuModel:
         kv_blocks=a.kv_blocks,
         max_seqs=a.max_seqs,
         prefill_half_context=a.prefill_half_context,
+        kv_on_demand=a.kv_on_demand,
     )
 
 
@@ -323,6 +325,12 @@ def add_model_flags(ap: argparse.ArgumentParser) -> None:
         default=d.prefill_half_context,
         help="the context at which prefill runs at half its rate (0: one rate; the H200 "
         "calibration: ~12000)",
+    )
+    ap.add_argument(
+        "--kv-on-demand",
+        action="store_true",
+        help="KV blocks taken as output grows, the last admitted preempted when the pool "
+        "runs out (vLLM); default: prompt and max_tokens reserved at admission",
     )
     ap.add_argument("--jitter", type=float, default=0.0, help="log-normal spread of step times")
     ap.add_argument(
