@@ -31,7 +31,10 @@ Peers run as their operators run them: `sglang-POLICY@CAP` and `vllm-POLICY@CAP`
 `--max-concurrent-requests CAP --queue-size CAP --queue-timeout-secs` (the TTFT budget),
 or `@defaults` for a peer with nothing set; a peer named with neither is refused.
 `--runs N` repeats every cell N times, every door in each run, and the table gives each
-figure's median and range.
+figure's median and range. The simulated engines' realism is `--sim-args`: `--kv-on-demand`
+(KV as output grows, preemption), `--prefill-half-context 12000` (prefill slowing with the
+context, the H200 calibration), `--jitter 0.1`, `--speeds 1,1,1,0.5` (a mixed fleet);
+without them the engines are the older figures' model.
 
 Loopback only; every request loop is bounded by the trace and a deadline.
 """
