@@ -26,6 +26,7 @@ STATS: dict[str, Any] = {
     "connections": 0,
     "busy": False,
     "fences": [],
+    "fence_secrets": [],  # beside each fence, the secret that came with it (or None)
     "authorizations": [],  # each completion's Authorization header, in arrival order
 }
 # Client ports that sent completion requests: how many connections the router opened.
@@ -102,6 +103,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     fence = request.headers.get("x-narwhal-fence")
     if fence is not None and len(STATS["fences"]) < 100_000:
         STATS["fences"].append(fence)  # in arrival order: who placed, as the engine saw it
+        STATS["fence_secrets"].append(request.headers.get("x-narwhal-fence-secret"))
     PEERS.add(request.transport.get_extra_info("peername") if request.transport else None)
     STATS["connections"] = len(PEERS)
     chat = request.path.endswith("chat/completions")

@@ -16,7 +16,15 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.support import EtcdServer, Server, free_port, start_engine, start_router, wait_until
+from tests.support import (
+    EtcdServer,
+    Server,
+    free_port,
+    start_engine,
+    start_router,
+    start_test_engine,
+    wait_until,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -597,3 +605,51 @@ def test_fence_etcd_takes_no_token_etcd_did_not_issue(etcd: EtcdServer, model_pa
         assert fenced(s, leader).status_code == 200  # so the leader is still served
     finally:
         s.stop()
+
+
+def test_the_fence_secret_goes_to_the_operators_engines_never_to_a_registered_one(
+    etcd: EtcdServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("NARWHAL_TEST_ADMIN", "s3cret")
+    named = start_test_engine("tests.scripted_engine")
+    registered = start_test_engine("tests.scripted_engine")
+    text = config(
+        etcd,
+        f"/t{next(_keys)}/leader",
+        f"  - {{name: named, url: '{named.url}', dialect: lexi}}\n",
+        admin=True,
+    )
+    router = start_router(tmp_path, text)
+    try:
+        # Someone who may add engines (the admin token, or write access under the etcd
+        # prefix) points one at a server of theirs.
+        r = httpx.post(
+            router.url + "/admin/engines",
+            json={"name": "theirs", "url": registered.url},
+            headers={"authorization": "Bearer s3cret"},
+        )
+        assert r.status_code == 201, r.text
+
+        def seen(engine: Server) -> list[Any]:
+            return list(httpx.get(engine.url + "/stats").json()["fence_secrets"])
+
+        wait_until(lambda: httpx.get(router.url + "/ready").json()["engines"][1]["healthy"], 10)
+        # Both placed on (held requests: the least-loaded pick alternates).
+        held = {"prompt": "script:held", "max_tokens": 2, "stream": True}
+        sent = [
+            threading.Thread(
+                target=lambda: httpx.post(router.url + "/v1/completions", json=held, timeout=30)
+            )
+            for _ in range(2)
+        ]
+        for t in sent:
+            t.start()
+        wait_until(lambda: len(seen(named)) + len(seen(registered)) == 2, 10)
+        assert seen(named) == [SECRET]
+        assert seen(registered) == [None]  # its fencing token, not the secret
+    finally:
+        for e in (named, registered):
+            httpx.post(e.url + "/release")
+        router.stop()
+        named.stop()
+        registered.stop()

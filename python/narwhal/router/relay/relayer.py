@@ -36,6 +36,9 @@ from narwhal.router.upstream import Upstream
 log = logging.getLogger("narwhal.relay")
 
 
+TRUSTED_SOURCES = frozenset({"config", "dns"})
+
+
 class Relayer:
     """Runs a lease's upstream call and relays the answer; what it sees goes to the lease."""
 
@@ -92,9 +95,15 @@ class Relayer:
         e = lease.on
         body = upstream_body(lease.intake, e.spec.token_ids)
         lease.measured.sent_at = time.monotonic()
-        headers = (
-            "" if lease.fence is None else f"x-narwhal-fence: {lease.fence}\r\n{self.fence_secret}"
-        )
+        headers = ""
+        if lease.fence is not None:
+            headers = f"x-narwhal-fence: {lease.fence}\r\n"
+            # The secret lets a token raise an engine's floor: it goes to the engines the
+            # operator named (the config file, its DNS name), never to one a registrant
+            # chose (etcd, the admin API), which could use it to fence the leader out of
+            # every engine. Registered LexiEngines fence with --fence-etcd.
+            if e.source in TRUSTED_SOURCES:
+                headers += self.fence_secret
         rec = asgi.current.get()
         if rec is not None:  # the ID is printable ASCII without spaces (asgi.begin)
             headers += f"x-request-id: {rec.id}\r\n"
