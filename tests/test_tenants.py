@@ -477,7 +477,7 @@ def test_a_tenant_over_its_share_gets_less_budget_only_while_the_fleet_is_full()
 def test_under_3x_overload_critical_work_keeps_its_budget_and_sheddable_is_refused_first(
     tmp_path: Path,
 ) -> None:
-    from bench.fleet.replay import Result, klass_of, offer, warm
+    from bench.fleet.replay import Result, duration_s, klass_of, offer, warm
     from bench.fleet.traces import Request
 
     # Two simulated GPU engines (bench/fleet/server.py: chunked prefill beside decoding
@@ -535,7 +535,7 @@ engines:
     finally:
         os.killpg(sim.pid, signal.SIGTERM)
         sim.wait(10)
-    got = Result("narwhal", 3.0, outs, span).summary(budget_s, tpot_s)
+    got = Result("narwhal", 3.0, outs, span).summary(budget_s, tpot_s, duration_s(trace, 1.0))
     by = got["by_class"]
     refused = {c: by[c]["refused"] / by[c]["offered"] for c in by}
     assert got["refused"] >= 0.5 * got["offered"], got  # overloaded, as meant
