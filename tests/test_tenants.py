@@ -3,12 +3,11 @@ clock the test holds, and end to end through the router and a scripted engine.""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import base64
 import os
 import signal
-import subprocess
-import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,14 +23,11 @@ from narwhal.router.tenants.limits import WINDOW_S, Limits, Tenant, TenantLimite
 from narwhal.router.tenants.reserve import CEILING, TAU_S, CriticalReserve
 from narwhal.router.tenants.shares import SATURATED_S, Shares
 from tests.support import (
-    ROOT,
     EtcdServer,
     Server,
-    free_port,
     metric,
     start_router,
     start_test_engine,
-    wait_http,
     wait_until,
 )
 
@@ -477,25 +473,16 @@ def test_a_tenant_over_its_share_gets_less_budget_only_while_the_fleet_is_full()
 def test_under_3x_overload_critical_work_keeps_its_budget_and_sheddable_is_refused_first(
     tmp_path: Path,
 ) -> None:
-    from bench.fleet.replay import Result, duration_s, klass_of, offer, warm
+    from bench.fleet.replay import Result, duration_s, klass_of, offer, start_fleet, warm
     from bench.fleet.traces import Request
 
     # Two simulated GPU engines (bench/fleet/server.py: chunked prefill beside decoding
     # streams), every step twice as long; the replayer divides what it measures by that.
     scale, budget_s, tpot_s = 2.0, 5.0, 0.1
-    port = free_port()
-    sim = subprocess.Popen(
-        [
-            *(sys.executable, "-m", "bench.fleet.server", "--engines", "2"),
-            *("--port", str(port), "--time-scale", str(scale)),
-        ],
-        cwd=ROOT,
-        start_new_session=True,
-    )
-    engines = [f"http://127.0.0.1:{port + i}" for i in range(2)]
+    # Two consecutive ports, tried again elsewhere when one was taken (a free port says
+    # nothing of the one after it).
+    sim, engines = start_fleet(argparse.Namespace(engines=2, time_scale=scale, sim_args=""))
     try:
-        for u in engines:
-            wait_http(u + "/health", sim, 30)
         keys = ", ".join(
             f"{{key: key-{c}, tenant: {c}, priority: {c}}}"
             for c in ("critical", "standard", "sheddable")
