@@ -200,7 +200,7 @@ async def one(
     if client.patience_s is not None:
         # No first token within its patience: the client closes the connection.
         def give_up() -> None:
-            if out.ttft_s is None and not first_seen:
+            if not first_seen:  # no token yet (once one came, it stays to the end)
                 out.abandoned = True
                 task.cancel()
 

@@ -43,7 +43,7 @@ class BudgetSpent(Exception):
 
 # Whether a waiting lease placed on an engine now still makes its TTFT budget (the policy's
 # projection; None: every placement does).
-Fits = Callable[[Lease, Engine, float], float | None]
+Overrun = Callable[[Lease, Engine, float], float | None]
 
 
 class Admission:
@@ -64,7 +64,7 @@ class Admission:
         self._queue: FairQueue[tuple[asyncio.Future[None], Lease]] = FairQueue()
         # Set by a policy that holds a TTFT budget: how far past its budget a waiting
         # lease's first token would come if placed on an engine now (None: in time).
-        self.overrun: Fits | None = None
+        self.overrun: Overrun | None = None
 
     @property
     def queued(self) -> int:
