@@ -123,8 +123,10 @@ async def completions(request: web.Request) -> web.StreamResponse:
         async with PREFILL_LOCK:
             await asyncio.sleep(_prompt_tokens(body) * float(arg.split(":")[0]) / 1000)
     if name == "prefill":
-        # A prompt of N tokens (4 bytes each) takes N * ARG ms before the first token.
-        await asyncio.sleep(_prompt_tokens(body) * int(arg.split(":")[0]) / 1000)
+        # A prompt of N tokens (4 bytes each) takes N * ARG ms before the first token, after
+        # the engine's fixed cost of a request (--prefill-fixed-ms).
+        per_token = int(arg.split(":")[0])
+        await asyncio.sleep((STATS["fixed_ms"] + _prompt_tokens(body) * per_token) / 1000)
     elif name != "prefill_serial" and STATS["ms_per_token"]:
         await asyncio.sleep(_prompt_tokens(body) * STATS["ms_per_token"] / 1000)
     resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
@@ -276,6 +278,13 @@ def main() -> None:
         help="prefill cost of every request (4 prompt bytes make a token)",
     )
     p.add_argument(
+        "--prefill-fixed-ms",
+        type=float,
+        default=0.0,
+        help="with script:prefill, what every prompt costs beside its tokens (a GPU's first "
+        "step, the scheduler)",
+    )
+    p.add_argument(
         "--busy",
         action="store_true",
         help="answer every completion 429 inference_busy (with Retry-After)",
@@ -283,6 +292,7 @@ def main() -> None:
     args = p.parse_args()
     STATS["ms_per_token"] = args.prefill_ms_per_token
     STATS["busy"] = args.busy
+    STATS["fixed_ms"] = args.prefill_fixed_ms
     app = web.Application()
     app.router.add_post("/v1/chat/completions", completions)
     app.router.add_post("/v1/completions", completions)

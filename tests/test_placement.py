@@ -26,6 +26,7 @@ from narwhal.router.policies.prefix_cache import PrefixCache
 from narwhal.router.policies.tpot import Streams
 from narwhal.router.predict import NoEngineKeepsPace, Predictor
 from narwhal.router.tenants.reserve import CriticalReserve
+from tests.support import measured
 
 RATE = 1000.0  # prefill tokens/s every engine has learned
 BUDGET = 5.0
@@ -66,8 +67,7 @@ class Fleet:
         self.engines = [Engine(EngineSpec(f"e{i}"), f"http://e{i}", healthy=True) for i in range(n)]
         self.predictor = Predictor(self.engines)
         for p in self.predictor.profiles.values():
-            p.prefill_tps = RATE
-            p.bytes_per_token = 5.0  # "w0000 " is five bytes a word
+            measured(p, RATE, 5.0)  # "w0000 " is five bytes a word
         self.cache = PrefixCache(self.engines, tokens_per_engine=100_000, block_bytes=256)
         self.policy = PredictivePolicy(
             self.predictor, self.engines, self.cache, tpot_target_s, reserve, BUDGET
@@ -423,9 +423,9 @@ def test_the_ledger_stays_the_size_of_the_streams_in_it() -> None:
         ledger.decoding(entry, since=0.0, tally=Counted(i % 3))
         ledger.ended(entry, 0, 0.0)
     assert len(ledger) == 1 and ledger.headroom_s(now=0.0) == pytest.approx(0.5)
-    for bounded, measured in ledger._heaps:
+    for bounded, counted in ledger._heaps:
         assert len(bounded) <= 4 * len(ledger) + 65
-        assert len(measured) <= 4 * len(ledger) + 65
+        assert len(counted) <= 4 * len(ledger) + 65
 
 
 def test_a_stream_is_protected_before_its_engine_has_measured_a_step() -> None:
@@ -626,3 +626,42 @@ def test_a_prompt_spends_lower_classes_allowance_never_a_higher_ones() -> None:
     assert not ledger.fits(0.4, now=0.0, rank=sheddable)
     assert not ledger.fits(2.5, now=0.0, rank=critical)
     assert ledger.headroom_s(now=0.0) == pytest.approx(0.1)  # every stream: the tightest
+
+
+def test_a_prefill_shared_with_a_prompt_placed_after_it_teaches_no_rate() -> None:
+    """Chunked prefill runs a later prompt's tokens in the same steps: the first prompt's
+    TTFT is then not its own prefill's, and learning a rate from it made the engine look
+    slower than it is."""
+    f = Fleet()
+    first = f.open(request(words("a", 500)), "e0")
+    second = f.open(request(words("b", 500)), "e0")
+    assert first.alone and not second.alone  # the engine's prefill was empty for the first
+    first.first_output()
+    second.first_output()
+    assert not first.alone and not second.alone
+    third = f.open(request(words("c", 500)), "e1")
+    third.first_output()
+    assert third.alone  # nothing joined it: its TTFT is its prefill's
+
+
+def test_a_generous_max_tokens_does_not_hide_that_most_answers_are_short() -> None:
+    """Clients ask for 2,048 tokens and most answers stop after a few dozen: the ledger holds
+    a new stream to what answers here run to (a low quantile of them), so the prefill that
+    would break a short answer's TPOT waits; past the short answers' lengths, the stream is
+    held to what the answers that got as far ran to."""
+    f = Fleet(n=1, tpot_target_s=0.05)
+    f.learn_tau0(0.01)
+    for i in range(100):  # four answers in five are 20 tokens, one is 2,000
+        done = f.open(request(words(f"d{i}-", 10)), on="e0")
+        done.first_output()
+        done.finished(2000 if i % 5 == 4 else 20)
+        done.release()
+    lease = f.open(request(words("s", 10), max_tokens=2048), on="e0")
+    tally = Counted(1)
+    lease.measured.tally = tally
+    lease.first_output()
+    long = request(words("L", 1000))  # 1 s of prefill: a 20-token answer beside it misses
+    with pytest.raises(NoEngineKeepsPace):
+        f.judge(long)
+    tally.counted = 200  # past the short answers: this one runs as the long ones do
+    assert f.judge(long).prefer is f.engines[0]

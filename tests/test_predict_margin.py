@@ -9,14 +9,14 @@ from narwhal.errors import ApiError
 from narwhal.router.config import EngineSpec
 from narwhal.router.engines import Engine
 from narwhal.router.predict import Predictor
+from tests.support import measured
 
 
 def engine_with_work(tokens_ahead: int) -> tuple[Predictor, Engine]:
     e = Engine(EngineSpec("e"), "http://e", healthy=True)
     e.prefill, e.prefill_tokens = 1, tokens_ahead
     p = Predictor([e])
-    prof = p.profiles["e"]
-    prof.prefill_tps, prof.bytes_per_token = 1000.0, 4.0
+    measured(p.profiles["e"], 1000.0, 4.0)
     return p, e
 
 
@@ -64,3 +64,15 @@ def test_prefix_cache_hits_teach_the_rate_of_what_was_prefilled() -> None:
     prof.observe(4000, 1000, 0.05, True, 0, 0.0, predicted_s=0.5, cached_tokens=900)
     assert prof.prefill_tps == pytest.approx(2000)
     assert prof.drift is None and prof.correction == 1.0
+
+
+def test_the_prefill_fit_separates_a_fixed_cost_from_the_rate() -> None:
+    from narwhal.router.predict import Profile
+
+    prof = Profile()
+    # 2000 tokens/s beside 0.1 s that every request costs, prompts of several sizes.
+    for tokens in (20, 400, 50, 1000, 100, 2000, 30):
+        prof.observe(tokens * 4, tokens, 0.1 + tokens / 2000, True, 0, 0.0)
+    assert prof.prefill_tps == pytest.approx(2000, rel=0.01)
+    assert prof.overhead_s == pytest.approx(0.1, rel=0.01)
+    assert prof.vouches(8000) and not prof.vouches(8001)  # four times the largest measured

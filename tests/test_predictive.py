@@ -8,6 +8,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -67,16 +68,61 @@ engines:
   - {{name: s, url: '{scripted.url}', dialect: lexi}}
 """,
     )
-    # Cold start admits; these requests teach the router the engine's prefill rate.
-    for _ in range(4):
+    # Cold start admits; these requests teach the router the engine's prefill rate, and
+    # vouch for prompts up to a few times the largest of them.
+    for tokens in (100, 200, 300, 400):
         assert (
             httpx.post(
-                r.url + "/v1/chat/completions", json=chat(prompt(100)), timeout=30
+                r.url + "/v1/chat/completions", json=chat(prompt(tokens)), timeout=30
             ).status_code
             == 200
         )
     yield r
     r.stop()
+
+
+def test_a_fresh_router_admits_what_its_first_short_prompts_cannot_vouch_for(
+    tmp_path: Path,
+) -> None:
+    """Tokens / TTFT of a short prompt is mostly the engine's fixed cost of a request:
+    extrapolated, it made a prompt well within the budget look over it alone, and a fresh
+    router refused it."""
+    port = free_port()
+    engine = Server(
+        [
+            *(sys.executable, "-m", "tests.scripted_engine", "--port", str(port)),
+            "--prefill-fixed-ms=100",
+        ],
+        "/health",
+        port,
+    )
+    r = start_router(
+        tmp_path,
+        f"""
+model: main
+listen: {{port: $PORT}}
+admission: predictive
+predictive: {{ttft_budget_s: 1.0, probe_interval_s: 3600}}
+health: {{interval_s: 0.2}}
+engines:
+  - {{name: s, url: '{engine.url}', dialect: lexi}}
+""",
+    )
+    try:
+        for _ in range(3):  # 0.14 s each, 0.1 s of it the engine's fixed cost
+            short = httpx.post(r.url + "/v1/chat/completions", json=chat(prompt(20)), timeout=30)
+            assert short.status_code == 200
+        # 0.8 s to its first token, within the 1 s budget.
+        got = httpx.post(r.url + "/v1/chat/completions", json=chat(prompt(350)), timeout=30)
+        assert got.status_code == 200, got.text
+        # Measured alone, prompts of its size are vouched for: one far over the budget alone
+        # (2.7 s) is refused again.
+        far = httpx.post(r.url + "/v1/chat/completions", json=chat(prompt(1300)), timeout=30)
+        assert far.status_code == 429
+        assert far.json()["error"]["code"] == "prompt_exceeds_ttft_budget"
+    finally:
+        r.stop()
+        engine.stop()
 
 
 def profile(router: Server) -> dict[str, Any]:

@@ -20,8 +20,8 @@ from narwhal.etcd import _b64
 from narwhal.router.pipeline.intake import CHAT, check
 from narwhal.router.tenants.fair_queue import RANK, FairQueue
 from narwhal.router.tenants.limits import WINDOW_S, Limits, Tenant, TenantLimited
-from narwhal.router.tenants.reserve import CEILING, TAU_S, CriticalReserve
-from narwhal.router.tenants.shares import SATURATED_S, Shares
+from narwhal.router.tenants.reserve import CEILING, TAU_BUDGETS, CriticalReserve
+from narwhal.router.tenants.shares import SATURATED_BUDGETS, Shares
 from tests.support import (
     EtcdServer,
     Server,
@@ -436,15 +436,16 @@ def test_the_critical_reserve_grows_while_critical_work_is_refused_and_then_deca
     for _ in range(10):
         r.refused(now=2.0)
     assert r.share(now=2.0) == pytest.approx(CEILING)  # never past the ceiling
-    assert 0.2 < r.share(now=2.0 + TAU_S) < CEILING
-    assert r.share(now=2.0 + 20 * TAU_S) == pytest.approx(0.2)  # back to the configured share
+    tau = TAU_BUDGETS * 5.0  # its decay's time constant, in the default 5 s budgets
+    assert 0.2 < r.share(now=2.0 + tau) < CEILING
+    assert r.share(now=2.0 + 20 * tau) == pytest.approx(0.2)  # back to the configured share
     off = CriticalReserve(0.0)  # the operator reserves nothing: refusals change nothing
     off.refused(now=0.0)
     assert off.share(now=0.0) == 0.0
-    off.configure(0.3)  # a reload sets another share
+    off.configure(0.3, 5.0)  # a reload sets another share
     assert off.share(now=0.0) == 0.3
     none = CriticalReserve(0.3, critical=False)  # no key may send critical work
-    none.configure(0.5)
+    none.configure(0.5, 5.0)
     assert none.share(now=0.0) == 0.0
 
 
@@ -457,12 +458,19 @@ def test_a_tenant_over_its_share_gets_less_budget_only_while_the_fleet_is_full()
     s.refused(now=1.0)
     assert s.fair_share("heavy", now=1.0) == pytest.approx(5000 / 9000)  # fair / share
     assert s.fair_share("light", now=1.0) == 1.0
-    assert s.fair_share("heavy", now=1.0 + SATURATED_S + 0.1) == 1.0
+    assert s.fair_share("heavy", now=1.0 + SATURATED_BUDGETS * s.budget_s + 0.1) == 1.0
     # Long after, what was served then no longer counts: the roles have turned.
     s.refused(now=100.0)
     s.served("light", 9000, now=100.0)
     s.served("heavy", 1000, now=100.0)
     assert s.fair_share("light", now=100.0) < 1.0 and s.fair_share("heavy", now=100.0) == 1.0
+    # At a tenth of the budget, "lately" is a tenth as long: the same refusal is old news.
+    quick = Shares(budget_s=0.5)
+    quick.served("heavy", 9000, now=0.0)
+    quick.served("light", 1000, now=0.0)
+    quick.refused(now=1.0)
+    assert quick.fair_share("heavy", now=1.6) == 1.0
+    assert s.fair_share("light", now=100.6) < 1.0
     # A tenant alone is no one's competitor.
     s.refused(now=200.0)
     s.served("light", 10**6, now=200.0)

@@ -204,8 +204,10 @@ class Admission:
         """The one place a seat is taken."""
         e.prefill += 1
         e.prefill_tokens += lease.tokens
+        e.seated += 1
         lease.engine = e
         lease.alone = e.prefill == 1
+        lease.seat_no = e.seated
         lease.phase = Phase.PREFILL
         if e is not lease.prefer:
             lease.predicted_s = None  # projected for another engine
@@ -215,6 +217,8 @@ class Admission:
         e.prefill -= 1
         e.prefill_tokens -= lease.tokens
         e.decode += 1
+        # A prompt placed after it shared its prefill's steps: its TTFT is not its own.
+        lease.alone = lease.alone and e.seated == lease.seat_no
         lease.phase = Phase.DECODE
         self._drain()
 

@@ -60,7 +60,9 @@ class Router:
             if config.admission == "predictive"
             else None
         )
-        self.tenants = Tenants(list(config.tenant_keys), self.metrics, config.critical_reserve)
+        self.tenants = Tenants(
+            list(config.tenant_keys), self.metrics, config.critical_reserve, config.ttft_budget_s
+        )
         self.policy = choose(config, engines, self.predictor, self.tenants.reserve)
         if self.predictor is not None:
             self.admission.overrun = self.policy.overrun  # the queue holds the TTFT budget
@@ -152,7 +154,7 @@ class Router:
             self.membership,
             self.relayer,
             self.policy,
-            self.tenants.reserve,
+            self.tenants,
             self.predictor,
             self.profiler,
         )

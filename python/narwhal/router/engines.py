@@ -38,6 +38,7 @@ class Engine:
     prefill: int = 0  # placed requests before their first token
     decode: int = 0  # requests streaming tokens
     prefill_tokens: int = 0  # sized prompt tokens of the requests in prefill
+    seated: int = 0  # seats ever taken here: a prefill that saw it unchanged ran alone
     # Sized prompt tokens of requests waiting in the router's queue for a seat here, by
     # class (critical, standard, sheddable): the prefill ahead of a new request of that
     # class or a lower one. Written by Admission alone, as the seats are.

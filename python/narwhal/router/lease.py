@@ -120,6 +120,7 @@ class Lease:
         "predicted_s",
         "prefer",
         "queued_on",
+        "seat_no",
         "tokens",
         "ttft_by",
     )
@@ -156,7 +157,10 @@ class Lease:
         self.queued_on: Engine | None = None  # whose queued_tokens count it while it waits
         self.phase = Phase.QUEUED
         self.engine: Engine | None = None
-        self.alone = False  # the engine's prefill was ours alone at placement
+        # Its prefill had the engine to itself: nothing in prefill there when it was
+        # placed, nothing placed there before its first token (its TTFT is its own).
+        self.alone = False
+        self.seat_no = 0  # the engine's `seated` count when it took its seat
         self.fence: int | None = None  # the leader's fencing token it was placed under
         self.plan: Plan | None = None  # what the policy decided before placement
         self.measured = Measured()

@@ -5,7 +5,15 @@ A profile learns three numbers per engine from requests it served: bytes per pro
 (request bytes vs the engine's own prompt count), prefill rate (prompt tokens over the time
 to the first output token, from requests that had the engine's prefill to themselves) and
 time per output token. Until an engine has a prefill measurement, its projection is unknown
-and requests are admitted (cold start).
+and requests are admitted (cold start); until its measurements vouch for a prompt's size
+(`Profile.vouches`), the projection places the request but refuses it for nothing its own
+prefill would take.
+
+The prefill time is affine in the prompt: a fixed overhead (scheduling, the first step's
+weights, the HTTP round trip) plus the tokens at the engine's rate, both fitted to the
+requests that had the engine to themselves. A rate read as tokens / TTFT from short prompts
+is the overhead's, not the model's: extrapolated to a long prompt it projected several
+times the real prefill and refused prompts a fleet served in a fraction of the budget.
 """
 
 from __future__ import annotations
@@ -14,7 +22,7 @@ import math
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import orjson
 
@@ -35,14 +43,59 @@ MARGIN_SPREAD = 2.0
 MAX_MARGIN = 2.0
 
 
+# The prefill fit's memory: about the last 1 / FIT_ALPHA requests that had their engine alone.
+FIT_ALPHA = 0.1
+# The fit's slope is read only where the prompts it saw differ in size (their coefficient of
+# variation at least this); else tokens / time through the mean, with no overhead.
+FIT_MIN_SPREAD = 0.2
+# A profile vouches for prompts up to this many times the largest it measured alone, once it
+# has this many such measurements: refusing a prompt for its own length needs both.
+VOUCH_SAMPLES = 3
+VOUCH_EXTRAPOLATION = 4.0
+
+
 def _ewma(old: float | None, new: float) -> float:
     return new if old is None else (1 - ALPHA) * old + ALPHA * new
+
+
+@dataclass
+class PrefillFit:
+    """An exponentially weighted least-squares fit of TTFT = overhead + tokens / rate over
+    the prefills that had their engine alone."""
+
+    n: float = 0.0  # weighted means of tokens, seconds, tokens^2, tokens x seconds
+    t: float = 0.0
+    nn: float = 0.0
+    nt: float = 0.0
+    count: int = 0
+
+    def add(self, tokens: int, seconds: float) -> tuple[float, float]:
+        """Take a sample; the fitted (rate in tokens/s, overhead in s). The first samples
+        are averaged evenly, the later ones weighted FIT_ALPHA."""
+        self.count += 1
+        a = max(FIT_ALPHA, 1.0 / self.count)
+        self.n += a * (tokens - self.n)
+        self.t += a * (seconds - self.t)
+        self.nn += a * (tokens * tokens - self.nn)
+        self.nt += a * (tokens * seconds - self.nt)
+        var = self.nn - self.n * self.n
+        if var > (FIT_MIN_SPREAD * self.n) ** 2:
+            slope = (self.nt - self.n * self.t) / var
+            overhead = self.t - slope * self.n
+            # A negative overhead is a convex curve (attention grows with the context): the
+            # secant through the mean then, as where the sizes do not spread.
+            if slope > 0 and overhead >= 0:
+                return 1.0 / slope, overhead
+        return self.n / self.t, 0.0
+        return self.n / self.t, 0.0
 
 
 @dataclass
 class Profile:
     bytes_per_token: float | None = None
     prefill_tps: float | None = None
+    overhead_s: float = 0.0  # a prefill's fixed part, beside its tokens / prefill_tps
+    largest_alone: int = 0  # fresh tokens of the largest prompt measured alone
     tpot_s: float | None = None
     output_tokens: float | None = None  # output-length learning: typical answer length
     prefill_samples: int = 0
@@ -55,6 +108,19 @@ class Profile:
     # not only from those that had the engine to themselves.
     correction: float = 1.0
     measured_at: float = 0.0  # monotonic time of the last good measurement
+    fit: PrefillFit = field(default_factory=PrefillFit, repr=False)
+
+    def vouches(self, fresh: int) -> bool:
+        """Its measurements say enough to refuse a prompt of `fresh` tokens for its own
+        prefill: several, and of prompts not much smaller."""
+        return (
+            self.prefill_samples >= VOUCH_SAMPLES
+            and fresh <= VOUCH_EXTRAPOLATION * self.largest_alone
+        )
+
+    def prefill_s(self, tokens: int, rate: float) -> float:
+        """A prefill of `tokens` alone at `rate` (the learned one, corrected)."""
+        return self.overhead_s + tokens / rate
 
     def observe(
         self,
@@ -98,8 +164,9 @@ class Profile:
                 )
             self.bytes_per_token = _ewma(self.bytes_per_token, prompt_bytes / prompt_tokens)
             if alone and ttft_s and ttft_s > 0 and fresh:
-                self.prefill_tps = _ewma(self.prefill_tps, fresh / ttft_s)
+                self.prefill_tps, self.overhead_s = self.fit.add(fresh, ttft_s)
                 self.prefill_samples += 1
+                self.largest_alone = max(self.largest_alone, fresh)
         if decode_tokens > 1 and decode_s > 0:
             self.tpot_s = _ewma(self.tpot_s, decode_s / (decode_tokens - 1))
         if decode_tokens:
@@ -115,6 +182,7 @@ class Profile:
         return {
             "bytes_per_token": self.bytes_per_token,
             "prefill_tokens_per_s": self.prefill_tps,
+            "prefill_overhead_s": self.overhead_s,
             "time_per_output_token_s": self.tpot_s,
             "output_tokens": self.output_tokens,
             "prefill_samples": self.prefill_samples,
@@ -135,6 +203,9 @@ class Projection:
     # under the budget is exactly the one a slightly slow prefill pushes over it.
     guarded_s: float | None = None
     waiting_s: float = 0.0  # of total_s, the prefill still waiting in the router's queue
+    # The engine's profile vouches for this prompt's size (`Profile.vouches`): the projection
+    # may refuse it. Else it only places it.
+    sure: bool = True
 
 
 class Predictor:
@@ -160,7 +231,14 @@ class Predictor:
         prof = Profile()
         measured = [p for p in self.profiles.values() if p.prefill_tps is not None]
         if measured:
-            for k in ("bytes_per_token", "prefill_tps", "tpot_s", "output_tokens", "correction"):
+            for k in (
+                "bytes_per_token",
+                "prefill_tps",
+                "overhead_s",
+                "tpot_s",
+                "output_tokens",
+                "correction",
+            ):
                 values = [getattr(p, k) for p in measured if getattr(p, k) is not None]
                 if values:
                     setattr(prof, k, statistics.median(values))
@@ -173,11 +251,15 @@ class Predictor:
     _SHARED = (
         "bytes_per_token",
         "prefill_tps",
+        "overhead_s",
+        "largest_alone",
         "tpot_s",
         "output_tokens",
         "prefill_samples",
         "correction",
     )
+
+    _COUNTS = ("prefill_samples", "largest_alone")
 
     def export(self) -> bytes:
         """The learned profiles, for the next leader (bounded: a few numbers an engine)."""
@@ -203,7 +285,7 @@ class Predictor:
             for k in self._SHARED:
                 v = shared.get(k)
                 if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
-                    setattr(prof, k, int(v) if k == "prefill_samples" else float(v))
+                    setattr(prof, k, int(v) if k in self._COUNTS else float(v))
             if prof.prefill_tps is not None:
                 prof.measured_at = now
             taken += 1
@@ -281,10 +363,11 @@ class Predictor:
         if prof.prefill_tps is None:
             return Projection(e, fresh, None, None)
         rate = prof.prefill_tps / prof.correction
-        own = fresh / rate
+        own = prof.prefill_s(fresh, rate)
         waiting = sum(e.queued_tokens[: rank + 1]) / rate
         total = own + e.prefill_tokens / rate + waiting
-        return Projection(e, fresh, own, total, total * self.margin(prof), waiting)
+        sure = prof.vouches(fresh)
+        return Projection(e, fresh, own, total, total * self.margin(prof), waiting, sure)
 
     def judge(
         self,
@@ -325,7 +408,7 @@ class Predictor:
             # history again elsewhere (an engine's worth of capacity, and a longer stall
             # there). While the budget lets it, it waits for a stream at home to end.
             slack = budget_s - (at_home.guarded_s or 0.0)
-            if slack > HOLD_HOME_MIN_S:
+            if slack > HOLD_HOME_MIN * budget_s:
                 raise NoEngineKeepsPace(slack)
         rank = _rank
         if stall is not None:
@@ -350,15 +433,19 @@ class Predictor:
             # stream there ends within seconds, so the prompt waits for one while this
             # engine would still be within budget after the wait.
             holder = min(ranked[:i], key=lambda q: q.tokens)
-            wait = budget_s - (p.guarded_s or 0.0) - HOLD_CACHE_MARGIN_S
-            if p.tokens - holder.tokens >= HOLD_CACHE_TOKENS and wait > HOLD_HOME_MIN_S:
+            wait = budget_s - (p.guarded_s or 0.0) - HOLD_CACHE_MARGIN * budget_s
+            again_s = (p.own_s or 0.0) - (holder.own_s or 0.0)  # prefilling it here again
+            if again_s >= HOLD_CACHE_PREFILL * budget_s and wait > HOLD_HOME_MIN * budget_s:
                 raise NoEngineKeepsPace(wait)
         return p
 
 
 def _within_budget(ps: list[Projection], budget_s: float, share: float = 1.0) -> list[Projection]:
-    """The projections within the TTFT budget, or the spec's 429 when there are none."""
-    if min(p.own_s or 0.0 for p in ps) > budget_s / share:
+    """The projections within the TTFT budget, or the spec's 429 when there are none. An
+    engine whose profile does not vouch for the prompt's size fits while what is ahead of
+    the prompt there does: it is admitted to, and learns, rather than refusing on a guess."""
+    unsure = [p for p in ps if not p.sure]
+    if not unsure and min(p.own_s or 0.0 for p in ps) > budget_s / share:
         fastest = min(ps, key=lambda p: p.own_s or 0.0)
         raise ApiError(
             429,
@@ -369,6 +456,8 @@ def _within_budget(ps: list[Projection], budget_s: float, share: float = 1.0) ->
             code="prompt_exceeds_ttft_budget",
         )
     fit = [p for p in ps if (p.guarded_s or 0.0) <= budget_s]
+    if not fit and unsure:
+        fit = [p for p in unsure if _ahead_s(p) <= budget_s]
     if not fit:
         best = min(ps, key=_rank)
         assert best.guarded_s is not None
@@ -392,15 +481,18 @@ def _within_budget(ps: list[Projection], budget_s: float, share: float = 1.0) ->
     return fit
 
 
+# All three are shares of the TTFT budget: a wait worth taking at a 10 s budget is not at a
+# 1 s one. (First set in seconds at a 5 s budget, 0.05 s, 0.1 s (1,024 tokens at 10k
+# tokens/s) and 1 s: the same at that budget.)
 # A conversation whose engine would be left less than this of its TTFT budget moves on.
-HOLD_HOME_MIN_S = 0.05
-# A prompt waits for the engine that holds this many more of its tokens in cache than the
-# engine it would take instead (a shared system prompt or a history, not a few words), while
-# the engine it would take still leaves this much of the budget after the wait. On the
-# production trace at 1x (bench/README.md, "Fleet"): hit rate 42.8 % -> 44.2 %, goodput
-# unchanged.
-HOLD_CACHE_TOKENS = 1024
-HOLD_CACHE_MARGIN_S = 1.0
+HOLD_HOME_MIN = 0.01
+# A prompt waits for the engine that holds enough more of it in cache than the engine it
+# would take instead that prefilling the difference there takes this share of the budget (a
+# shared system prompt or a history, not a few words), while the engine it would take still
+# leaves HOLD_CACHE_MARGIN of the budget after the wait. On the production trace at 1x
+# (bench/README.md, "Fleet"): hit rate 42.8 % -> 44.2 %, goodput unchanged.
+HOLD_CACHE_PREFILL = 0.02
+HOLD_CACHE_MARGIN = 0.2
 
 
 class NoEngineKeepsPace(Exception):
@@ -420,6 +512,13 @@ class NoEngineKeepsPace(Exception):
             code="tpot_target_exceeded",
             headers={"retry-after": "1"},
         )
+
+
+def _ahead_s(p: Projection) -> float:
+    """What a projection has ahead of the prompt's own prefill, widened as the projection."""
+    if p.total_s is None or p.guarded_s is None or not p.total_s:
+        return 0.0
+    return (p.total_s - (p.own_s or 0.0)) * p.guarded_s / p.total_s
 
 
 def _rank(p: Projection) -> tuple[float, int]:

@@ -27,8 +27,7 @@ from narwhal.router.policies.predictive import PredictivePolicy
 from narwhal.router.predict import Predictor
 from narwhal.router.profiling import Profiler
 from narwhal.router.relay.relayer import Relayer
-from narwhal.router.tenants.registry import auth_problem
-from narwhal.router.tenants.reserve import CriticalReserve
+from narwhal.router.tenants.registry import Tenants, auth_problem
 
 log = logging.getLogger("narwhal.fleet")
 
@@ -129,7 +128,7 @@ def settle(
     membership: Membership,
     relayer: Relayer,
     policy: Policy,
-    reserve: CriticalReserve,
+    tenants: Tenants,
     predictor: Predictor | None = None,
     profiler: Profiler | None = None,
 ) -> None:
@@ -141,7 +140,8 @@ def settle(
     pool.eject_after = new.eject_after
     membership.drain_timeout_s = new.drain_timeout_s
     relayer.idle_s = new.stream_idle_timeout_s
-    reserve.configure(new.critical_reserve)
+    tenants.reserve.configure(new.critical_reserve, new.ttft_budget_s)
+    tenants.shares.budget_s = new.ttft_budget_s
     pool.probe_interval_s, pool.probe_timeout_s = new.health_interval_s, new.health_timeout_s
     if isinstance(policy, PredictivePolicy):
         policy.tpot_target_s = new.tpot_target_s

@@ -20,6 +20,7 @@ from narwhal.router.engines import Engine
 from narwhal.router.lease import Events, Lease
 from narwhal.router.pipeline.intake import Intake
 from narwhal.router.policies import Plan
+from narwhal.router.policies.lengths import Lengths
 from narwhal.router.policies.prefix_cache import Expectation, PrefixCache
 from narwhal.router.policies.sessions import Sessions
 from narwhal.router.policies.tpot import Charge, Streams
@@ -60,6 +61,7 @@ class PredictivePolicy:
         self.cache = cache
         self.tpot_target_s = tpot_target_s
         self.sessions = sessions or Sessions()
+        self.lengths = Lengths()
         self.streams = {e.name: Streams(len(CLASSES)) for e in engines}
         # Placed requests, until released: their stream's entry in the ledger (None for an
         # answer of one token) and their prompt's charge.
@@ -190,7 +192,8 @@ class PredictivePolicy:
         rate = self._rate(engine.name) if prof is not None else None
         if prof is None or rate is None:
             return None
-        due = (engine.prefill_tokens + lease.tokens) / rate * self.predictor.margin(prof)
+        due = prof.prefill_s(engine.prefill_tokens + lease.tokens, rate)
+        due *= self.predictor.margin(prof)
         late = now + due - lease.ttft_by
         return late if late > 0 else None
 
@@ -224,17 +227,23 @@ class PredictivePolicy:
             if charge is not None:
                 charge.settle()
             charge = ledger.charge(lease.tokens / rate)
-        # What the stream will run to: its max_tokens, unless answers here typically stop
-        # sooner (a stall weighs more on a short stream than on a long one).
-        # With neither known, two tokens: its allowance then comes from its decoding.
-        n = lease.intake.max_tokens
-        if prof.output_tokens is not None:
+        # What the stream is held to run to: a low quantile of how long its tenant's answers
+        # run (`lengths`), its max_tokens at most; before the router has seen enough
+        # answers, what this engine's typically ran to. With nothing known, two tokens: its
+        # allowance then comes from its decoding.
+        cap = lease.intake.max_tokens
+        lengths = self.lengths.of(lease.intake.tenant)
+        n = cap
+        if lengths is not None:
+            n = lengths.at_least(2) if cap is None else min(cap, lengths.at_least(2))
+        elif prof.output_tokens is not None:
             typical = max(2, round(prof.output_tokens))
             n = typical if n is None else min(n, typical)
         entry = None
         if n is None or n > 1:
             aim = TPOT_AIM * self.tpot_target_s
-            entry = ledger.joined(aim, self._tau0(name, aim), n or 2, lease.intake.rank)
+            tau0 = self._tau0(name, aim)
+            entry = ledger.joined(aim, tau0, n or 2, lease.intake.rank, lengths, cap)
         self._entries[lease] = (entry, charge)
 
     def _tau0(self, name: str, aim: float) -> float:
@@ -272,6 +281,7 @@ class PredictivePolicy:
             ledger.decoding(entry, lease.measured.first_at, lease.measured.tally)
 
     def _finished(self, lease: Lease) -> None:
+        self.lengths.observe(lease.intake.tenant, lease.measured.output_tokens)
         if self.cache is not None:
             self._reported(lease)
 

@@ -46,7 +46,10 @@ import heapq
 import itertools
 import statistics
 from collections import deque
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from narwhal.router.policies.lengths import Histogram
 
 # Clean samples kept for the median.
 SAMPLES = 7
@@ -152,12 +155,21 @@ class Streams:
         self.pending_s += stall_s
         return Charge(self, stall_s)
 
-    def joined(self, aim_s: float, tau0_s: float, n: int, rank: int = 0) -> int:
+    def joined(
+        self,
+        aim_s: float,
+        tau0_s: float,
+        n: int,
+        rank: int = 0,
+        lengths: Histogram | None = None,
+        cap: int | None = None,
+    ) -> int:
         """A stream of `rank` held to `aim_s` a token, expected to run to `n` tokens on
-        steps of `tau0_s`, joins the ledger (after its own prompt was charged). Returns its
-        entry."""
+        steps of `tau0_s`, joins the ledger (after its own prompt was charged); once past
+        `n`, to what `lengths` says answers that got as far run to (`cap` at most: its
+        `max_tokens`), else to the token it is at. Returns its entry."""
         entry = next(self._order)
-        stream = _Stream(self.charged_s, aim_s, tau0_s, n, rank)
+        stream = _Stream(self.charged_s, aim_s, tau0_s, n, rank, lengths, cap)
         self._live[entry] = stream
         heapq.heappush(self._heaps[rank][0], (stream.joined + stream.allowance, entry))
         return entry
@@ -195,11 +207,34 @@ class Streams:
 
 
 class _Stream:
-    __slots__ = ("aim", "allowance", "joined", "n", "rank", "since", "slope", "tally", "tau0")
+    __slots__ = (
+        "aim",
+        "allowance",
+        "cap",
+        "joined",
+        "lengths",
+        "n",
+        "rank",
+        "since",
+        "slope",
+        "tally",
+        "tau0",
+    )
 
-    def __init__(self, joined: float, aim: float, tau0: float, n: int, rank: int) -> None:
+    def __init__(
+        self,
+        joined: float,
+        aim: float,
+        tau0: float,
+        n: int,
+        rank: int,
+        lengths: Histogram | None = None,
+        cap: int | None = None,
+    ) -> None:
         self.joined = joined  # the engine's charge when the stream joined
         self.rank = rank
+        self.lengths = lengths
+        self.cap = cap
         self.aim = aim
         self.tau0 = tau0
         self.n = n
@@ -215,13 +250,23 @@ class _Stream:
         if self.tally is not None:
             assert self.since is not None
             k = self.tally.counted
-            n = max(self.n, k)
+            n = self.reaches(k)
             return self.aim * (n - 1) + self.since - self.tau0 * (n - k)
         if self.since is None:
             return self.joined + self.allowance
         waited = charged - self.joined  # the most it can have waited on prefill
         grown = self.slope * (now - self.since - waited)
         return self.joined + max(self.allowance, grown)
+
+    def reaches(self, k: int) -> int:
+        """The length a stream at its `k`th token is held to: never below `n` or `k`, and
+        growing with `k` (so `floor` stays a lower bound of `value`)."""
+        if k < self.n:
+            return self.n
+        if self.lengths is None:
+            return k
+        n = self.lengths.at_least(k)
+        return max(k, n if self.cap is None else min(n, self.cap))
 
     def floor(self) -> float:
         """`value` with no token counted yet: counting tokens only raises it."""

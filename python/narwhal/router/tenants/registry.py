@@ -23,7 +23,11 @@ from narwhal.router.tenants.shares import Shares
 
 class Tenants:
     def __init__(
-        self, keys: list[TenantKey], metrics: RouterMetrics, critical_reserve: float = 0.0
+        self,
+        keys: list[TenantKey],
+        metrics: RouterMetrics,
+        critical_reserve: float = 0.0,
+        budget_s: float = 5.0,
     ) -> None:
         self.by_name: dict[str, Tenant] = {}
         self.ceiling: dict[str, int] = {}  # the highest class a tenant's requests may take
@@ -33,8 +37,8 @@ class Tenants:
                 self.ceiling[k.tenant] = RANK[k.priority]
         # Lower classes leave critical work room only where a key may send it.
         critical = RANK["critical"] in self.ceiling.values()
-        self.reserve = CriticalReserve(critical_reserve, critical)
-        self.shares = Shares()
+        self.reserve = CriticalReserve(critical_reserve, critical, budget_s)
+        self.shares = Shares(budget_s)
         self._requests = metrics.tenant_requests
         self._tokens = metrics.tenant_tokens
         self._finished = metrics.tenant_finished

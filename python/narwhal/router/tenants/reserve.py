@@ -5,7 +5,9 @@ while critical requests are being refused.
 A fixed reserve fits one critical load. When critical prompts are refused anyway (the
 lower-class prefill queued ahead of them, or the allowance their own streams had left,
 left no room), each such refusal raises the reserve by `STEP`, up to `CEILING`; it decays
-back to the configured share (e-folding `TAU_S`) while none is. Lower classes give way to
+back to the configured share while none is, e-folding in `TAU_BUDGETS` TTFT budgets (a
+router whose budget is 1 s learns and forgets ten times faster than one at 10 s: its
+requests come and go ten times as fast). Lower classes give way to
 critical work while it needs the room, and take it back when it does not.
 """
 
@@ -16,25 +18,27 @@ import time
 
 STEP = 0.1
 CEILING = 0.8
-TAU_S = 20.0
+TAU_BUDGETS = 4.0
 GONE = 0.001  # an extra share below this is none (and reading the share costs nothing again)
 
 
 class CriticalReserve:
-    def __init__(self, base: float, critical: bool = True) -> None:
+    def __init__(self, base: float, critical: bool = True, budget_s: float = 5.0) -> None:
         self.critical = critical  # a key may send critical work (else nothing is reserved)
         self.base = 0.0  # the configured share; 0: nothing is reserved, ever
-        self.configure(base)
+        self.tau_s = TAU_BUDGETS * budget_s
+        self.configure(base, budget_s)
         self._extra = 0.0
         self._at = 0.0
 
-    def configure(self, base: float) -> None:
-        """The configured share (at start, and on a reload)."""
+    def configure(self, base: float, budget_s: float) -> None:
+        """The configured share and TTFT budget (at start, and on a reload)."""
         self.base = base if self.critical else 0.0
+        self.tau_s = TAU_BUDGETS * budget_s
 
     def _decay(self, now: float) -> None:
         if self._extra and now > self._at:
-            self._extra *= math.exp(-(now - self._at) / TAU_S)
+            self._extra *= math.exp(-(now - self._at) / self.tau_s)
             if self._extra < GONE:
                 self._extra = 0.0
         self._at = now
