@@ -5,7 +5,7 @@
 
 Each line: `timestamp` (ms), `input_length`, `output_length`, `hash_ids` (one id per
 512-token block of the prompt; equal leading ids are a shared prefix), and, ours, an optional
-`session` (a conversation's routing key). Two shapes, ours, with the structure public
+`session` (a conversation's routing key). Four shapes, ours, with the structure public
 traces show (Mooncake's, Azure's LLM inference traces, ShareGPT-style conversations):
 
 - `production`: families of shared system prompts of several lengths (Zipf popularity),
@@ -13,6 +13,11 @@ traces show (Mooncake's, Azure's LLM inference traces, ShareGPT-style conversati
   continue a conversation; long-tailed outputs; Poisson arrivals with bursts.
 - `chat`: multi-turn sessions that extend their own history (each turn = the last turn's
   prompt + its answer + a new question), over a few shared system prompts.
+- `longtail` (added for the fair protocol, never tuned on): short prompts and long,
+  heavy-tailed answers (lognormal, median 350 tokens, sigma 1.3, up to 8,000).
+- `mixed` (the same): RAG questions (long unique contexts, short answers), agent loops
+  (sessions growing by tool results over a shared tools prompt, short steps) and chats with
+  long answers, arriving on and off (bursts at 2.5x the mean rate, lulls at a third).
 
 Arrivals are paced so that 1x is the fleet's capacity: the rate at which `--engines`
 simulated engines (bench/fleet/gpu.py's cost model) would be busy all the time if each
@@ -176,7 +181,61 @@ def chat(n: int, rng: random.Random) -> Iterator[tuple[list[int], int, int, str 
         yield hist, tokens, out_len, key
 
 
-SHAPES = {"production": production, "chat": chat}
+def longtail(n: int, rng: random.Random) -> Iterator[tuple[list[int], int, int, str | None]]:
+    """Short prompts, long heavy-tailed answers (assistants asked to write: stories, code,
+    reports): one shared system prompt of a block, a short unique question, and an answer
+    whose length spans two orders of magnitude."""
+    ids = _Ids()
+    system = ids.take(1)
+    for _ in range(n):
+        question = _lognormal(rng, 150, 0.8, 8, 3000)
+        out_len = _lognormal(rng, 350, 1.3, 4, 8000)
+        yield system + ids.take(_blocks(question)), BLOCK + question, out_len, None
+
+
+def mixed(n: int, rng: random.Random) -> Iterator[tuple[list[int], int, int, str | None]]:
+    """A product's mix: retrieval-augmented questions (a long unique context of retrieved
+    documents, a short answer), agent loops (a session that grows by tool results, a short
+    step each), and chats with long answers; arrivals come on and off (`ONOFF`)."""
+    ids = _Ids()
+    tools = ids.take(4)  # the agents' shared tool-definitions prompt
+    chat_system = ids.take(2)
+    agents: list[tuple[str, list[int], int]] = []
+    started = 0
+    for _ in range(n):
+        kind = rng.random()
+        if kind < 0.35:  # RAG
+            docs = _lognormal(rng, 6000, 0.6, 1000, 30_000)
+            yield ids.take(_blocks(docs)), docs, _lognormal(rng, 120, 0.7, 8, 1000), None
+        elif kind < 0.75:  # an agent's next step, or a new agent
+            if agents and rng.random() < 0.85:
+                i = rng.randrange(len(agents))
+                key, hist, tokens = agents[i]
+                hist = hist + ids.take(_blocks(_lognormal(rng, 800, 0.9, 50, 8000)))
+                tokens = len(hist) * BLOCK - rng.randrange(BLOCK)
+                if tokens > 50_000 or rng.random() < 0.08:
+                    agents.pop(i)
+                else:
+                    agents[i] = (key, hist, tokens)
+            else:
+                started += 1
+                key = f"a{started}"
+                hist = tools + ids.take(_blocks(_lognormal(rng, 400, 0.8, 16, 4000)))
+                tokens = len(hist) * BLOCK - rng.randrange(BLOCK)
+                agents.append((key, hist, tokens))
+                if len(agents) > 48:
+                    agents.pop(0)
+            yield hist, tokens, _lognormal(rng, 60, 0.8, 4, 600), key
+        else:  # a chat turn with a long answer
+            q = _lognormal(rng, 300, 1.0, 16, 6000)
+            hist = chat_system + ids.take(_blocks(q))
+            yield hist, 2 * BLOCK + q, _lognormal(rng, 700, 0.8, 32, 6000), None
+
+
+SHAPES = {"production": production, "chat": chat, "longtail": longtail, "mixed": mixed}
+# Shapes whose arrivals come on and off (bursts of a few seconds at 2.5x the mean rate,
+# lulls at a third of it) rather than Poisson with rare bursts.
+ONOFF = {"mixed"}
 
 
 def engine_seconds(reqs: list[tuple[list[int], int, int, str | None]], model: GpuModel) -> float:
@@ -204,11 +263,18 @@ def generate(shape: str, n: int, engines: int, seed: int, model: GpuModel) -> li
     out = []
     t = 0.0
     burst_until = -1.0
+    on, switch_at = True, rng.expovariate(1 / 8)
     for hist, tokens, out_len, key in reqs:
-        if rng.random() < 0.01:  # a burst: a few seconds at three times the rate
-            burst_until = t + rng.uniform(2, 6)
-        r = rate * (3 if t < burst_until else 1)
-        t += rng.expovariate(r) * (1 if t < burst_until else 1.5)
+        if shape in ONOFF:
+            t += rng.expovariate(rate * (2.5 if on else 0.33))
+            while t >= switch_at:
+                on = not on
+                switch_at += rng.expovariate(1 / (8 if on else 12))
+        else:
+            if rng.random() < 0.01:  # a burst: a few seconds at three times the rate
+                burst_until = t + rng.uniform(2, 6)
+            r = rate * (3 if t < burst_until else 1)
+            t += rng.expovariate(r) * (1 if t < burst_until else 1.5)
         out.append(Request(t * 1000, tokens, out_len, hist, key))
     # Rescale so the mean rate is exactly `rate` (bursts and pauses keep their shape).
     span = out[-1].timestamp_ms / 1000
