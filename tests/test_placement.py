@@ -665,3 +665,28 @@ def test_a_generous_max_tokens_does_not_hide_that_most_answers_are_short() -> No
         f.judge(long)
     tally.counted = 200  # past the short answers: this one runs as the long ones do
     assert f.judge(long).prefer is f.engines[0]
+
+
+def test_late_first_tokens_widen_every_projection_until_lateness_is_rare() -> None:
+    """What the projection misses at the edge of the budget, where a full fleet places what
+    it admits, is learned from the first tokens that came late: a request projected just
+    within its budget is refused while they do, and fits again once they have stopped."""
+    f = Fleet(n=1)
+    edge = request(words("q", 4080))  # 4.9 s of prefill: within the 5 s budget, only just
+    assert f.judge(edge).prefer is f.engines[0]
+
+    def served(i: int, late: bool) -> None:
+        lease = f.open(request(words(f"r{i}-", 10)), on="e0")
+        lease.ttft_by = time.monotonic() + (-1.0 if late else 60.0)
+        lease.first_output()
+        lease.finished(5)
+        lease.release()
+
+    for i in range(5):
+        served(i, late=True)
+    with pytest.raises(ApiError) as refused:
+        f.judge(edge)
+    assert refused.value.code == "ttft_budget_exceeded"
+    for i in range(1000):  # none late since: one in two hundred is what it aims at
+        served(i, late=False)
+    assert f.judge(edge).prefer is f.engines[0]

@@ -76,3 +76,20 @@ def test_the_prefill_fit_separates_a_fixed_cost_from_the_rate() -> None:
     assert prof.prefill_tps == pytest.approx(2000, rel=0.01)
     assert prof.overhead_s == pytest.approx(0.1, rel=0.01)
     assert prof.vouches(8000) and not prof.vouches(8001)  # four times the largest measured
+
+
+def test_the_prefill_fit_learns_that_long_prompts_read_slower() -> None:
+    """Attention: each token attends to the context before it, so the rate falls as the
+    context grows (the simulator's H200 curve: 10k tokens/s at none, a half at 12k)."""
+    from narwhal.router.predict import Profile
+
+    def h200(fresh: int, cached: int = 0) -> float:
+        prompt = cached + fresh
+        return 0.02 + (fresh + (prompt**2 - cached**2) / 24_000) / 10_000
+
+    prof = Profile()
+    for fresh in (500, 4000, 1000, 12_000, 2000, 8000, 300, 16_000):
+        prof.observe(fresh * 4, fresh, h200(fresh), True, 0, 0.0)
+    for fresh, cached in ((20_000, 0), (2000, 0), (1000, 15_000)):
+        # What it projects for a prompt (its cached part's context included) is the curve's.
+        assert prof.prefill_s(fresh, fresh + cached) == pytest.approx(h200(fresh, cached), rel=0.02)

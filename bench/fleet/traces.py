@@ -14,7 +14,7 @@ traces show (Mooncake's, Azure's LLM inference traces, ShareGPT-style conversati
 - `chat`: multi-turn sessions that extend their own history (each turn = the last turn's
   prompt + its answer + a new question), over a few shared system prompts.
 - `longtail` (added for the fair protocol, never tuned on): short prompts and long,
-  heavy-tailed answers (lognormal, median 350 tokens, sigma 1.3, up to 8,000).
+  heavy-tailed answers (lognormal, median 300 tokens, sigma 1.1, up to 3,000).
 - `mixed` (the same): RAG questions (long unique contexts, short answers), agent loops
   (sessions growing by tool results over a shared tools prompt, short steps) and chats with
   long answers, arriving on and off (bursts at 2.5x the mean rate, lulls at a third).
@@ -189,7 +189,7 @@ def longtail(n: int, rng: random.Random) -> Iterator[tuple[list[int], int, int, 
     system = ids.take(1)
     for _ in range(n):
         question = _lognormal(rng, 150, 0.8, 8, 3000)
-        out_len = _lognormal(rng, 350, 1.3, 4, 8000)
+        out_len = _lognormal(rng, 300, 1.1, 4, 3000)
         yield system + ids.take(_blocks(question)), BLOCK + question, out_len, None
 
 

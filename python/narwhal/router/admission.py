@@ -193,17 +193,20 @@ class Admission:
         e = lease.prefer
         if e is not None and lease.tokens:
             e.queued_tokens[lease.intake.rank] += lease.tokens
+            e.queued_sq[lease.intake.rank] += lease.tokens * lease.tokens
             lease.queued_on = e
 
     def _unqueue(self, lease: Lease) -> None:
         e, lease.queued_on = lease.queued_on, None
         if e is not None:
             e.queued_tokens[lease.intake.rank] -= lease.tokens
+            e.queued_sq[lease.intake.rank] -= lease.tokens * lease.tokens
 
     def _take(self, lease: Lease, e: Engine) -> None:
         """The one place a seat is taken."""
         e.prefill += 1
         e.prefill_tokens += lease.tokens
+        e.prefill_sq += lease.tokens * lease.tokens
         e.seated += 1
         lease.engine = e
         lease.alone = e.prefill == 1
@@ -216,6 +219,7 @@ class Admission:
         e = lease.on
         e.prefill -= 1
         e.prefill_tokens -= lease.tokens
+        e.prefill_sq -= lease.tokens * lease.tokens
         e.decode += 1
         # A prompt placed after it shared its prefill's steps: its TTFT is not its own.
         lease.alone = lease.alone and e.seated == lease.seat_no
@@ -228,6 +232,7 @@ class Admission:
         if lease.phase is Phase.PREFILL:
             e.prefill -= 1
             e.prefill_tokens -= lease.tokens
+            e.prefill_sq -= lease.tokens * lease.tokens
         elif lease.phase is Phase.DECODE:
             e.decode -= 1
         lease.phase = Phase.DONE

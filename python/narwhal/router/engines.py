@@ -38,11 +38,13 @@ class Engine:
     prefill: int = 0  # placed requests before their first token
     decode: int = 0  # requests streaming tokens
     prefill_tokens: int = 0  # sized prompt tokens of the requests in prefill
+    prefill_sq: int = 0  # the sum of their squares (attention's cost grows with it)
     seated: int = 0  # seats ever taken here: a prefill that saw it unchanged ran alone
     # Sized prompt tokens of requests waiting in the router's queue for a seat here, by
     # class (critical, standard, sheddable): the prefill ahead of a new request of that
     # class or a lower one. Written by Admission alone, as the seats are.
     queued_tokens: list[int] = field(default_factory=lambda: [0, 0, 0])
+    queued_sq: list[int] = field(default_factory=lambda: [0, 0, 0])  # their squares' sums
     strikes: int = 0  # request faults in a row (reset by a full answer or a probe's return)
     managed: ManagedEngine | None = None  # the process behind it, when the router runs it
     api_key: str | None = field(default=None, repr=False)  # sent upstream; never shown

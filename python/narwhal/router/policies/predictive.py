@@ -141,9 +141,9 @@ class PredictivePolicy:
             # Charged now, not once placed: requests woken together by a stream's end are
             # judged one after another before any is placed, and each would otherwise count
             # on the headroom the others take.
-            rate = self._rate(proj.engine.name)
-            if rate is not None:
-                charge = self.streams[proj.engine.name].charge(proj.tokens / rate)
+            stall = self._stall_s(proj)
+            if stall is not None:
+                charge = self.streams[proj.engine.name].charge(stall)
         return Plan(
             proj.engine,
             proj.tokens,
@@ -167,12 +167,11 @@ class PredictivePolicy:
         higher one within the TPOT target: a request of a lower class with `1 - share` of
         the allowance to spare, and `reserve_s` more in critical streams' allowance. Lower
         classes' streams are the higher ones' to spend."""
-        rate = self._rate(p.engine.name)
-        if rate is None:
+        stall = self._stall_s(p)
+        if stall is None:
             return True
         ledger = self.streams[p.engine.name]
         now = time.monotonic()
-        stall = p.tokens / rate
         if not ledger.fits(stall / share, now, rank):
             return False
         return not reserve_s or ledger.fits(stall + reserve_s, now, 0)
@@ -180,8 +179,17 @@ class PredictivePolicy:
     def _stall(self, p: Projection) -> float:
         """Stream-seconds of decode this prompt's prefill holds up on its engine: each
         stream decoding there waits out the prefill's share of every step it shares."""
-        rate = self._rate(p.engine.name)
-        return 0.0 if rate is None else p.tokens / rate * p.engine.decode
+        stall = self._stall_s(p)
+        return 0.0 if stall is None else stall * p.engine.decode
+
+    def _stall_s(self, p: Projection) -> float | None:
+        """How long the projected prompt's prefill holds up each step it shares: its own
+        prefill less the fixed part (a step's weights, which the streams' steps pay anyway);
+        None before the engine's rate is known."""
+        if p.own_s is None:
+            return None
+        prof = self.predictor.profiles.get(p.engine.name)
+        return max(0.0, p.own_s - (prof.overhead_s if prof is not None else 0.0))
 
     def overrun(self, lease: Lease, engine: Engine, now: float) -> float | None:
         """A waiting lease placed on `engine` now: its first token after the prefill seated
@@ -189,11 +197,10 @@ class PredictivePolicy:
         if lease.ttft_by is None:
             return None
         prof = self.predictor.profiles.get(engine.name)
-        rate = self._rate(engine.name) if prof is not None else None
-        if prof is None or rate is None:
+        if prof is None or prof.prefill_tps is None:
             return None
-        due = prof.prefill_s(engine.prefill_tokens + lease.tokens, rate)
-        due *= self.predictor.margin(prof)
+        due = prof.ahead_s(engine.prefill_tokens, engine.prefill_sq) + prof.prefill_s(lease.tokens)
+        due *= self.predictor.margin(prof) * self.predictor.edge
         late = now + due - lease.ttft_by
         return late if late > 0 else None
 
@@ -226,7 +233,7 @@ class PredictivePolicy:
         if charge is None or charge.ledger is not ledger:
             if charge is not None:
                 charge.settle()
-            charge = ledger.charge(lease.tokens / rate)
+            charge = ledger.charge(prof.prefill_s(lease.tokens) - prof.overhead_s)
         # What the stream is held to run to: a low quantile of how long its tenant's answers
         # run (`lengths`), its max_tokens at most; before the router has seen enough
         # answers, what this engine's typically ran to. With nothing known, two tokens: its
