@@ -304,3 +304,32 @@ def test_kv_taken_as_output_grows_preempts_the_last_admitted_and_both_finish() -
     assert gpu.running == [a]
     run_to_end(gpu)
     assert gpu.served == 2 and gpu.preemptions == 0
+
+
+def test_the_verdict_holds_narwhal_to_half_the_best_peers_misses_or_1_5x_its_goodput() -> None:
+    from bench.fleet.verdict import verdict
+
+    def row(door: str, load: float, misses: float, goodput: float) -> dict[str, object]:
+        return {
+            "door": door,
+            "load": load,
+            "misses": misses,
+            "goodput_per_s": goodput,
+            "served_within_slo": 1.0,
+            "ttft_p99_s": 1.0,
+            "offered": 100,
+            "refused_by": {},
+        }
+
+    rows = [
+        row("narwhal-predictive", 1, 0.06, 9.0),
+        row("sglang-cache_aware@defaults", 1, 0.2, 8.0),
+        row("sglang-cache_aware@64", 1, 0.1, 8.5),  # the best peer: 6 % is over half its 10 %
+        row("narwhal-predictive", 4, 0.7, 9.0),
+        row("sglang-cache_aware@64", 4, 0.8, 6.0),  # serves under half: goodput 1.5x holds
+    ]
+    lines = verdict(rows)
+    one = next(x for x in lines if x.startswith("| 1x") and "misses" in x)
+    assert "sglang-cache_aware@64" in one and one.endswith("FAIL |")
+    four = next(x for x in lines if x.startswith("| 4x") and "goodput" in x)
+    assert four.endswith("pass |")
