@@ -9,9 +9,10 @@ and requests are admitted (cold start); until its measurements vouch for a promp
 (`Profile.vouches`), the projection places the request but refuses it for nothing its own
 prefill would take.
 
-The prefill time is affine in the prompt: a fixed overhead (scheduling, the first step's
-weights, the HTTP round trip) plus the tokens at the engine's rate, both fitted to the
-requests that had the engine to themselves. A rate read as tokens / TTFT from short prompts
+A prefill's time is a fixed overhead (scheduling, the first step's weights, the HTTP round
+trip), plus the fresh tokens at the engine's rate, plus attention's part, which grows with
+the square of the context (`PrefillFit`), all fitted to the requests that had the engine to
+themselves. A rate read as tokens / TTFT from short prompts
 is the overhead's, not the model's: extrapolated to a long prompt it projected several
 times the real prefill and refused prompts a fleet served in a fraction of the budget.
 """
@@ -77,8 +78,9 @@ class PrefillFit:
     at no context, 23k at 8k). Fitted in thousands of tokens (the moments stay well within
     a float's range)."""
 
-    # Weighted means of 1, x1 = fresh, x2 = prompt^2 - cached^2, t, and their products.
-    m: list[float] = field(default_factory=lambda: [0.0] * 9)
+    # Weighted means of x1 = fresh, x2 = prompt^2 - cached^2, t, and the products the
+    # normal equations read.
+    m: list[float] = field(default_factory=lambda: [0.0] * 8)
     count: int = 0
 
     def add(self, fresh: int, prompt: int, seconds: float) -> tuple[float, float, float]:
@@ -89,9 +91,9 @@ class PrefillFit:
         x1 = fresh / 1000
         x2 = (prompt * prompt - (prompt - fresh) ** 2) / 1e6
         t = seconds
-        for i, v in enumerate((x1, x2, t, x1 * x1, x1 * x2, x2 * x2, x1 * t, x2 * t, t * t)):
+        for i, v in enumerate((x1, x2, t, x1 * x1, x1 * x2, x2 * x2, x1 * t, x2 * t)):
             self.m[i] += a * (v - self.m[i])
-        m1, m2, mt, m11, m12, m22, m1t, m2t, _ = self.m
+        m1, m2, mt, m11, m12, m22, m1t, m2t = self.m
         v11, v12, v22 = m11 - m1 * m1, m12 - m1 * m2, m22 - m2 * m2
         c1t, c2t = m1t - m1 * mt, m2t - m2 * mt
         if v11 > (FIT_MIN_SPREAD * m1) ** 2:
@@ -111,7 +113,6 @@ class PrefillFit:
         # A convex curve fitted by a line has a negative overhead; sizes that do not spread
         # say nothing of a slope: the secant through the mean then.
         return 1000 * m1 / mt, 0.0, 0.0
-        return self.n / self.t, 0.0
 
 
 @dataclass
