@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.support import Server, free_port, start_router
+from tests.support import Server, free_port, start_router, start_test_engine
 from tests.support import chat as support_chat
 
 pytestmark = pytest.mark.slow
@@ -87,15 +87,7 @@ def test_a_fresh_router_admits_what_its_first_short_prompts_cannot_vouch_for(
     """Tokens / TTFT of a short prompt is mostly the engine's fixed cost of a request:
     extrapolated, it made a prompt well within the budget look over it alone, and a fresh
     router refused it."""
-    port = free_port()
-    engine = Server(
-        [
-            *(sys.executable, "-m", "tests.scripted_engine", "--port", str(port)),
-            "--prefill-fixed-ms=100",
-        ],
-        "/health",
-        port,
-    )
+    engine = start_test_engine("tests.scripted_engine", "--prefill-fixed-ms=100")
     r = start_router(
         tmp_path,
         f"""
