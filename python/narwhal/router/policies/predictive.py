@@ -204,10 +204,6 @@ class PredictivePolicy:
         late = now + due - lease.ttft_by
         return late if late > 0 else None
 
-    def _rate(self, name: str) -> float | None:
-        prof = self.predictor.profiles[name]
-        return None if prof.prefill_tps is None else prof.prefill_tps / prof.correction
-
     def placed(self, lease: Lease) -> None:
         plan = lease.plan
         if plan is None:
@@ -221,11 +217,10 @@ class PredictivePolicy:
 
     def _joined(self, lease: Lease, name: str) -> None:
         assert self.tpot_target_s is not None
-        rate = self._rate(name)
-        if rate is None:
+        prof = self.predictor.profiles[name]
+        if prof.prefill_tps is None:
             return
         ledger = self.streams[name]
-        prof = self.predictor.profiles[name]
         # Charged when judged if it went where it was judged for; else charged here, and
         # the judged engine's pending prefill is let go (what it was charged stays: a little
         # caution, never too little).
