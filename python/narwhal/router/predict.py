@@ -224,6 +224,12 @@ class Profile:
             "time_per_output_token_s": self.tpot_s,
             "output_tokens": self.output_tokens,
             "prefill_samples": self.prefill_samples,
+            # Prompts (fresh tokens) up to this size may be refused for their own prefill.
+            "vouched_up_to_tokens": (
+                VOUCH_EXTRAPOLATION * self.largest_alone
+                if self.prefill_samples >= VOUCH_SAMPLES
+                else 0
+            ),
             "drift": self.drift,
             "sizing_error": self.sizing_error,
             "correction": self.correction,
