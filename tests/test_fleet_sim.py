@@ -261,6 +261,21 @@ def test_a_client_out_of_patience_leaves_and_counts_as_a_miss(sim: str) -> None:
     assert row["abandoned"] == 1 and row["misses"] == 1.0 and row["served"] == 0
 
 
+def test_an_answer_the_clients_max_tokens_cuts_short_is_served_not_failed(sim: str) -> None:
+    # The trace's answer is longer than the client asks for: the engine stops at the cap,
+    # as every door's engine would, and the client has what it asked for.
+    r = Request(0.0, 40, 30, [321])
+    out = Outcome()
+
+    async def go() -> None:
+        async with aiohttp.ClientSession() as s:
+            await one(s, sim, r, 0.05, 600, out, Client(True, 12, patience_s=100.0))
+
+    asyncio.run(go())
+    assert out.tokens == 12 and not out.failed
+    assert Result("d", 1.0, [out]).summary(5.0, 1.0, 1.0)["served"] == 1
+
+
 def test_prefill_slows_with_the_context_as_the_calibration_measured() -> None:
     flat = GpuModel(prefill_tps=38_000)
     h200 = GpuModel(prefill_tps=38_000, prefill_half_context=12_000)

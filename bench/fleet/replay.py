@@ -265,8 +265,8 @@ async def _one(
         out.failed = True
         out.code = type(exc).__name__  # in the dump: a reset, say, or a timeout
         return
-    if out.tokens < r.output_length:
-        out.failed = True
+    if out.tokens < min(r.output_length, body["max_tokens"]):
+        out.failed = True  # cut short; an answer longer than the client asked for ends at it
     if first:
         out.ttft_s = (first - sent) / scale
         if out.tokens > 1:
