@@ -195,6 +195,15 @@ def test_equal_hash_ids_are_equal_text_and_the_rate_is_the_fleet_s_capacity() ->
     assert [r.line() for r in again] == [r.line() for r in reqs]  # a seed is one trace
 
 
+def test_every_prompt_has_the_same_bytes_a_token_whatever_its_block_ids() -> None:
+    # A door that sizes prompts by their bytes (as Narwhal does, with no tokenizer) learns
+    # one bytes-per-token from the warm-up's prompts (ids near 10**9) and applies it to the
+    # trace's (ids from 1): text whose bytes a token grew with the ids was sized at half.
+    small = prompt_text(Request(0, 700, 10, [1, 2]))
+    large = prompt_text(Request(0, 700, 10, [10**9, 10**9 + 1]))
+    assert len(small) == len(large)
+
+
 def test_the_placement_cost_bench_judges_a_paced_fleet() -> None:
     # bench/README.md's placement figures come from this; it drives the ledger's own API.
     from bench.fleet.placement_cost import judge_us

@@ -78,6 +78,35 @@ def test_the_prefill_fit_separates_a_fixed_cost_from_the_rate() -> None:
     assert prof.vouches(8000) and not prof.vouches(8001)  # four times the largest measured
 
 
+def test_the_probes_text_sizes_prompts_only_until_a_clients_prompt_is_measured() -> None:
+    from narwhal.router.predict import Profile
+
+    prof = Profile()
+    prof.observe(6 * 250, 250, 0.05, True, 0, 0.0, probe=True)  # prose: 6 bytes a token
+    assert prof.bytes_per_token == pytest.approx(6.0)
+    prof.observe(12 * 3000, 3000, 0.6, True, 0, 0.0)  # what clients send: 12
+    assert prof.bytes_per_token == pytest.approx(12.0)
+    prof.observe(6 * 250, 250, 0.05, True, 0, 0.0, probe=True)
+    assert prof.bytes_per_token == pytest.approx(12.0)
+    assert prof.prefill_samples == 3  # its timing still counts
+
+
+def test_a_few_noisy_prompts_do_not_swing_the_fit() -> None:
+    """Three parameters fitted to four prompts of a noisy engine fit its noise: the bench
+    saw a 15k-token prompt projected at 15 s, then 3 s, then 1 s, one prompt apart."""
+    from narwhal.router.predict import Profile
+
+    def truth(tokens: int) -> float:
+        return 0.02 + tokens / 5000
+
+    prof = Profile()
+    noise = (1.0, 0.93, 1.1, 1.12, 0.96, 1.05, 0.94, 1.09, 0.97, 1.03)
+    sizes = (600, 1000, 1400, 1000, 1536, 1000, 1536, 1000, 600, 1400)
+    for tokens, k in zip(sizes, noise, strict=True):
+        prof.observe(tokens * 4, tokens, truth(tokens) * k, True, 0, 0.0)
+        assert 0.8 < prof.prefill_s(15_000) / truth(15_000) < 1.25
+
+
 def test_the_prefill_fit_learns_that_long_prompts_read_slower() -> None:
     """Attention: each token attends to the context before it, so the rate falls as the
     context grows (the simulator's H200 curve: 10k tokens/s at none, a half at 12k)."""

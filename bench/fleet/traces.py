@@ -83,12 +83,14 @@ def read(path: Path) -> list[Request]:
 
 def prompt_text(r: Request) -> str:
     """The prompt: each block id becomes 512 words that only that id makes (a partial last
-    block the first words of it), so equal ids are equal text, word for word."""
+    block the first words of it), so equal ids are equal text, word for word. Every word
+    has the same width, as a tokenizer's tokens have about the same bytes on one kind of
+    text: a door that sizes prompts by their bytes sizes them all alike."""
     words = []
     left = r.input_length
     for h in r.hash_ids:
         n = min(BLOCK, left)
-        words.append(" ".join(f"{h:x}.{j:x}" for j in range(n)))
+        words.append(" ".join(f"{h:08x}{j:03x}" for j in range(n)))
         left -= n
         if left <= 0:
             break

@@ -119,6 +119,7 @@ class Lease:
         "plan",
         "predicted_s",
         "prefer",
+        "probe",
         "queued_on",
         "seat_no",
         "tokens",
@@ -163,6 +164,7 @@ class Lease:
         self.seat_no = 0  # the engine's `seated` count when it took its seat
         self.fence: int | None = None  # the leader's fencing token it was placed under
         self.plan: Plan | None = None  # what the policy decided before placement
+        self.probe = False  # the router's own profiling probe, not a client's request
         self.measured = Measured()
 
     @property

@@ -59,6 +59,13 @@ FIT_ALPHA = 0.1
 # The fit's slope is read only where the prompts it saw differ in size (their coefficient of
 # variation at least this); else tokens / time through the mean, with no overhead.
 FIT_MIN_SPREAD = 0.2
+# A term beyond tokens / rate is kept only once this many prompts were measured and the
+# term stands out of their noise (FIT_SIGNIFICANCE standard errors): with a few noisy
+# samples, three parameters fit the noise, and the rate swung 4x from one prompt to the
+# next (bench: a 15k-token prompt projected at 15 s, then 3 s, then 1 s).
+FIT_LINE_SAMPLES = 4
+FIT_CURVE_SAMPLES = 6
+FIT_SIGNIFICANCE = 2.0
 # A profile vouches for prompts up to this many times the largest it measured alone, once it
 # has this many such measurements: refusing a prompt for its own length needs both.
 VOUCH_SAMPLES = 3
@@ -79,8 +86,8 @@ class PrefillFit:
     a float's range)."""
 
     # Weighted means of x1 = fresh, x2 = prompt^2 - cached^2, t, and the products the
-    # normal equations read.
-    m: list[float] = field(default_factory=lambda: [0.0] * 8)
+    # normal equations (and the residuals' variance) read.
+    m: list[float] = field(default_factory=lambda: [0.0] * 9)
     count: int = 0
 
     def add(self, fresh: int, prompt: int, seconds: float) -> tuple[float, float, float]:
@@ -91,27 +98,38 @@ class PrefillFit:
         x1 = fresh / 1000
         x2 = (prompt * prompt - (prompt - fresh) ** 2) / 1e6
         t = seconds
-        for i, v in enumerate((x1, x2, t, x1 * x1, x1 * x2, x2 * x2, x1 * t, x2 * t)):
+        for i, v in enumerate((x1, x2, t, x1 * x1, x1 * x2, x2 * x2, x1 * t, x2 * t, t * t)):
             self.m[i] += a * (v - self.m[i])
-        m1, m2, mt, m11, m12, m22, m1t, m2t = self.m
+        return self.fit()
+
+    def fit(self) -> tuple[float, float, float]:
+        m1, m2, mt, m11, m12, m22, m1t, m2t, mtt = self.m
         v11, v12, v22 = m11 - m1 * m1, m12 - m1 * m2, m22 - m2 * m2
-        c1t, c2t = m1t - m1 * mt, m2t - m2 * mt
+        c1t, c2t, vtt = m1t - m1 * mt, m2t - m2 * mt, mtt - mt * mt
+        # The samples the weights amount to: all of them at first, about 2 / FIT_ALPHA later.
+        n = min(float(self.count), (2 - FIT_ALPHA) / FIT_ALPHA)
         if v11 > (FIT_MIN_SPREAD * m1) ** 2:
-            # Both slopes where x1 and x2 are told apart (prompts of several sizes), and
-            # the curve is a cost's: never negative, never falling.
             det = v11 * v22 - v12 * v12
-            if det > 1e-6 * v11 * v22:
+            if self.count >= FIT_CURVE_SAMPLES and det > 1e-6 * v11 * v22:
+                # Both slopes where x1 and x2 are told apart (prompts of several sizes), and
+                # the curve is a cost's: never negative, never falling.
                 b = (c1t * v22 - c2t * v12) / det
                 c = (c2t * v11 - c1t * v12) / det
                 overhead = mt - b * m1 - c * m2
-                if b > 0 and c >= 0 and overhead >= 0:
+                noise = max(0.0, vtt - b * c1t - c * c2t) * n / (n - 3)
+                se_c = math.sqrt(noise * v11 / (n * det))
+                if b > 0 and overhead >= 0 and c > FIT_SIGNIFICANCE * se_c:
                     return 1000 / b, overhead, c / 1e6
-            b = c1t / v11
-            overhead = mt - b * m1
-            if b > 0 and overhead >= 0:
-                return 1000 / b, overhead, 0.0
+            if self.count >= FIT_LINE_SAMPLES:
+                b = c1t / v11
+                overhead = mt - b * m1
+                noise = max(0.0, vtt - b * c1t) * n / (n - 2)
+                se_overhead = math.sqrt(noise * (1 + m1 * m1 / v11) / n)
+                if b > 0 and overhead > FIT_SIGNIFICANCE * se_overhead:
+                    return 1000 / b, overhead, 0.0
         # A convex curve fitted by a line has a negative overhead; sizes that do not spread
-        # say nothing of a slope: the secant through the mean then.
+        # say nothing of a slope, and a few noisy ones not enough: the secant through the
+        # mean then (an overhead it misses makes long prompts look slower, not faster).
         return 1000 * m1 / mt, 0.0, 0.0
 
 
@@ -122,6 +140,7 @@ class Profile:
     overhead_s: float = 0.0  # a prefill's fixed part, beside its tokens / prefill_tps
     quad_s: float = 0.0  # attention's part: seconds a (prompt^2 - cached^2) token^2
     largest_alone: int = 0  # fresh tokens of the largest prompt measured alone
+    sized_live: bool = False  # bytes_per_token learned from clients' prompts, not probes
     tpot_s: float | None = None
     output_tokens: float | None = None  # output-length learning: typical answer length
     prefill_samples: int = 0
@@ -169,6 +188,7 @@ class Profile:
         predicted_s: float | None = None,
         cached_tokens: int = 0,
         expected_cached: int = 0,
+        probe: bool = False,
     ) -> None:
         # A prompt the engine partly served from its prefix cache prefilled only the rest:
         # its rate counts those tokens. The projection counted the cache it expected; where
@@ -192,18 +212,23 @@ class Profile:
                 self.drift_samples += 1
                 step = math.exp(CORRECTION_GAIN * miss)
                 self.correction = min(4.0, max(0.25, self.correction * step))
-        if prompt_tokens:
+        # The router's own probe is one kind of text (its bytes a token are prose's): it sizes
+        # prompts only until live ones, the text that is sized, have been measured.
+        if prompt_tokens and (not probe or self.bytes_per_token is None):
             if self.bytes_per_token is not None:
                 estimate = prompt_bytes / self.bytes_per_token
                 self.sizing_error = _ewma(
                     self.sizing_error, abs(estimate - prompt_tokens) / prompt_tokens
                 )
-            self.bytes_per_token = _ewma(self.bytes_per_token, prompt_bytes / prompt_tokens)
-            if alone and ttft_s and ttft_s > 0 and fresh:
-                fit = self.fit.add(fresh, prompt_tokens, ttft_s)
-                self.prefill_tps, self.overhead_s, self.quad_s = fit
-                self.prefill_samples += 1
-                self.largest_alone = max(self.largest_alone, fresh)
+            ratio = prompt_bytes / prompt_tokens
+            fresh_start = not probe and not self.sized_live  # the probe's guess replaced
+            self.bytes_per_token = ratio if fresh_start else _ewma(self.bytes_per_token, ratio)
+            self.sized_live = self.sized_live or not probe
+        if prompt_tokens and alone and ttft_s and ttft_s > 0 and fresh:
+            fit = self.fit.add(fresh, prompt_tokens, ttft_s)
+            self.prefill_tps, self.overhead_s, self.quad_s = fit
+            self.prefill_samples += 1
+            self.largest_alone = max(self.largest_alone, fresh)
         if decode_tokens > 1 and decode_s > 0:
             self.tpot_s = _ewma(self.tpot_s, decode_s / (decode_tokens - 1))
         if decode_tokens:
@@ -362,6 +387,7 @@ class Predictor:
             lease.predicted_s,
             cached_tokens=lease.measured.cached_tokens or 0,
             expected_cached=exp.tokens if exp is not None else 0,
+            probe=lease.probe,
         )
 
     def _discard(self, lease: Lease, kind: str, against_engine: str | None) -> None:

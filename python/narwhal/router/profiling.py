@@ -108,6 +108,7 @@ class Profiler:
             if lease is None:
                 return  # live traffic came first: it measures the engine too
             lease.fence = self.leadership.token
+            lease.probe = True
             try:
                 outcome = await self.relayer.run(lease, _discard)
             except EngineFenced as exc:

@@ -161,6 +161,13 @@ class Placer:
             end.tokens = prompt + lease.measured.output_tokens
 
 
+def _expected_cache(lease: Lease) -> int | None:
+    if lease.plan is None or lease.engine is None:
+        return None
+    exp = lease.plan.expected.get(lease.engine.name)
+    return exp.tokens if exp is not None else 0
+
+
 def _note(lease: Lease) -> None:
     """What the access log line says of the engine's part."""
     rec = asgi.current.get()
@@ -173,4 +180,12 @@ def _note(lease: Lease) -> None:
         else None,
         tokens_in=lease.measured.prompt_tokens,
         tokens_out=lease.measured.output_tokens,
+        # What placement promised: the TTFT it projected there and when the first token was
+        # due (from arrival), beside what came (ttfb_ms).
+        projected_ms=round(lease.predicted_s * 1000, 1) if lease.predicted_s else None,
+        own_ms=round(lease.own_s * 1000, 1) if lease.own_s else None,
+        tokens_sized=lease.tokens or None,
+        cached_expected=_expected_cache(lease),
+        tokens_cached=lease.measured.cached_tokens,
+        due_ms=round((lease.ttft_by - lease.arrived) * 1000, 1) if lease.ttft_by else None,
     )
