@@ -129,3 +129,32 @@ def test_a_json_line_stays_one_object_whatever_the_client_put_in_its_path(
     (line,) = access_lines(json_router, "j-2")
     assert line["msg"] == 'GET /x\n{"level":"error"} 404'
     assert not any(x.startswith('{"level":"error"}') for x in json_router.stderr().splitlines())
+
+
+def test_the_line_says_what_placement_projected_beside_what_came(
+    scripted: Server, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    r = start_router(
+        tmp_path_factory.mktemp("p"),
+        "listen: {port: $PORT}\nadmission: predictive\npredictive: {ttft_budget_s: 2.0}\n"
+        f"engines: [{{name: s, url: '{scripted.url}', dialect: lexi}}]\n",
+        True,
+        "--log-format",
+        "json",
+    )
+    try:
+        for _ in range(100):  # the router's probe measures the engine first
+            if httpx.get(r.url + "/ready").json()["engines"][0]["profile"]["prefill_tokens_per_s"]:
+                break
+            time.sleep(0.05)
+        got = httpx.post(
+            r.url + "/v1/chat/completions", json=CHAT, headers={"x-request-id": "why-here"}
+        )
+        assert got.status_code == 200
+        (line,) = access_lines(r, "why-here")
+        assert line["engine"] == "s" and line["due_ms"] == 2000.0
+        # This engine answers at once: what matters is that the line says it was projected.
+        assert line["projected_ms"] >= line["own_ms"] >= 0 and line["tokens_sized"] >= 1
+        assert line["cached_expected"] == 0
+    finally:
+        r.stop()
