@@ -104,7 +104,8 @@ def test_a_few_noisy_prompts_do_not_swing_the_fit() -> None:
     sizes = (600, 1000, 1400, 1000, 1536, 1000, 1536, 1000, 600, 1400)
     for tokens, k in zip(sizes, noise, strict=True):
         prof.observe(tokens * 4, tokens, truth(tokens) * k, True, 0, 0.0)
-        assert 0.8 < prof.prefill_s(15_000) / truth(15_000) < 1.25
+        # Within the sizes it vouches for (four times the largest measured).
+        assert 0.8 < prof.prefill_s(6000) / truth(6000) < 1.25
 
 
 def test_the_prefill_fit_learns_that_long_prompts_read_slower() -> None:
