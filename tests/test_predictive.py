@@ -351,3 +351,38 @@ engines: [{{name: s, url: '{scripted.url}', dialect: lexi}}]
         assert ask("key-of-app", 350, "300").status_code == 429
     finally:
         r.stop()
+
+
+def test_a_request_is_not_placed_behind_a_prefill_already_past_due(router: Server) -> None:
+    """An engine behind its projections (a prompt waiting for KV room, preempted, or
+    slower than measured) delays every prompt after it: one placed there now would come
+    late. This engine prefills one prompt at a time; the first reads 15x slower than the
+    router measured, so it is due after ~0.2 s and takes 3 s."""
+
+    def serial(tokens: int) -> str:
+        head = f"script:prefill_serial:30:{uuid.uuid4().hex}"
+        return head + "x" * (tokens * 4 - len(head))
+
+    stalled: list[int] = []
+    t = threading.Thread(
+        target=lambda: stalled.append(
+            httpx.post(
+                router.url + "/v1/chat/completions", json=chat(serial(100)), timeout=30
+            ).status_code
+        )
+    )
+    t.start()
+    try:
+        # Behind by the whole budget: whatever comes next there is late.
+        end = time.monotonic() + 10
+        while httpx.get(router.url + "/ready").json()["engines"][0]["behind_s"] <= 1.0:
+            assert time.monotonic() < end, "the engine never fell behind"
+            time.sleep(0.02)
+        r = httpx.post(router.url + "/v1/chat/completions", json=chat(serial(10)), timeout=30)
+        assert r.status_code == 429, "placed behind a prefill already past due"
+        assert r.json()["error"]["code"] == "ttft_budget_exceeded"
+        assert int(r.headers["retry-after"]) >= 1
+    finally:
+        t.join()
+    assert stalled == [200]
+    assert httpx.get(router.url + "/ready").json()["engines"][0]["behind_s"] == 0

@@ -214,12 +214,15 @@ class Admission:
         lease.phase = Phase.PREFILL
         if e is not lease.prefer:
             lease.predicted_s = None  # projected for another engine
+        if lease.predicted_s is not None:
+            e.prefill_due[lease] = time.monotonic() + lease.predicted_s
 
     def to_decode(self, lease: Lease) -> None:
         e = lease.on
         e.prefill -= 1
         e.prefill_tokens -= lease.tokens
         e.prefill_sq -= lease.tokens * lease.tokens
+        e.prefill_due.pop(lease, None)
         e.decode += 1
         # A prompt placed after it shared its prefill's steps: its TTFT is not its own.
         lease.alone = lease.alone and e.seated == lease.seat_no
@@ -233,6 +236,7 @@ class Admission:
             e.prefill -= 1
             e.prefill_tokens -= lease.tokens
             e.prefill_sq -= lease.tokens * lease.tokens
+            e.prefill_due.pop(lease, None)
         elif lease.phase is Phase.DECODE:
             e.decode -= 1
         lease.phase = Phase.DONE

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -40,6 +41,9 @@ class Engine:
     prefill_tokens: int = 0  # sized prompt tokens of the requests in prefill
     prefill_sq: int = 0  # the sum of their squares (attention's cost grows with it)
     seated: int = 0  # seats ever taken here: a prefill that saw it unchanged ran alone
+    # When each projected request in prefill here was due to have its first token (placed
+    # at + projected TTFT). Written by Admission alone, as the seats are.
+    prefill_due: dict[Lease, float] = field(default_factory=dict, repr=False)
     # Sized prompt tokens of requests waiting in the router's queue for a seat here, by
     # class (critical, standard, sheddable): the prefill ahead of a new request of that
     # class or a lower one. Written by Admission alone, as the seats are.
@@ -63,6 +67,14 @@ class Engine:
     @property
     def name(self) -> str:
         return self.spec.name
+
+    def behind_s(self, now: float) -> float:
+        """How far past its projected first token the oldest prompt in prefill here is: the
+        engine is behind by at least that (a prompt waiting for KV room, a preempted one,
+        one that read slower than projected), and every prompt after it waits it out."""
+        if not self.prefill_due:
+            return 0.0
+        return max(0.0, now - min(self.prefill_due.values()))
 
     @property
     def host(self) -> str:
@@ -99,6 +111,7 @@ class Engine:
             "token_accounting": self.token_accounting,
             "prefill": self.prefill,
             "decode": self.decode,
+            "behind_s": round(self.behind_s(time.monotonic()), 3),
         }
         if self.managed is not None:
             out["process"] = self.managed.describe()

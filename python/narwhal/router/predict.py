@@ -434,8 +434,8 @@ class Predictor:
         """TTFT on `e` for a prompt of `prompt_bytes` of which `cached` tokens are expected
         to come from its prefix cache: the prefill ahead of it there (placed on the engine,
         and waiting in the router's queue for a seat there in its class `rank` or a higher
-        one, which go first), then what is left of this prompt (at least its last token:
-        an engine always computes that)."""
+        one, which go first), how far the engine is behind its projections now, then what
+        is left of this prompt (at least its last token: an engine always computes that)."""
         tokens = self.size(prompt_bytes, e)
         fresh = tokens - min(cached, tokens - 1)
         prof = self.profiles[e.name]
@@ -443,7 +443,8 @@ class Predictor:
             return Projection(e, fresh, None, None)
         own = prof.prefill_s(fresh, tokens)
         waiting = prof.ahead_s(sum(e.queued_tokens[: rank + 1]), sum(e.queued_sq[: rank + 1]))
-        total = own + prof.ahead_s(e.prefill_tokens, e.prefill_sq) + waiting
+        ahead = prof.ahead_s(e.prefill_tokens, e.prefill_sq) + e.behind_s(time.monotonic())
+        total = own + ahead + waiting
         sure = prof.vouches(fresh)
         guarded = total * self.margin(prof) * self.edge
         return Projection(e, fresh, own, total, guarded, waiting, sure)

@@ -200,6 +200,7 @@ class PredictivePolicy:
         if prof is None or prof.prefill_tps is None:
             return None
         due = prof.ahead_s(engine.prefill_tokens, engine.prefill_sq) + prof.prefill_s(lease.tokens)
+        due += engine.behind_s(now)
         due *= self.predictor.margin(prof) * self.predictor.edge
         late = now + due - lease.ttft_by
         return late if late > 0 else None
