@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import aiohttp
 import httpx
@@ -29,7 +30,7 @@ from bench.fleet.replay import (
     request_body,
 )
 from bench.fleet.traces import Request, describe, generate, prompt_text
-from tests.support import ROOT, free_port, sse_frames, wait_http
+from tests.support import ROOT, free_port, sse_frames, start_router, wait_http
 
 MODEL = GpuModel(
     step_base_s=0.01, step_per_seq_s=0.001, prefill_tps=1000, chunk_tokens=100, block_tokens=10
@@ -357,3 +358,40 @@ def test_the_verdict_holds_narwhal_to_half_the_best_peers_misses_or_1_5x_its_goo
     assert "sglang-cache_aware@64" in one and one.endswith("FAIL |")
     four = next(x for x in lines if x.startswith("| 4x") and "goodput" in x)
     assert four.endswith("pass |")
+
+
+def test_the_router_exports_how_far_its_projections_and_cache_expectations_were_off(
+    sim: str, tmp_path: Path
+) -> None:
+    r = start_router(
+        tmp_path,
+        "model: main\nlisten: {port: $PORT}\nadmission: predictive\n"
+        "predictive: {ttft_budget_s: 30}\nprefix_cache: {block_bytes: 192}\n"
+        f"engines: [{{name: g, url: '{sim}', dialect: vllm}}]\n",
+    )
+    try:
+        for _ in range(100):  # the router's probe measures the engine first
+            if httpx.get(r.url + "/ready").json()["engines"][0]["profile"]["prefill_tokens_per_s"]:
+                break
+            time.sleep(0.05)
+        shared = list(range(7000, 7040))
+        for tail in (1, 2, 3):  # the second and third share the first's 600 words
+            body = request_body(Request(0, 640, 3, [*shared, 8000 + tail]), Client(True, 16))
+            got = httpx.post(r.url + "/v1/chat/completions", json=body, timeout=30)
+            assert got.status_code == 200
+        m = httpx.get(r.url + "/metrics").text
+
+        def series(name: str, le: str | None = None) -> float:
+            labels = '{engine="g"}' if le is None else f'{{engine="g",le="{le}"}}'
+            line = next(x for x in m.splitlines() if x.startswith(name + labels))
+            return float(line.split()[-1])
+
+        # Every request was placed where it was projected.
+        assert series("narwhal_ttft_prediction_error_count") >= 3
+        # The engine's cache served what the router expected of it (none, then the shared
+        # 600 words), give or take a tenth of the prompt. (Signed buckets: no _sum series.)
+        err = "narwhal_cache_expectation_error_bucket"
+        assert series("narwhal_cache_expectation_error_count") == 3
+        assert series(err, "0.1") - series(err, "-0.1") == 3
+    finally:
+        r.stop()

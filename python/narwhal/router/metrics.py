@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -22,6 +23,11 @@ _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120
 # carries and no dashboard reads them.
 disable_created_metrics()  # type: ignore[no-untyped-call]
 _TPOT = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1)
+# ln(measured / projected TTFT): 0 exact, +0.69 twice as long, -0.69 half; signed, since
+# a late first token and an early one cost different things (the SLO, or refused work).
+_LOG_RATIO = (-1.5, -1, -0.5, -0.25, -0.1, 0, 0.1, 0.25, 0.5, 1, 1.5)
+# (cached tokens the engine reported - tokens the router expected it to hold) / prompt.
+_SHARE_ERROR = (-1, -0.5, -0.25, -0.1, -0.01, 0.01, 0.1, 0.25, 0.5, 1)
 
 
 OUTCOMES = (
@@ -202,6 +208,20 @@ class RouterMetrics:
             buckets=_LATENCY,
             registry=r,
         )
+        self.ttft_prediction_error = Histogram(
+            "narwhal_ttft_prediction_error",
+            "ln(engine TTFT / projected TTFT) of requests placed where they were projected",
+            ["engine"],
+            buckets=_LOG_RATIO,
+            registry=r,
+        )
+        self.cache_expectation_error = Histogram(
+            "narwhal_cache_expectation_error",
+            "(cached prompt tokens the engine reported - those expected) / prompt tokens",
+            ["engine"],
+            buckets=_SHARE_ERROR,
+            registry=r,
+        )
         self.prediction_drift = Gauge(
             "narwhal_prediction_drift",
             "EWMA of |ln(observed/predicted TTFT)|",
@@ -277,10 +297,22 @@ class RouterMetrics:
         if tokens > 1 and lease.measured.decode_s:
             m.tpot.observe(lease.measured.decode_s / (tokens - 1))
         if lease.predicted_s is not None and lease.measured.first_at:
+            ttft = lease.measured.first_at - lease.measured.sent_at
             self.predicted_ttft.labels(name).observe(lease.predicted_s)
-            self.observed_ttft.labels(name).observe(
-                lease.measured.first_at - lease.measured.sent_at
-            )
+            self.observed_ttft.labels(name).observe(ttft)
+            if lease.predicted_s > 0 and ttft > 0:
+                self.ttft_prediction_error.labels(name).observe(math.log(ttft / lease.predicted_s))
+        # Only where the engine said what its cache served (llama-server's dialect does not).
+        prompt, cached = lease.measured.prompt_tokens, lease.measured.cached_tokens
+        if (
+            lease.plan is not None
+            and lease.plan.blocks is not None
+            and prompt
+            and cached is not None
+        ):
+            exp = lease.plan.expected.get(name)
+            held = exp.tokens if exp is not None else 0
+            self.cache_expectation_error.labels(name).observe((cached - held) / prompt)
 
     def _fault(self, lease: Lease, kind: str, against_engine: str | None) -> None:
         self.stream_faults.labels(lease.on.name, kind).inc()
