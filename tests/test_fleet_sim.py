@@ -360,6 +360,25 @@ def test_the_verdict_holds_narwhal_to_half_the_best_peers_misses_or_1_5x_its_goo
     assert four.endswith("pass |")
 
 
+def test_loads_are_stated_against_the_best_peers_measured_slo_capacity() -> None:
+    from bench.fleet.verdict import capacity
+
+    def row(door: str, load: float, goodput: float, attainment: float) -> dict[str, object]:
+        return {"door": door, "load": load, "goodput_per_s": goodput, "slo_attainment": attainment}
+
+    rows = [
+        row("narwhal-predictive", 0.5, 5.0, 1.0),
+        row("sglang-cache_aware@64", 0.5, 4.0, 0.8),  # 5 offered a second, 4 served in SLO
+        row("narwhal-predictive", 1, 9.0, 0.9),
+        row("sglang-cache_aware@64", 1, 8.0, 0.8),  # 10 offered; its best: 8 a second
+        row("sglang-cache_aware@64", 2, 6.0, 0.3),
+    ]
+    lines = capacity(rows)
+    assert "8.00 requests/s" in lines[0]
+    assert "| 0.5x | 5.00 | 0.62x |" in lines and "| 1x | 10.00 | 1.25x |" in lines
+    assert "| 2x | 20.00 | 2.50x |" in lines
+
+
 def test_the_router_exports_how_far_its_projections_and_cache_expectations_were_off(
     sim: str, tmp_path: Path
 ) -> None:
