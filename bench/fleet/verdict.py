@@ -71,7 +71,7 @@ def verdict(rows: list[dict[str, Any]]) -> list[str]:
             m, t = _median(us, "goodput_per_s"), _median(them, "goodput_per_s")
             row("goodput >= 1.5x the peer's", f"{m:.2f}/s", f"{t:.2f}/s", m >= 1.5 * t)
         s = _median(us, "served_within_slo")
-        row("served within SLO >= 99 %", f"{100 * s:.1f} %", "", s >= 0.99)
+        row("served within SLO >= 99 %", f"{100 * s:.2f} %", "", s >= 0.99)
         if load <= 0.5:
             f = statistics.median(_refused_for_load(r) for r in us)
             row("refused (not alone over) <= 1 %", f"{100 * f:.1f} %", "", f <= 0.01)
