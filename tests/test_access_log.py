@@ -11,7 +11,7 @@ import httpx
 import orjson
 import pytest
 
-from tests.support import Server, start_router
+from tests.support import Server, start_router, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -143,10 +143,13 @@ def test_the_line_says_what_placement_projected_beside_what_came(
         "json",
     )
     try:
-        for _ in range(100):  # the router's probe measures the engine first
-            if httpx.get(r.url + "/ready").json()["engines"][0]["profile"]["prefill_tokens_per_s"]:
-                break
-            time.sleep(0.05)
+        # The router's probe measures the engine first.
+        wait_until(
+            lambda: bool(
+                httpx.get(r.url + "/ready").json()["engines"][0]["profile"]["prefill_tokens_per_s"]
+            ),
+            30,
+        )
         got = httpx.post(
             r.url + "/v1/chat/completions", json=CHAT, headers={"x-request-id": "why-here"}
         )

@@ -30,7 +30,7 @@ from bench.fleet.replay import (
     request_body,
 )
 from bench.fleet.traces import Request, describe, generate, prompt_text
-from tests.support import ROOT, free_port, sse_frames, start_router, wait_http
+from tests.support import ROOT, free_port, sse_frames, start_router, wait_http, wait_until
 
 MODEL = GpuModel(
     step_base_s=0.01, step_per_seq_s=0.001, prefill_tps=1000, chunk_tokens=100, block_tokens=10
@@ -395,15 +395,23 @@ def test_the_router_exports_how_far_its_projections_and_cache_expectations_were_
         f"engines: [{{name: g, url: '{sim}', dialect: vllm}}]\n",
     )
     try:
-        for _ in range(100):  # the router's probe measures the engine first
-            if httpx.get(r.url + "/ready").json()["engines"][0]["profile"]["prefill_tokens_per_s"]:
-                break
-            time.sleep(0.05)
+        # The router's probe measures the engine first.
+        wait_until(
+            lambda: bool(
+                httpx.get(r.url + "/ready").json()["engines"][0]["profile"]["prefill_tokens_per_s"]
+            ),
+            30,
+        )
         shared = list(range(7000, 7040))
         for tail in (1, 2, 3):  # the second and third share the first's 600 words
             body = request_body(Request(0, 640, 3, [*shared, 8000 + tail]), Client(True, 16))
             got = httpx.post(r.url + "/v1/chat/completions", json=body, timeout=30)
             assert got.status_code == 200
+            usage = next(
+                f["usage"] for f in sse_frames(got.text) if isinstance(f, dict) and f.get("usage")
+            )
+            served = usage.get("prompt_tokens_details", {}).get("cached_tokens", 0)
+            assert (served >= 560) == (tail > 1)  # the engine's cache did serve the share
         m = httpx.get(r.url + "/metrics").text
 
         def series(name: str, le: str | None = None) -> float:

@@ -310,8 +310,7 @@ class RouterMetrics:
             and prompt
             and cached is not None
         ):
-            exp = lease.plan.expected.get(name)
-            held = exp.tokens if exp is not None else 0
+            held = lease.plan.held_by(name)
             self.cache_expectation_error.labels(name).observe((cached - held) / prompt)
 
     def _fault(self, lease: Lease, kind: str, against_engine: str | None) -> None:

@@ -163,13 +163,16 @@ class Profile:
         assert self.prefill_tps is not None
         return (tokens / self.prefill_tps + self.quad_s * squares) * self.correction
 
+    @property
+    def vouched_up_to(self) -> float:
+        """The largest prompt (fresh tokens) its measurements say enough of to refuse it for
+        its own prefill: several, and of prompts not much smaller (0: none yet)."""
+        if self.prefill_samples < VOUCH_SAMPLES:
+            return 0.0
+        return VOUCH_EXTRAPOLATION * self.largest_alone
+
     def vouches(self, fresh: int) -> bool:
-        """Its measurements say enough to refuse a prompt of `fresh` tokens for its own
-        prefill: several, and of prompts not much smaller."""
-        return (
-            self.prefill_samples >= VOUCH_SAMPLES
-            and fresh <= VOUCH_EXTRAPOLATION * self.largest_alone
-        )
+        return 0 < fresh <= self.vouched_up_to
 
     def prefill_s(self, fresh: int, prompt: int | None = None) -> float:
         """The prefill of `fresh` tokens of a `prompt` (the rest cached; None: all fresh),
@@ -252,11 +255,7 @@ class Profile:
             "output_tokens": self.output_tokens,
             "prefill_samples": self.prefill_samples,
             # Prompts (fresh tokens) up to this size may be refused for their own prefill.
-            "vouched_up_to_tokens": (
-                VOUCH_EXTRAPOLATION * self.largest_alone
-                if self.prefill_samples >= VOUCH_SAMPLES
-                else 0
-            ),
+            "vouched_up_to_tokens": self.vouched_up_to,
             "drift": self.drift,
             "sizing_error": self.sizing_error,
             "correction": self.correction,
@@ -378,7 +377,6 @@ class Predictor:
         if prof is None:
             return  # its engine left the fleet while it ran
         ttft = lease.measured.first_at - lease.measured.sent_at if lease.measured.first_at else None
-        exp = lease.plan.expected.get(lease.on.name) if lease.plan is not None else None
         prof.observe(
             lease.intake.prompt_bytes,
             lease.measured.prompt_tokens,
@@ -388,7 +386,7 @@ class Predictor:
             lease.measured.decode_s,
             lease.predicted_s,
             cached_tokens=lease.measured.cached_tokens or 0,
-            expected_cached=exp.tokens if exp is not None else 0,
+            expected_cached=lease.plan.held_by(lease.on.name) if lease.plan is not None else 0,
             probe=lease.probe,
         )
 

@@ -161,13 +161,6 @@ class Placer:
             end.tokens = prompt + lease.measured.output_tokens
 
 
-def _expected_cache(lease: Lease) -> int | None:
-    if lease.plan is None or lease.engine is None:
-        return None
-    exp = lease.plan.expected.get(lease.engine.name)
-    return exp.tokens if exp is not None else 0
-
-
 def _note(lease: Lease) -> None:
     """What the access log line says of the engine's part."""
     rec = asgi.current.get()
@@ -185,7 +178,7 @@ def _note(lease: Lease) -> None:
         projected_ms=round(lease.predicted_s * 1000, 1) if lease.predicted_s else None,
         own_ms=round(lease.own_s * 1000, 1) if lease.own_s else None,
         tokens_sized=lease.tokens or None,
-        cached_expected=_expected_cache(lease),
+        cached_expected=lease.plan.held_by(lease.on.name) if lease.plan is not None else None,
         tokens_cached=lease.measured.cached_tokens,
         due_ms=round((lease.ttft_by - lease.arrived) * 1000, 1) if lease.ttft_by else None,
     )

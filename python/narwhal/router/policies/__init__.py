@@ -42,6 +42,11 @@ class Plan:
     charge: Charge | None = None
     own_s: float | None = None  # its own prefill's projected time on `prefer`
 
+    def held_by(self, name: str) -> int:
+        """The prompt tokens engine `name`'s prefix cache was expected to serve."""
+        exp = self.expected.get(name)
+        return exp.tokens if exp is not None else 0
+
     def settle(self) -> None:
         """The request is over: a charge its placement did not take up is let go."""
         if self.charge is not None:
