@@ -360,4 +360,4 @@ def measured(prof: Any, prefill_tps: float, bytes_per_token: float) -> None:
     """A predictor profile as if learned from enough prefills, of every size, to vouch for
     any prompt (`Profile.vouches`): what a router that has run for a while knows."""
     prof.prefill_tps, prof.bytes_per_token = prefill_tps, bytes_per_token
-    prof.prefill_samples, prof.largest_alone = 10, 10**9
+    prof.prefill_samples, prof.largest_measured = 10, 10**9

@@ -628,20 +628,51 @@ def test_a_prompt_spends_lower_classes_allowance_never_a_higher_ones() -> None:
     assert ledger.headroom_s(now=0.0) == pytest.approx(0.1)  # every stream: the tightest
 
 
-def test_a_prefill_shared_with_a_prompt_placed_after_it_teaches_no_rate() -> None:
-    """Chunked prefill runs a later prompt's tokens in the same steps: the first prompt's
-    TTFT is then not its own prefill's, and learning a rate from it made the engine look
-    slower than it is."""
+def test_a_prompt_that_waited_behind_another_is_measured_from_that_ones_first_token() -> None:
+    """Prefill runs first come, first served: a prompt placed behind another began its own
+    prefill when that one's first token came. Its TTFT is not its prefill's, and learning
+    a rate only from prompts that had the engine alone left a loaded engine (where none
+    has) unmeasured: long prompts projected from a few short ones, and placed late."""
     f = Fleet()
     first = f.open(request(words("a", 500)), "e0")
     second = f.open(request(words("b", 500)), "e0")
-    assert first.alone and not second.alone  # the engine's prefill was empty for the first
+    for lease in (first, second):
+        lease.measured.sent_at = time.monotonic() - 3.0
     first.first_output()
     second.first_output()
-    assert not first.alone and not second.alone
+    assert first.prefill_s == first.measured.first_at - first.measured.sent_at
+    assert not first.queued  # nothing ahead of it: its overhead is in its time
+    assert second.queued
+    assert second.prefill_s == second.measured.first_at - first.measured.first_at
+    # Out of order (a later prompt's first token came first), or one ahead of it gone
+    # before its first token: who prefilled when cannot be told, and nothing is measured.
     third = f.open(request(words("c", 500)), "e1")
+    fourth = f.open(request(words("d", 500)), "e1")
+    fifth = f.open(request(words("e", 500)), "e2")
+    sixth = f.open(request(words("g", 500)), "e2")
+    for lease in (third, fourth, fifth, sixth):
+        lease.measured.sent_at = time.monotonic()
+    fourth.first_output()
     third.first_output()
-    assert third.alone  # nothing joined it: its TTFT is its prefill's
+    f.admission.release(fifth)
+    sixth.first_output()
+    assert third.prefill_s is None and fourth.prefill_s is None and sixth.prefill_s is None
+
+
+def test_an_engine_never_alone_still_learns_its_prefill() -> None:
+    f = Fleet()
+    prof = f.predictor.profiles["e0"]
+    before = prof.prefill_samples
+    prof.largest_measured = 0
+    leases = [f.open(request(words(f"w{i}-", 300 * (i + 1))), "e0") for i in range(4)]
+    for lease in leases:  # each placed while the ones before it are in prefill
+        lease.measured.sent_at = time.monotonic()
+        lease.measured.prompt_tokens = lease.tokens
+    for lease in leases:
+        lease.first_output()
+        lease.finished(10)
+    assert prof.prefill_samples == before + 4
+    assert prof.largest_measured == leases[-1].tokens  # the longest prompt vouches
 
 
 def test_a_generous_max_tokens_does_not_hide_that_most_answers_are_short() -> None:

@@ -57,11 +57,11 @@ def test_prefix_cache_hits_teach_the_rate_of_what_was_prefilled() -> None:
     from narwhal.router.predict import Profile
 
     prof = Profile()
-    prof.observe(4000, 1000, 0.5, True, 0, 0.0)  # 1000 tokens in 0.5 s: 2000 tokens/s
+    prof.observe(4000, 1000, 0.5, 0.5, 0, 0.0)  # 1000 tokens in 0.5 s: 2000 tokens/s
     assert prof.prefill_tps == pytest.approx(2000)
     # 900 of 1000 tokens came from the engine's cache: 100 tokens in 0.05 s is 2000/s too,
     # and finishing 10x sooner than projected is not a misprediction.
-    prof.observe(4000, 1000, 0.05, True, 0, 0.0, predicted_s=0.5, cached_tokens=900)
+    prof.observe(4000, 1000, 0.05, 0.05, 0, 0.0, predicted_s=0.5, cached_tokens=900)
     assert prof.prefill_tps == pytest.approx(2000)
     assert prof.drift is None and prof.correction == 1.0
 
@@ -72,7 +72,7 @@ def test_the_prefill_fit_separates_a_fixed_cost_from_the_rate() -> None:
     prof = Profile()
     # 2000 tokens/s beside 0.1 s that every request costs, prompts of several sizes.
     for tokens in (20, 400, 50, 1000, 100, 2000, 30):
-        prof.observe(tokens * 4, tokens, 0.1 + tokens / 2000, True, 0, 0.0)
+        prof.observe(tokens * 4, tokens, 0.1 + tokens / 2000, 0.1 + tokens / 2000, 0, 0.0)
     assert prof.prefill_tps == pytest.approx(2000, rel=0.01)
     assert prof.overhead_s == pytest.approx(0.1, rel=0.01)
     assert prof.vouches(8000) and not prof.vouches(8001)  # four times the largest measured
@@ -82,11 +82,11 @@ def test_the_probes_text_sizes_prompts_only_until_a_clients_prompt_is_measured()
     from narwhal.router.predict import Profile
 
     prof = Profile()
-    prof.observe(6 * 250, 250, 0.05, True, 0, 0.0, probe=True)  # prose: 6 bytes a token
+    prof.observe(6 * 250, 250, 0.05, 0.05, 0, 0.0, probe=True)  # prose: 6 bytes a token
     assert prof.bytes_per_token == pytest.approx(6.0)
-    prof.observe(12 * 3000, 3000, 0.6, True, 0, 0.0)  # what clients send: 12
+    prof.observe(12 * 3000, 3000, 0.6, 0.6, 0, 0.0)  # what clients send: 12
     assert prof.bytes_per_token == pytest.approx(12.0)
-    prof.observe(6 * 250, 250, 0.05, True, 0, 0.0, probe=True)
+    prof.observe(6 * 250, 250, 0.05, 0.05, 0, 0.0, probe=True)
     assert prof.bytes_per_token == pytest.approx(12.0)
     assert prof.prefill_samples == 3  # its timing still counts
 
@@ -103,7 +103,7 @@ def test_a_few_noisy_prompts_do_not_swing_the_fit() -> None:
     noise = (1.0, 0.93, 1.1, 1.12, 0.96, 1.05, 0.94, 1.09, 0.97, 1.03)
     sizes = (600, 1000, 1400, 1000, 1536, 1000, 1536, 1000, 600, 1400)
     for tokens, k in zip(sizes, noise, strict=True):
-        prof.observe(tokens * 4, tokens, truth(tokens) * k, True, 0, 0.0)
+        prof.observe(tokens * 4, tokens, truth(tokens) * k, truth(tokens) * k, 0, 0.0)
         # Within the sizes it vouches for (four times the largest measured).
         assert 0.8 < prof.prefill_s(6000) / truth(6000) < 1.25
 
@@ -119,7 +119,7 @@ def test_the_prefill_fit_learns_that_long_prompts_read_slower() -> None:
 
     prof = Profile()
     for fresh in (500, 4000, 1000, 12_000, 2000, 8000, 300, 16_000):
-        prof.observe(fresh * 4, fresh, h200(fresh), True, 0, 0.0)
+        prof.observe(fresh * 4, fresh, h200(fresh), h200(fresh), 0, 0.0)
     for fresh, cached in ((20_000, 0), (2000, 0), (1000, 15_000)):
         # What it projects for a prompt (its cached part's context included) is the curve's.
         assert prof.prefill_s(fresh, fresh + cached) == pytest.approx(h200(fresh, cached), rel=0.02)

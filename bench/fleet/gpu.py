@@ -123,6 +123,12 @@ class Gpu:
         return len(self.waiting) + len(self.running)
 
     @property
+    def kv_usage(self) -> float:
+        """The share of KV blocks sequences hold (vLLM's `kv_cache_usage_perc`: cached
+        blocks no sequence holds are free to take)."""
+        return (self.pinned_blocks + self.private_blocks) / self.model.kv_blocks
+
+    @property
     def idle(self) -> bool:
         return not self.waiting and not self.running
 

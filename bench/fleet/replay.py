@@ -31,7 +31,8 @@ Peers run as their operators run them: `sglang-POLICY@CAP` and `vllm-POLICY@CAP`
 `--max-concurrent-requests CAP --queue-size CAP --queue-timeout-secs` (the TTFT budget),
 or `@defaults` for a peer with nothing set; a peer named with neither is refused.
 `--runs N` repeats every cell N times, every door in each run, and the table gives each
-figure's median and range. The simulated engines' realism is `--sim-args`: `--kv-on-demand`
+figure's median and range. `narwhal-MODE@base` is Narwhal from `--baseline-tree` (a worktree
+of an older commit): a router change A/B'd in one run. The simulated engines' realism is `--sim-args`: `--kv-on-demand`
 (KV as output grows, preemption), `--prefill-half-context 12000` (prefill slowing with the
 context, the H200 calibration), `--jitter 0.1`, `--speeds 1,1,1,0.5` (a mixed fleet);
 without them the engines are the older figures' model.
@@ -358,6 +359,7 @@ class Door:
     cmd: list[str] | None  # None: the engines directly, round robin (no process)
     health: str = "/health"
     port: int = 0
+    env: dict[str, str] | None = None  # the process's environment (None: this one's)
 
 
 def doors(a: argparse.Namespace, engines: list[str], tmp: Path) -> list[Door]:
@@ -368,7 +370,14 @@ def doors(a: argparse.Namespace, engines: list[str], tmp: Path) -> list[Door]:
         if name == "direct":
             out.append(Door(name, None))
         elif name.startswith("narwhal-"):
-            mode = name.split("-", 1)[1]
+            mode, _, variant = name.split("-", 1)[1].partition("@")
+            env = None
+            if variant == "base":
+                if a.baseline_tree is None:
+                    raise SystemExit(f"{name}: --baseline-tree names the tree it runs")
+                env = {**os.environ, "PYTHONPATH": str(a.baseline_tree.resolve() / "python")}
+            elif variant:
+                raise SystemExit(f"{name}: the only variant of Narwhal's door is @base")
             cfg = tmp / f"{name}.yaml"
             lines = "\n".join(
                 f'  - {{name: e{i}, url: "{u}", dialect: vllm}}' for i, u in enumerate(engines)
@@ -391,9 +400,8 @@ def doors(a: argparse.Namespace, engines: list[str], tmp: Path) -> list[Door]:
                 "phases: {prefill_concurrency: 64, decode_concurrency: 512}\n"
                 f"engines:\n{lines}\n"
             )
-            out.append(
-                Door(name, [str(BIN / "narwhal"), "serve", "--config", str(cfg)], "/ready", port)
-            )
+            cmd = [str(BIN / "narwhal"), "serve", "--config", str(cfg)]
+            out.append(Door(name, cmd, "/ready", port, env))
         elif (name.startswith("sglang-") and a.sglang) or (name.startswith("vllm-") and a.vllm):
             exe = [a.sglang, "launch"] if name.startswith("sglang-") else [a.vllm]
             cmd = peer_command(name, exe, port, engines, a.ttft_budget_s * a.time_scale)
@@ -451,6 +459,7 @@ def run_door(
             proc = subprocess.Popen(
                 door.cmd,
                 cwd=ROOT,
+                env=door.env,
                 start_new_session=True,
                 stdout=subprocess.DEVNULL,
                 stderr=open(Path(tempfile.gettempdir()) / f"fleet-{door.name}.log", "wb"),  # noqa: SIM115
@@ -689,6 +698,13 @@ def main() -> None:
         "--only",
         help="with --classes, send that class's requests alone, at the times they have in "
         "the mix (what the class gets with the fleet to itself)",
+    )
+    ap.add_argument(
+        "--baseline-tree",
+        type=Path,
+        help="a checkout of an older commit (its Rust extension built or copied in): a door "
+        "named narwhal-MODE@base runs Narwhal from it, beside the current tree's, in the same "
+        "run and with the same clients (an A/B of a router change)",
     )
     ap.add_argument(
         "--dump", type=Path, help="a folder: one JSONL per door and load, a line a request"

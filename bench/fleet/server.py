@@ -50,6 +50,7 @@ class SimEngine:
         self.wake = asyncio.Event()
         self.ready: dict[Seq, asyncio.Event] = {}
         self.busy_s = 0.0
+        self.lag_s = 0.0
 
     async def run(self) -> None:
         gpu = self.gpu
@@ -65,7 +66,11 @@ class SimEngine:
                 continue
             if self.jitter:
                 dur *= self.rng.lognormvariate(0.0, self.jitter)
+            t0 = time.monotonic()
             await asyncio.sleep(dur * self.scale)
+            # What this process's own load added to the step (its loop late to wake): the
+            # simulated GPU ran slower than its model by this much.
+            self.lag_s += time.monotonic() - t0 - dur * self.scale
             self.busy_s += dur
             gpu.finish_step(producing)
             for s in producing:
@@ -175,6 +180,10 @@ def make_app(engine: SimEngine) -> web.Application:
             f"vllm:num_requests_waiting {len(g.waiting)}\n"
             f"vllm:prefix_cache_queries_total {g.prompt_tokens}\n"
             f"vllm:prefix_cache_hits_total {g.cached_tokens}\n"
+            f"vllm:kv_cache_usage_perc {g.kv_usage}\n"
+            f"vllm:num_preemptions_total {g.preemptions}\n"
+            f'vllm:cache_config_info{{block_size="{g.model.block_tokens}",'
+            f'num_gpu_blocks="{g.model.kv_blocks}"}} 1.0\n'
         )
         return web.Response(text=text, content_type="text/plain")
 
@@ -186,6 +195,7 @@ def make_app(engine: SimEngine) -> web.Application:
                 "cached_tokens": g.cached_tokens,
                 "served": g.served,
                 "busy_s": engine.busy_s,
+                "lag_s": engine.lag_s,
                 "running": len(g.running),
                 "waiting": len(g.waiting),
                 "preemptions": g.preemptions,

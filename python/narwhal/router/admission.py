@@ -207,10 +207,9 @@ class Admission:
         e.prefill += 1
         e.prefill_tokens += lease.tokens
         e.prefill_sq += lease.tokens * lease.tokens
-        e.seated += 1
         lease.engine = e
-        lease.alone = e.prefill == 1
-        lease.seat_no = e.seated
+        lease.ahead = e.prefill - 1
+        lease.firsts_seen = e.firsts
         lease.phase = Phase.PREFILL
         if e is not lease.prefer:
             lease.predicted_s = None  # projected for another engine
@@ -224,8 +223,17 @@ class Admission:
         e.prefill_sq -= lease.tokens * lease.tokens
         e.prefill_due.pop(lease, None)
         e.decode += 1
-        # A prompt placed after it shared its prefill's steps: its TTFT is not its own.
-        lease.alone = lease.alone and e.seated == lease.seat_no
+        m = lease.measured
+        # Prefill is first come, first served: where every prompt ahead of it had its first
+        # token before it (and no later one did), its own prefill began at the last of
+        # those or when it was sent. Under load no prompt has its engine alone, and its own
+        # time is still measured, long prompts included. (A step the two share counts for
+        # the earlier prompt: one sample long by as much as the next is short.)
+        if m.sent_at and m.first_at and e.firsts - lease.firsts_seen == lease.ahead:
+            lease.queued = lease.ahead > 0 and e.first_at > m.sent_at
+            lease.prefill_s = m.first_at - (e.first_at if lease.queued else m.sent_at)
+        e.firsts += 1
+        e.first_at = max(e.first_at, m.first_at)
         lease.phase = Phase.DECODE
         self._drain()
 

@@ -40,7 +40,11 @@ class Engine:
     decode: int = 0  # requests streaming tokens
     prefill_tokens: int = 0  # sized prompt tokens of the requests in prefill
     prefill_sq: int = 0  # the sum of their squares (attention's cost grows with it)
-    seated: int = 0  # seats ever taken here: a prefill that saw it unchanged ran alone
+    # First output tokens ever seen here, and when the last came: prefill runs first come,
+    # first served, so a prompt that waited behind others began its own when the one before
+    # it ended (Admission reads them to measure each prompt's own prefill, and writes them).
+    firsts: int = 0
+    first_at: float = 0.0
     # When each projected request in prefill here was due to have its first token (placed
     # at + projected TTFT). Written by Admission alone, as the seats are.
     prefill_due: dict[Lease, float] = field(default_factory=dict, repr=False)

@@ -106,12 +106,13 @@ class Lease:
     __slots__ = (
         "_events",
         "_seats",
-        "alone",
+        "ahead",
         "arrived",
         "deadline",
         "engine",
         "exclude",
         "fence",
+        "firsts_seen",
         "intake",
         "measured",
         "own_s",
@@ -119,9 +120,10 @@ class Lease:
         "plan",
         "predicted_s",
         "prefer",
+        "prefill_s",
         "probe",
+        "queued",
         "queued_on",
-        "seat_no",
         "tokens",
         "ttft_by",
     )
@@ -158,10 +160,14 @@ class Lease:
         self.queued_on: Engine | None = None  # whose queued_tokens count it while it waits
         self.phase = Phase.QUEUED
         self.engine: Engine | None = None
-        # Its prefill had the engine to itself: nothing in prefill there when it was
-        # placed, nothing placed there before its first token (its TTFT is its own).
-        self.alone = False
-        self.seat_no = 0  # the engine's `seated` count when it took its seat
+        # Its own prefill as measured (Admission's, at its first token; None where it cannot
+        # be told apart): from when it was sent, or, where it waited behind prompts in
+        # prefill there, from the first token of the last of them. `queued`: the latter,
+        # whose fixed overhead ran while it waited.
+        self.prefill_s: float | None = None
+        self.queued = False
+        self.ahead = 0  # prompts in prefill on its engine when it took its seat
+        self.firsts_seen = 0  # the engine's first tokens seen by then
         self.fence: int | None = None  # the leader's fencing token it was placed under
         self.plan: Plan | None = None  # what the policy decided before placement
         self.probe = False  # the router's own profiling probe, not a client's request

@@ -54,7 +54,7 @@ EDGE_GAIN = 0.05
 MAX_EDGE = 1.5
 
 
-# The prefill fit's memory: about the last 1 / FIT_ALPHA requests that had their engine alone.
+# The prefill fit's memory: about the last 1 / FIT_ALPHA prompts whose own prefill was measured.
 FIT_ALPHA = 0.1
 # The fit's slope is read only where the prompts it saw differ in size (their coefficient of
 # variation at least this); else tokens / time through the mean, with no overhead.
@@ -67,7 +67,7 @@ FIT_MIN_SPREAD = 0.2
 FIT_LINE_SAMPLES = 4
 FIT_CURVE_SAMPLES = 6
 FIT_SIGNIFICANCE = 2.0
-# A profile vouches for prompts up to this many times the largest it measured alone, once it
+# A profile vouches for prompts up to this many times the largest it measured, once it
 # has this many such measurements: refusing a prompt for its own length needs both.
 VOUCH_SAMPLES = 3
 VOUCH_EXTRAPOLATION = 4.0
@@ -80,7 +80,7 @@ def _ewma(old: float | None, new: float) -> float:
 @dataclass
 class PrefillFit:
     """An exponentially weighted least-squares fit of a prefill's time over the prefills
-    that had their engine alone: `overhead + fresh / rate + quad x (prompt^2 - cached^2)`.
+    measured (`Lease.prefill_s`): `overhead + fresh / rate + quad x (prompt^2 - cached^2)`.
     The quadratic term is attention's: each token attends to the context before it, so a
     long prompt's tokens cost more than a short one's (the H200 calibration: 38k tokens/s
     at no context, 23k at 8k). Fitted in thousands of tokens (the moments stay well within
@@ -141,7 +141,7 @@ class Profile:
     prefill_tps: float | None = None
     overhead_s: float = 0.0  # a prefill's fixed part, beside its tokens / prefill_tps
     quad_s: float = 0.0  # attention's part: seconds a (prompt^2 - cached^2) token^2
-    largest_alone: int = 0  # fresh tokens of the largest prompt measured alone
+    largest_measured: int = 0  # fresh tokens of the largest prompt whose prefill was measured
     sized_live: bool = False  # bytes_per_token learned from clients' prompts, not probes
     tpot_s: float | None = None
     output_tokens: float | None = None  # output-length learning: typical answer length
@@ -169,7 +169,7 @@ class Profile:
         its own prefill: several, and of prompts not much smaller (0: none yet)."""
         if self.prefill_samples < VOUCH_SAMPLES:
             return 0.0
-        return VOUCH_EXTRAPOLATION * self.largest_alone
+        return VOUCH_EXTRAPOLATION * self.largest_measured
 
     def vouches(self, fresh: int) -> bool:
         return 0 < fresh <= self.vouched_up_to
@@ -187,13 +187,14 @@ class Profile:
         prompt_bytes: int,
         prompt_tokens: int | None,
         ttft_s: float | None,
-        alone: bool,
+        prefill_s: float | None,
         decode_tokens: int,
         decode_s: float,
         predicted_s: float | None = None,
         cached_tokens: int = 0,
         expected_cached: int = 0,
         probe: bool = False,
+        queued: bool = False,
     ) -> None:
         # A prompt the engine partly served from its prefix cache prefilled only the rest:
         # its rate counts those tokens. The projection counted the cache it expected; where
@@ -229,11 +230,15 @@ class Profile:
             fresh_start = not probe and not self.sized_live  # the probe's guess replaced
             self.bytes_per_token = ratio if fresh_start else _ewma(self.bytes_per_token, ratio)
             self.sized_live = self.sized_live or not probe
-        if prompt_tokens and alone and ttft_s and ttft_s > 0 and fresh:
-            fit = self.fit.add(fresh, prompt_tokens, ttft_s)
+        if prompt_tokens and prefill_s is not None and prefill_s >= 0 and fresh:
+            # A prompt that waited behind another began when that one's first token came:
+            # the fixed overhead (the request's way in, its first step) ran while it waited,
+            # and the fit, whose samples carry it, is given it back.
+            seconds = prefill_s + (self.overhead_s if queued else 0.0)
+            fit = self.fit.add(fresh, prompt_tokens, seconds)
             self.prefill_tps, self.overhead_s, self.quad_s = fit
             self.prefill_samples += 1
-            self.largest_alone = max(self.largest_alone, fresh)
+            self.largest_measured = max(self.largest_measured, fresh)
         if decode_tokens > 1 and decode_s > 0:
             self.tpot_s = _ewma(self.tpot_s, decode_s / (decode_tokens - 1))
         if decode_tokens:
@@ -325,14 +330,14 @@ class Predictor:
         "prefill_tps",
         "overhead_s",
         "quad_s",
-        "largest_alone",
+        "largest_measured",
         "tpot_s",
         "output_tokens",
         "prefill_samples",
         "correction",
     )
 
-    _COUNTS = ("prefill_samples", "largest_alone")
+    _COUNTS = ("prefill_samples", "largest_measured")
 
     def export(self) -> bytes:
         """The learned profiles, for the next leader (bounded: a few numbers an engine)."""
@@ -381,13 +386,14 @@ class Predictor:
             lease.intake.prompt_bytes,
             lease.measured.prompt_tokens,
             ttft,
-            lease.alone,
+            lease.prefill_s,
             lease.measured.output_tokens,
             lease.measured.decode_s,
             lease.predicted_s,
             cached_tokens=lease.measured.cached_tokens or 0,
             expected_cached=lease.plan.held_by(lease.on.name) if lease.plan is not None else 0,
             probe=lease.probe,
+            queued=lease.queued,
         )
 
     def _discard(self, lease: Lease, kind: str, against_engine: str | None) -> None:

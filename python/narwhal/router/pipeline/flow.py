@@ -123,6 +123,9 @@ class Flow:
             self.gate.check()
             try:
                 plan = await self.judge.plan(req, arrived, budget)
+                rec = asgi.current.get()
+                if rec is not None:
+                    rec.fields["judged_ms"] = round((time.monotonic() - arrived) * 1000, 1)
             except ApiError as e:
                 e.ended("refused", e.code or "predictive")
                 raise

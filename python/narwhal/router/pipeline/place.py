@@ -181,4 +181,8 @@ def _note(lease: Lease) -> None:
         cached_expected=lease.plan.held_by(lease.on.name) if lease.plan is not None else None,
         tokens_cached=lease.measured.cached_tokens,
         due_ms=round((lease.ttft_by - lease.arrived) * 1000, 1) if lease.ttft_by else None,
+        # How long it waited in the router before the engine had it (judge, queue, connect).
+        sent_ms=round((lease.measured.sent_at - lease.arrived) * 1000, 1)
+        if lease.measured.sent_at
+        else None,
     )
