@@ -675,6 +675,26 @@ def test_an_engine_never_alone_still_learns_its_prefill() -> None:
     assert prof.largest_measured == leases[-1].tokens  # the longest prompt vouches
 
 
+def test_lateness_is_learned_at_the_first_token_and_from_prompts_gone_past_due() -> None:
+    """An answer can stream for minutes after its first token came late: the edge learns
+    then, not at the answer's end; and a prompt whose client gave up past its due (or
+    whose engine failed it) was late too, though no first token ever came."""
+    for how in ("first token", "gone past due"):
+        f = Fleet(n=1)
+        edge = request(words("q", 4080))  # 4.9 s of prefill: within the 5 s budget, just
+        assert f.judge(edge).prefer is f.engines[0]
+        for i in range(5):
+            lease = f.open(request(words(f"r{i}-", 10)), on="e0")
+            lease.ttft_by = time.monotonic() - 1.0
+            if how == "first token":
+                lease.first_output()  # still streaming: not finished, not released
+            else:
+                lease.release()
+        with pytest.raises(ApiError) as refused:
+            f.judge(edge)
+        assert refused.value.code == "ttft_budget_exceeded", how
+
+
 def test_a_generous_max_tokens_does_not_hide_that_most_answers_are_short() -> None:
     """Clients ask for 2,048 tokens and most answers stop after a few dozen: the ledger holds
     a new stream to what answers here run to (a low quantile of them), so the prefill that

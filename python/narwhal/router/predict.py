@@ -370,14 +370,32 @@ class Predictor:
         return taken
 
     def watch(self, events: Events) -> None:
-        """Learn from every answered lease; a faulted one's timing is not trusted."""
-        events.subscribe(finished=self._learn, fault=self._discard)
+        """Learn from every answered lease; a faulted one's timing is not trusted. The edge
+        learns at the first token, when lateness is known (an answer may stream for
+        minutes after), and from a prompt that left its seat with none past its due."""
+        events.subscribe(
+            first_output=self._first,
+            finished=self._learn,
+            fault=self._discard,
+            released=self._released,
+        )
+
+    def _score(self, late: bool) -> None:
+        step = EDGE_GAIN * ((1.0 if late else 0.0) - EDGE_TARGET)
+        self.edge = min(MAX_EDGE, max(1.0, self.edge * math.exp(step)))
+
+    def _first(self, lease: Lease) -> None:
+        if lease.ttft_by is not None:
+            self._score(lease.measured.first_at > lease.ttft_by)
+
+    def _released(self, lease: Lease) -> None:
+        # No first token, and past due: late, whether its client gave up or the engine
+        # failed it. (One that left before its due says nothing of the projection.)
+        if lease.ttft_by is not None and not lease.measured.first_at:
+            if time.monotonic() > lease.ttft_by:
+                self._score(True)
 
     def _learn(self, lease: Lease) -> None:
-        if lease.ttft_by is not None and lease.measured.first_at:
-            late = lease.measured.first_at > lease.ttft_by
-            step = EDGE_GAIN * ((1.0 if late else 0.0) - EDGE_TARGET)
-            self.edge = min(MAX_EDGE, max(1.0, self.edge * math.exp(step)))
         prof = self.profiles.get(lease.on.name)
         if prof is None:
             return  # its engine left the fleet while it ran
