@@ -20,6 +20,7 @@ import pytest
 
 from bench.fleet.gpu import Gpu, GpuModel, Seq, block_hashes
 from bench.fleet.replay import (
+    doors,
     EXACT,
     Client,
     Outcome,
@@ -155,6 +156,14 @@ def test_the_simulator_streams_as_vllm_does(sim: str) -> None:
         if isinstance(f, dict)
     ]
     assert again[-1]["usage"]["prompt_tokens_details"]["cached_tokens"] == 32  # 2 blocks
+
+
+def test_the_simulator_reports_its_load_as_vllm_does(sim: str) -> None:
+    lines = httpx.get(sim + "/metrics", timeout=10).text.splitlines()
+    values = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in lines}
+    assert values["vllm:num_requests_waiting"] == 0
+    assert 0.0 <= values["vllm:kv_cache_usage_perc"] <= 1.0
+    assert values['vllm:cache_config_info{block_size="16",num_gpu_blocks="840"}'] == 1.0
 
 
 def test_a_client_that_leaves_cancels_its_sequence(sim: str) -> None:
@@ -306,6 +315,32 @@ def test_a_slower_engine_takes_longer_for_everything() -> None:
     assert slow.step_s(3, 100) == pytest.approx(2 * MODEL.step_s(3, 100))
 
 
+def test_a_router_change_is_ab_tested_against_an_older_tree_in_the_same_run(
+    tmp_path: Path,
+) -> None:
+    import argparse
+
+    a = argparse.Namespace(
+        doors="narwhal-predictive,narwhal-predictive@base",
+        baseline_tree=tmp_path / "old",
+        tpot=False,
+        tpot_target_ms=100.0,
+        time_scale=2.0,
+        predictive_extra="",
+        classes=None,
+        ttft_budget_s=5.0,
+    )
+    current, base = doors(a, ["http://127.0.0.1:1"], tmp_path)
+    assert current.env is None  # this tree's Narwhal
+    assert base.env is not None and base.env["PYTHONPATH"] == str(tmp_path / "old" / "python")
+    assert base.cmd is not None and current.cmd is not None
+    assert base.cmd[1:3] == current.cmd[1:3] == ["serve", "--config"]  # the same settings
+    assert "admission: predictive" in Path(base.cmd[3]).read_text()
+    a.baseline_tree = None  # an A/B with nothing to compare against is refused
+    with pytest.raises(SystemExit):
+        doors(a, ["http://127.0.0.1:1"], tmp_path)
+
+
 def test_kv_taken_as_output_grows_preempts_the_last_admitted_and_both_finish() -> None:
     # Room for 12 blocks of 10 tokens: two prompts of 20 fit at once, their answers do not.
     small = dataclasses.replace(MODEL, kv_blocks=12, kv_on_demand=True)
@@ -315,8 +350,10 @@ def test_kv_taken_as_output_grows_preempts_the_last_admitted_and_both_finish() -
     gpu.submit(second)
     gpu.plan()
     assert gpu.running == [first, second]  # admitted together: their prompts fit
+    assert gpu.kv_usage == 6 / 12  # vLLM's `kv_cache_usage_perc`: prompts and first tokens
     run_to_end(gpu)
     assert first.done and second.done and gpu.served == 2
+    assert gpu.kv_usage == 0.0  # cached blocks no sequence holds are free
     assert second.preempted and not first.preempted  # the one admitted last gave way
     assert gpu.preemptions >= 1 and gpu.pinned_blocks == gpu.private_blocks == 0
     # Reserved up front (the default), the second waits for the first and nothing is
