@@ -20,11 +20,11 @@ import pytest
 
 from bench.fleet.gpu import Gpu, GpuModel, Seq, block_hashes
 from bench.fleet.replay import (
-    doors,
     EXACT,
     Client,
     Outcome,
     Result,
+    doors,
     duration_s,
     one,
     peer_command,

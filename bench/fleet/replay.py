@@ -32,10 +32,10 @@ Peers run as their operators run them: `sglang-POLICY@CAP` and `vllm-POLICY@CAP`
 or `@defaults` for a peer with nothing set; a peer named with neither is refused.
 `--runs N` repeats every cell N times, every door in each run, and the table gives each
 figure's median and range. `narwhal-MODE@base` is Narwhal from `--baseline-tree` (a worktree
-of an older commit): a router change A/B'd in one run. The simulated engines' realism is `--sim-args`: `--kv-on-demand`
-(KV as output grows, preemption), `--prefill-half-context 12000` (prefill slowing with the
-context, the H200 calibration), `--jitter 0.1`, `--speeds 1,1,1,0.5` (a mixed fleet);
-without them the engines are the older figures' model.
+of an older commit): a router change A/B'd in one run. The simulated engines' realism is
+`--sim-args`: `--kv-on-demand` (KV as output grows, preemption), `--prefill-half-context
+12000` (prefill slowing with the context, the H200 calibration), `--jitter 0.1`, `--speeds
+1,1,1,0.5` (a mixed fleet); without them the engines are the older figures' model.
 
 Loopback only; every request loop is bounded by the trace and a deadline.
 """

@@ -391,9 +391,9 @@ class Predictor:
     def _released(self, lease: Lease) -> None:
         # No first token, and past due: late, whether its client gave up or the engine
         # failed it. (One that left before its due says nothing of the projection.)
-        if lease.ttft_by is not None and not lease.measured.first_at:
-            if time.monotonic() > lease.ttft_by:
-                self._score(True)
+        due = lease.ttft_by
+        if due is not None and not lease.measured.first_at and time.monotonic() > due:
+            self._score(True)
 
     def _learn(self, lease: Lease) -> None:
         prof = self.profiles.get(lease.on.name)
