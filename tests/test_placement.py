@@ -315,6 +315,36 @@ def test_a_request_waiting_for_pace_whose_engines_went_away_is_left_to_placement
     assert waits == [1]
 
 
+def test_a_request_that_waited_for_pace_is_not_placed_past_what_its_wait_left() -> None:
+    """An engine whose profile cannot vouch for a prompt's size is admitted to while what
+    is ahead of the prompt fits (no refusal for length on a guess); but a request that
+    waited for pace and whose projection no longer fits what the wait left would start
+    late: it is refused for the pace it waited for."""
+    f = Fleet(n=1, tpot_target_s=0.05)
+    f.learn_tau0(0.02)
+    f.predictor.profiles["e0"].prefill_samples = 0  # vouches for nothing
+    short = f.open(request(words("s", 10), max_tokens=5), on="e0")
+    short.first_output()
+    judge = Judge(f.policy, f.pool, lambda: None)
+
+    async def wait_while_prefill_arrives() -> Plan:
+        # 2.5 s of its 5 s budget left; its own prefill projected at 1.8 s.
+        arrived = time.monotonic() - 2.5
+        waiting = asyncio.create_task(judge.plan(request(words("L", 1500)), arrived, 5))
+        await asyncio.sleep(0)
+        assert not waiting.done()  # waiting for the stream's pace
+        f.engines[0].prefill_tokens = 1000  # another second of prefill placed there meanwhile
+        short.finished(5)
+        short.release()
+        return await asyncio.wait_for(waiting, 10)
+
+    with pytest.raises(ApiError) as refused:
+        f.loop.run_until_complete(wait_while_prefill_arrives())
+    assert refused.value.code == "tpot_target_exceeded"
+    # Without a wait, the same projection on the same engine is placed (cold start).
+    assert f.judge(request(words("M", 1500))).prefer is f.engines[0]
+
+
 def test_requests_judged_before_either_is_placed_do_not_share_one_headroom() -> None:
     f = Fleet(n=1, tpot_target_s=0.05)
     f.learn_tau0(0.02)

@@ -8,7 +8,7 @@ import pytest
 from narwhal.errors import ApiError
 from narwhal.router.config import EngineSpec
 from narwhal.router.engines import Engine
-from narwhal.router.predict import Predictor
+from narwhal.router.predict import Predictor, Profile
 from tests.support import measured
 
 
@@ -123,3 +123,20 @@ def test_the_prefill_fit_learns_that_long_prompts_read_slower() -> None:
     for fresh, cached in ((20_000, 0), (2000, 0), (1000, 15_000)):
         # What it projects for a prompt (its cached part's context included) is the curve's.
         assert prof.prefill_s(fresh, fresh + cached) == pytest.approx(h200(fresh, cached), rel=0.02)
+
+
+def test_a_prompt_prefilled_in_the_step_that_ended_another_does_not_swing_the_fit() -> None:
+    """Two prompts sharing a step: the later one's first token came with the earlier one's,
+    so its measured prefill is nothing. Taken as it is, one such sample made an engine look
+    twenty times faster, and the burst placed there came 12x late."""
+    prof = Profile()
+    for tokens in (600, 1000, 1400, 1800, 600, 1000):  # measured alone: 5,000 tokens/s
+        prof.observe(tokens * 4, tokens, tokens / 5000, tokens / 5000, 0, 0.0)
+    truth = 6000 / 5000
+    for _ in range(3):
+        prof.observe(4 * 1600, 1600, 0.0, 0.0, 0, 0.0, queued=True)
+        assert prof.prefill_s(6000) > truth / 2
+    # Nor does a prompt that waited teach a profile that has nothing to bound it by.
+    cold = Profile()
+    cold.observe(4 * 1600, 1600, 0.0, 0.0, 0, 0.0, queued=True)
+    assert cold.prefill_tps is None and cold.prefill_samples == 0

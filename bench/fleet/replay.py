@@ -462,7 +462,11 @@ def run_door(
                 env=door.env,
                 start_new_session=True,
                 stdout=subprocess.DEVNULL,
-                stderr=open(Path(tempfile.gettempdir()) / f"fleet-{door.name}.log", "wb"),  # noqa: SIM115
+                # One log a cell, kept: the access lines say what each request was projected
+                # and measured (`--dump` has the client's side).
+                stderr=open(  # noqa: SIM115
+                    Path(tempfile.gettempdir()) / f"fleet-{door.name}-{load:g}x-r{run}.log", "wb"
+                ),
             )
             url = f"http://127.0.0.1:{door.port}"
             wait_http(url + door.health, proc, 60)

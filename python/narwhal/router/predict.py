@@ -67,6 +67,9 @@ FIT_MIN_SPREAD = 0.2
 FIT_LINE_SAMPLES = 4
 FIT_CURVE_SAMPLES = 6
 FIT_SIGNIFICANCE = 2.0
+# How far one sample of a prompt that waited behind another may pull the fit from what it
+# projected, either way (Profile.observe).
+QUEUED_CLIP = 2.0
 # A profile vouches for prompts up to this many times the largest it measured, once it
 # has this many such measurements: refusing a prompt for its own length needs both.
 VOUCH_SAMPLES = 3
@@ -230,11 +233,24 @@ class Profile:
             fresh_start = not probe and not self.sized_live  # the probe's guess replaced
             self.bytes_per_token = ratio if fresh_start else _ewma(self.bytes_per_token, ratio)
             self.sized_live = self.sized_live or not probe
-        if prompt_tokens and prefill_s is not None and prefill_s >= 0 and fresh:
-            # A prompt that waited behind another began when that one's first token came:
-            # the fixed overhead (the request's way in, its first step) ran while it waited,
-            # and the fit, whose samples carry it, is given it back.
-            seconds = prefill_s + (self.overhead_s if queued else 0.0)
+        # A prompt that waited behind another began when that one's first token came: the
+        # fixed overhead (the request's way in, its first step) ran while it waited, and the
+        # fit, whose samples carry it, is given it back. Such a sample is taken once a fit
+        # exists to bound it (below).
+        measured = prefill_s is not None and prefill_s >= 0
+        if prompt_tokens and measured and fresh and (not queued or self.prefill_tps):
+            assert prefill_s is not None
+            seconds = prefill_s
+            if queued and self.prefill_tps is not None:
+                # Where two prompts shared a step, the later one's sample is short by what
+                # the earlier one's was long: one prompt whose whole prefill ran in the step
+                # that ended another's measured nothing, and alone it swung a fit twenty
+                # times fast (the bench: the burst placed there came 12x late). A sample
+                # that waited moves the fit by at most QUEUED_CLIP either way.
+                quad = prompt_tokens * prompt_tokens - (prompt_tokens - fresh) ** 2
+                expected = self.overhead_s + fresh / self.prefill_tps + self.quad_s * quad
+                seconds = seconds + self.overhead_s
+                seconds = min(max(seconds, expected / QUEUED_CLIP), expected * QUEUED_CLIP)
             fit = self.fit.add(fresh, prompt_tokens, seconds)
             self.prefill_tps, self.overhead_s, self.quad_s = fit
             self.prefill_samples += 1

@@ -36,7 +36,7 @@ class Judge:
                 return OPEN_PLAN  # placement answers 503: nothing to judge against
             left = budget - (time.monotonic() - arrived)
             try:
-                return self.policy.judge(req, engines, left)
+                plan = self.policy.judge(req, engines, left)
             except NoEngineKeepsPace as e:
                 if e.slack_s <= MIN_WAIT_S:
                     raise e.refusal from None
@@ -44,8 +44,18 @@ class Judge:
                     self.on_paced_wait()
                 deferred = e.refusal
                 await self.policy.room(e.slack_s, req.standing)
+                continue
             except ApiError as e:
                 # Waiting used up the budget: the reason is still the pace.
                 if deferred is not None and e.code in TTFT_REFUSALS:
                     raise deferred from None
                 raise
+            if deferred is not None and plan.predicted_s is not None and plan.predicted_s > left:
+                # A profile that cannot vouch for the prompt's size places it wherever what
+                # is ahead fits (a prompt is not refused for its length on a guess), but this
+                # one waited here: the wait, not its length, is what its projection no longer
+                # fits, and placed it would start late (the bench: 4 of 8 late first tokens
+                # were placed so, 1-2 s over what their wait had left).
+                plan.settle()
+                raise deferred from None
+            return plan
