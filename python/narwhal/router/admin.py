@@ -1,5 +1,6 @@
-"""The admin API: maintenance waves and the fleet's engines (`router/fleet/admin.py`),
-behind a Bearer token (`admin: {token_env: NAME}`).
+"""The admin API: maintenance waves, the fleet's engines (`router/fleet/admin.py`) and the
+requests' decision records (`/admin/requests`, `router/decisions.py`), behind a Bearer
+token (`admin: {token_env: NAME}`).
 
 Without an admin token configured there are no admin routes (404). The token is compared in
 constant time; a missing or wrong one is 401 in the envelope.
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Any
+from urllib.parse import parse_qs
 
 import orjson
 
@@ -16,14 +18,21 @@ from narwhal import asgi, bearer
 from narwhal.asgi import Receive, Scope, Send
 from narwhal.errors import ApiError, invalid, unavailable
 from narwhal.etcd import EtcdError
+from narwhal.router.decisions import Decisions
 from narwhal.router.fleet import admin as engines_admin
 from narwhal.router.ha.maintenance import Maintenance, WaveChanged
 
-ROUTES = frozenset({"/admin/maintenance", "/admin/reload", engines_admin.PATH})
+REQUESTS = "/admin/requests"
+ROUTES = frozenset({"/admin/maintenance", "/admin/reload", engines_admin.PATH, REQUESTS})
+LIST_LIMIT = 1000  # decision records a listing returns at most
 
 
 def routes(path: str) -> bool:
-    return path in ROUTES or path.startswith(engines_admin.PATH + "/")
+    return (
+        path in ROUTES
+        or path.startswith(engines_admin.PATH + "/")
+        or path.startswith(REQUESTS + "/")
+    )
 
 
 class Admin:
@@ -33,11 +42,13 @@ class Admin:
         maintenance: Maintenance,
         engines: engines_admin.EnginesAdmin,
         reload: Callable[[], str | None],
+        decisions: Decisions | None = None,
     ) -> None:
         self.token = token.encode()
         self.maintenance = maintenance
         self.engines = engines
         self.reload = reload
+        self.decisions = decisions
 
     async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
         method, path = scope["method"], scope["path"]
@@ -53,6 +64,12 @@ class Admin:
                     code="invalid_config",
                 )
             await asgi.send_json(send, 200, {"reloaded": True})
+            return
+        if path == REQUESTS or path.startswith(REQUESTS + "/"):
+            if method != "GET":
+                raise asgi.method_not_allowed(method, path, "GET")
+            bearer.require(scope, (self.token,), "admin token")
+            await asgi.send_json(send, 200, self._requests(path, scope.get("query_string", b"")))
             return
         if path != "/admin/maintenance":
             bearer.require(scope, (self.token,), "admin token")
@@ -80,6 +97,35 @@ class Admin:
                 f"the wave could not be stored in etcd: {e}", "etcd_unavailable"
             ) from None
         await asgi.send_json(send, 200, self.describe())
+
+    def _requests(self, path: str, query: bytes) -> dict[str, Any]:
+        """One request's decision record (`/admin/requests/ID`), or the newest ones, those
+        that ended as `outcome` if given, at most `limit` (50 unless said)."""
+        if self.decisions is None:
+            raise ApiError(
+                404, "decision records are not kept (admin.decision_records: 0)", code="not_found"
+            )
+        if path != REQUESTS:
+            rid = path[len(REQUESTS) + 1 :]
+            d = self.decisions.get(rid)
+            if d is None:
+                raise ApiError(
+                    404,
+                    f"no decision record for request {rid!r}: it was not judged, or it is "
+                    f"older than the last {self.decisions.capacity} kept",
+                    code="not_found",
+                )
+            return d.describe()
+        try:
+            q = parse_qs(query.decode("ascii"), strict_parsing=bool(query))
+        except (UnicodeDecodeError, ValueError):
+            raise invalid("the query string is not valid") from None
+        outcome = q.get("outcome", [None])[-1]
+        raw = q.get("limit", ["50"])[-1]
+        if not raw.isdigit() or not 1 <= int(raw) <= LIST_LIMIT:
+            raise invalid(f"limit must be an integer from 1 to {LIST_LIMIT}", param="limit")
+        found = self.decisions.newest(outcome, int(raw))
+        return {"object": "list", "data": [d.describe() for d in found]}
 
     def describe(self) -> dict[str, Any]:
         m = self.maintenance

@@ -16,6 +16,7 @@ from narwhal.etcd import EtcdError
 from narwhal.router import admin as admin_api
 from narwhal.router.admission import Admission
 from narwhal.router.config import RouterConfig
+from narwhal.router.decisions import Decisions
 from narwhal.router.fleet.reload import settle
 from narwhal.router.fleet.wiring import Fleet
 from narwhal.router.ha.leadership import Leadership
@@ -94,8 +95,12 @@ class Router:
         )
         self.membership = self.fleet.membership
         token = os.environ.get(config.admin_token_env, "") if config.admin_token_env else ""
+        # Decision records are read on the admin API: kept only where there is one.
+        self.decisions = (
+            Decisions(config.decision_records) if token and config.decision_records else None
+        )
         self.admin = (
-            admin_api.Admin(token, self.maintenance, self.fleet.admin, self.reload)
+            admin_api.Admin(token, self.maintenance, self.fleet.admin, self.reload, self.decisions)
             if token
             else None
         )
@@ -137,7 +142,14 @@ class Router:
             self.tenants,
         )
         return Flow(
-            config, self.metrics, self.admission, self.gate, self.judge, self.placer, self.tenants
+            config,
+            self.metrics,
+            self.admission,
+            self.gate,
+            self.judge,
+            self.placer,
+            self.tenants,
+            self.decisions,
         )
 
     def reload(self) -> str | None:

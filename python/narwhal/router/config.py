@@ -155,6 +155,7 @@ class RouterConfig:
     # an error event.
     drain_timeout_s: float = 60.0
     admin_token_env: str | None = None  # the admin API's token, by environment variable
+    decision_records: int = 1024  # the last requests' decision records kept (admin API)
     api_keys: tuple[str, ...] = ()  # client keys (auth.api_keys); none: no client auth
     api_keys_env: str | None = None  # a variable holding more, comma-separated
     tenant_keys: tuple[TenantKey, ...] = ()  # auth.api_keys entries that name a tenant
@@ -293,6 +294,8 @@ def parse(data: Any) -> RouterConfig:
         )
     if "admin" in data:
         given["admin_token_env"] = data["admin"]["token_env"]
+        if "decision_records" in data["admin"]:
+            given["decision_records"] = data["admin"]["decision_records"]
     given.update(_sources(sources))
     auth = data.get("auth", {})
     keys = auth.get("api_keys") or []
@@ -435,6 +438,7 @@ _NAMES = {name: f"{s}.{k}" if s else k for (s, k), name in _FIELDS.items()} | {
     "tenant_keys": "auth.api_keys",
     "api_keys_env": "auth.api_keys_env",
     "admin_token_env": "admin.token_env",
+    "decision_records": "admin.decision_records",
 }
 
 

@@ -103,6 +103,9 @@ MEANINGS = {
     "admin": "the admin API (`/admin/maintenance`, `/admin/engines`); without it there are "
     "no admin routes",
     "admin.token_env": "the environment variable that holds the admin Bearer token",
+    "admin.decision_records": "how many of the last requests' decision records are kept "
+    "(`GET /admin/requests/ID`: the engines weighed, each one's projected TTFT and expected "
+    "cache, the choice or refusal and why, what was measured); 0 keeps none",
     "engines_from": "engines that come and go while the router runs (README: Running a "
     "fleet); with `engines` too, both sets serve",
     "ha.fence_secret_env": "an environment variable holding the fence secret: sent beside "

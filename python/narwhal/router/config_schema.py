@@ -143,7 +143,10 @@ SCHEMA: dict[str, Any] = {
             "type": "object",
             "additionalProperties": False,
             "required": ["token_env"],
-            "properties": {"token_env": {"type": "string", "pattern": "^[A-Za-z_][A-Za-z0-9_]*$"}},
+            "properties": {
+                "token_env": {"type": "string", "pattern": "^[A-Za-z_][A-Za-z0-9_]*$"},
+                "decision_records": {"type": "integer", "minimum": 0, "maximum": 1_000_000},
+            },
         },
         "engines_from": {
             "type": "object",

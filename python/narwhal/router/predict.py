@@ -24,21 +24,29 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import orjson
 
 from narwhal.errors import ApiError
+from narwhal.router import decisions as why
 from narwhal.router.engines import Engine
 from narwhal.router.lease import Events, Lease
+
+if TYPE_CHECKING:
+    from narwhal.router.decisions import Decision
 
 ALPHA = 0.3  # EWMA weight of a new measurement
 # A small gain: outcomes arrive a TTFT after the projection, and a large gain on a lagged
 # signal oscillates (the simulation in bench/admission_sim.py shows it).
 CORRECTION_GAIN = 0.05
 # Admission keeps a margin of this many typical misses (drift, the EWMA of |ln(observed /
-# projected)|): about the 99th percentile of misses when they are roughly normal. The
-# simulation (bench/admission_sim.py) took within-budget at 2x load from 86.6% to 99.9%.
-MARGIN_SPREAD = 2.0
+# projected)|): the one-sided 99th percentile of misses when they are roughly normal (a
+# normal miss's mean size is sqrt(2 / pi) of its deviation). Two typical misses, as it
+# was, are the 94th: under load the requests placed are those at the budget's edge (woken
+# after a wait for pace, with what it left), and one in fifteen of them came late (a 4x
+# bench run: 9 of 140, each 1.1-1.4x its projection).
+MARGIN_SPREAD = statistics.NormalDist().inv_cdf(0.99) / math.sqrt(2 / math.pi)
 # Beyond doubling, the projection is too unreliable to gate on; drift past its bound makes
 # the router monitoring-degraded instead.
 MAX_MARGIN = 2.0
@@ -498,6 +506,7 @@ class Predictor:
         stall: Callable[[Projection], float] | None = None,
         klass: int = 2,
         share: float = 1.0,
+        record: Decision | None = None,
     ) -> Projection:
         """The best projection within budget, or the spec's 429 refusals. `cached` says
         per engine name how many of the prompt's tokens its cache is expected to serve;
@@ -511,22 +520,28 @@ class Predictor:
         budget meets the SLO however small; a stall may break others' TPOT). `klass` is the
         request's class (what waits in the router's queue in a lower class goes after it);
         `share` the part of its own budget it is judged against (`budget_s`): a prompt that
-        fits its own budget but not the share is refused for load, not for its length."""
+        fits its own budget but not the share is refused for load, not for its length.
+        `record`, where given, is told what was weighed and chosen, and why."""
         cached = cached or {}
         ps = [self.project(prompt_bytes, e, cached.get(e.name, 0), klass) for e in engines]
+        if record is not None:
+            record.judged(budget_s, ps)
+            if keeps_pace is not None:
+                keeps_pace = _noted(keeps_pace, record)
         unknown = [p for p in ps if p.total_s is None]
         if unknown:
-            return min(unknown, key=lambda p: p.engine.prefill)
+            return _chose(record, min(unknown, key=lambda p: p.engine.prefill), why.UNPROFILED)
         fit = _within_budget(ps, budget_s, share)
         at_home = next((p for p in fit if p.engine is home), None)
         if at_home is not None:
             if keeps_pace is None or keeps_pace(at_home):
-                return at_home
+                return _chose(record, at_home, why.HOME)
             # Its engine holds the conversation's history: moving it prefills the whole
             # history again elsewhere (an engine's worth of capacity, and a longer stall
             # there). While the budget lets it, it waits for a stream at home to end.
             slack = budget_s - (at_home.guarded_s or 0.0)
             if slack > HOLD_HOME_MIN * budget_s:
+                _waits(record, why.WAIT_HOME)
                 raise NoEngineKeepsPace(slack)
         rank = _rank
         if stall is not None:
@@ -536,12 +551,13 @@ class Predictor:
                 return (cost(p) + (p.guarded_s or 0.0), p.engine.inflight)
 
         if keeps_pace is None:
-            return min(fit, key=rank)
+            return _chose(record, min(fit, key=rank), why.LOWEST)
         # The best-ranked engine that keeps pace: asked in rank order, so that a fleet
         # where the best keeps pace (the common case) reads one engine's ledger, not all.
         ranked = sorted(fit, key=rank)
         i = next((i for i, p in enumerate(ranked) if keeps_pace(p)), None)
         if i is None:
+            _waits(record, why.WAIT_PACE)
             raise NoEngineKeepsPace(budget_s - min((p.guarded_s or 0.0) for p in fit))
         p = ranked[i]
         if i:
@@ -554,8 +570,35 @@ class Predictor:
             wait = budget_s - (p.guarded_s or 0.0) - HOLD_CACHE_MARGIN * budget_s
             again_s = (p.own_s or 0.0) - (holder.own_s or 0.0)  # prefilling it here again
             if again_s >= HOLD_CACHE_PREFILL * budget_s and wait > HOLD_HOME_MIN * budget_s:
+                _waits(record, why.WAIT_CACHE)
                 raise NoEngineKeepsPace(wait)
-        return p
+        return _chose(record, p, why.PACED if i else why.LOWEST_PACED)
+
+
+def _chose(record: Decision | None, p: Projection, reason: str) -> Projection:
+    """`p`, told to the record where there is one."""
+    if record is not None:
+        record.chose(p, reason)
+    return p
+
+
+def _waits(record: Decision | None, reason: str) -> None:
+    """No engine yet: the request waits (told to the record where there is one)."""
+    if record is not None:
+        record.chose(None, reason)
+
+
+def _noted(
+    keeps_pace: Callable[[Projection], bool], record: Decision
+) -> Callable[[Projection], bool]:
+    """`keeps_pace`, its answer for each engine it was asked about noted in the record."""
+
+    def asked(p: Projection) -> bool:
+        ok = keeps_pace(p)
+        record.paced[p.engine.name] = ok
+        return ok
+
+    return asked
 
 
 def _within_budget(ps: list[Projection], budget_s: float, share: float = 1.0) -> list[Projection]:

@@ -16,6 +16,7 @@ from narwhal.asgi import Receive, Scope, Send
 from narwhal.errors import ApiError
 from narwhal.router.admission import Admission
 from narwhal.router.config import RouterConfig
+from narwhal.router.decisions import Decision, Decisions
 from narwhal.router.metrics import RouterMetrics
 from narwhal.router.pipeline import Ending
 from narwhal.router.pipeline.gate import Gate
@@ -23,8 +24,11 @@ from narwhal.router.pipeline.intake import Intake
 from narwhal.router.pipeline.judge import Judge
 from narwhal.router.pipeline.place import Placer
 from narwhal.router.pipeline.read import read
-from narwhal.router.tenants.fair_queue import RANK
+from narwhal.router.tenants.fair_queue import CLASSES, RANK
 from narwhal.router.tenants.registry import Tenants
+
+# What a decision record says was measured: the access line's fields of the engine's part.
+MEASURED = ("engine", "ttfb_ms", "sent_ms", "tokens_in", "tokens_cached", "tokens_out")
 
 CRITICAL, SHEDDABLE, STANDARD = RANK["critical"], RANK["sheddable"], RANK["standard"]
 
@@ -39,8 +43,10 @@ class Flow:
         judge: Judge,
         placer: Placer,
         tenants: Tenants,
+        decisions: Decisions | None = None,
     ) -> None:
         self.config = config
+        self.decisions = decisions  # where each judged request's record is kept (None: not)
         self.metrics = metrics
         self.admission = admission
         self.gate = gate
@@ -58,6 +64,7 @@ class Flow:
         m.offered.inc()
         end = Ending()
         rank: int | None = None
+        record: Decision | None = None
         try:
             try:
                 self.admission.retain()
@@ -82,14 +89,19 @@ class Flow:
                     budget = min(budget, self.config.ttft_budget_s)
                 budget *= req.share
                 ticket = self.tenants.admit(tenant, req.estimated_prompt_tokens(), req.rank)
+                record = self._record(req)
                 try:
-                    await self._serve(req, receive, send, arrived, deadline, budget, end)
+                    await self._serve(req, receive, send, arrived, deadline, budget, end, record)
                 finally:
                     self.tenants.end(ticket, end.tokens)
             finally:
                 self.admission.release_retention()
         except ApiError as e:
             end.by(e)
+            if record is not None and e.outcome in ("refused", "rejected"):
+                record.refusal = {"status": e.status, "code": e.code, "message": e.message}
+                # The client can quote it; the operator reads why (GET /admin/requests/ID).
+                e.message += f" (request {record.id})"
             raise
         finally:
             if end.outcome == "refused":
@@ -105,6 +117,24 @@ class Flow:
                 rec.fields["outcome"] = end.outcome
                 if end.outcome in ("refused", "rejected"):
                     rec.fields["reason"] = end.label
+                if record is not None:
+                    self._keep(record, end, rec.fields)
+
+    def _record(self, req: Intake) -> Decision | None:
+        """A decision record for this request, where they are kept."""
+        rec = asgi.current.get()
+        if self.decisions is None or rec is None:
+            return None
+        return Decision(rec.id, req.tenant, CLASSES[req.rank], req.prompt_bytes)
+
+    def _keep(self, record: Decision, end: Ending, fields: dict[str, object]) -> None:
+        """The record closed with how the request ended and what was measured of it."""
+        assert self.decisions is not None
+        record.outcome = end.outcome
+        record.reason = end.label if end.outcome in ("refused", "rejected") else None
+        if "engine" in fields:
+            record.measured = {k: fields.get(k) for k in MEASURED}
+        self.decisions.keep(record)
 
     async def _serve(
         self,
@@ -115,6 +145,7 @@ class Flow:
         deadline: float,
         budget: float,
         end: Ending,
+        record: Decision | None = None,
     ) -> None:
         task = asyncio.current_task()
         assert task is not None
@@ -122,7 +153,7 @@ class Flow:
         try:
             self.gate.check()
             try:
-                plan = await self.judge.plan(req, arrived, budget)
+                plan = await self.judge.plan(req, arrived, budget, record)
                 rec = asgi.current.get()
                 if rec is not None:
                     rec.fields["judged_ms"] = round((time.monotonic() - arrived) * 1000, 1)

@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable
 
 from narwhal.errors import ApiError
+from narwhal.router.decisions import Decision
 from narwhal.router.engines import Pool
 from narwhal.router.pipeline.intake import Intake
 from narwhal.router.policies import OPEN_PLAN, Plan, Policy
@@ -27,8 +28,11 @@ class Judge:
         self.pool = pool
         self.on_paced_wait = on_paced_wait  # once per request that waited for pace
 
-    async def plan(self, req: Intake, arrived: float, budget: float) -> Plan:
-        """The policy's plan, or its refusal (an ApiError)."""
+    async def plan(
+        self, req: Intake, arrived: float, budget: float, record: Decision | None = None
+    ) -> Plan:
+        """The policy's plan, or its refusal (an ApiError); `record`, where given, is told
+        what was weighed, chosen and waited for."""
         deferred: ApiError | None = None
         while True:
             engines = self.pool.eligible()
@@ -36,14 +40,19 @@ class Judge:
                 return OPEN_PLAN  # placement answers 503: nothing to judge against
             left = budget - (time.monotonic() - arrived)
             try:
-                plan = self.policy.judge(req, engines, left)
+                plan = self.policy.judge(req, engines, left, record)
             except NoEngineKeepsPace as e:
                 if e.slack_s <= MIN_WAIT_S:
                     raise e.refusal from None
                 if deferred is None:
                     self.on_paced_wait()
                 deferred = e.refusal
-                await self.policy.room(e.slack_s, req.standing)
+                began = time.monotonic()
+                try:
+                    await self.policy.room(e.slack_s, req.standing)
+                finally:
+                    if record is not None:
+                        record.waited_s += time.monotonic() - began
                 continue
             except ApiError as e:
                 # Waiting used up the budget: the reason is still the pace.

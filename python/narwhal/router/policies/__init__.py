@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from narwhal._native import PromptBlocks
+    from narwhal.router.decisions import Decision
     from narwhal.router.engines import Engine
     from narwhal.router.lease import Events, Lease
     from narwhal.router.pipeline.intake import Intake
@@ -57,9 +58,11 @@ OPEN_PLAN = Plan()
 
 
 class Policy(Protocol):
-    def judge(self, req: Intake, engines: list[Engine], budget_s: float) -> Plan:
+    def judge(
+        self, req: Intake, engines: list[Engine], budget_s: float, record: Decision | None = None
+    ) -> Plan:
         """The plan for `req`, or an ApiError refusing it, or `NoEngineKeepsPace` when it
-        may wait for `room()`."""
+        may wait for `room()`; `record`, where given, is told what was weighed and why."""
 
     async def room(self, timeout_s: float, standing: int = 2) -> None:
         """Returns when placement may have changed its mind (a stream ended), or after

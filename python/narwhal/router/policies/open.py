@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
+from narwhal.router.decisions import Decision
 from narwhal.router.engines import Engine
 from narwhal.router.lease import Events, Lease
 from narwhal.router.pipeline.intake import Intake
@@ -11,7 +12,9 @@ from narwhal.router.policies import OPEN_PLAN, Plan
 
 
 class OpenPolicy:
-    def judge(self, req: Intake, engines: list[Engine], budget_s: float) -> Plan:
+    def judge(
+        self, req: Intake, engines: list[Engine], budget_s: float, record: Decision | None = None
+    ) -> Plan:
         return OPEN_PLAN
 
     async def room(self, timeout_s: float, standing: int = 2) -> None:

@@ -16,6 +16,8 @@ import statistics
 import time
 from collections.abc import Callable
 
+from narwhal.router import decisions as why
+from narwhal.router.decisions import Decision
 from narwhal.router.engines import Engine
 from narwhal.router.lease import Events, Lease
 from narwhal.router.pipeline.intake import Intake
@@ -101,7 +103,9 @@ class PredictivePolicy:
             self.predictor.profiles[e.name] if e is not None else None for e in self._slots
         ]
 
-    def judge(self, req: Intake, engines: list[Engine], budget_s: float) -> Plan:
+    def judge(
+        self, req: Intake, engines: list[Engine], budget_s: float, record: Decision | None = None
+    ) -> Plan:
         blocks = None
         expected: dict[str, Expectation] = {}
         if self.cache is not None:
@@ -118,6 +122,8 @@ class PredictivePolicy:
                     if x.blocks and name is not None
                 }
         cached = {name: x.tokens for name, x in expected.items()}
+        if record is not None:
+            record.expected = cached
         home = self.sessions.engine(req.session)
         paced = self.tpot_target_s is not None
         proj = self.predictor.judge(
@@ -130,11 +136,14 @@ class PredictivePolicy:
             self._stall if paced else None,
             req.rank,
             req.share,
+            record,
         )
         if paced and any(self._waiting[: req.standing]):
             # A request of a higher class (or of a tenant within its fair share, where
             # this one's is over) waits for pace: this one would spend the allowance it
             # waits for. It waits behind it, as long as its own budget lets.
+            if record is not None:
+                record.chose(None, why.WAIT_CLASS)
             raise NoEngineKeepsPace(budget_s - (proj.guarded_s or 0.0))
         charge = None
         if paced:

@@ -1,0 +1,140 @@
+"""Decision records: for a placed and for a refused request, the engines weighed (each
+one's projected TTFT and the cache expected there), the choice or the refusal and why, and
+what was measured, on the admin API; the ring they are kept in is bounded."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from narwhal.router.decisions import Decision, Decisions
+from tests.support import Server, start_router, start_test_engine
+from tests.test_predictive import MS_PER_TOKEN, chat, prompt
+
+TOKEN = "decisions-admin-token"
+ADMIN = {"authorization": f"Bearer {TOKEN}"}
+
+
+def test_the_ring_keeps_the_last_records_and_no_more() -> None:
+    ring = Decisions(100)
+    for i in range(100_000):
+        ring.keep(Decision(f"r{i}", "", "standard", 10))
+    assert len(ring) == 100
+    assert ring.get("r99999") is not None and ring.get("r99899") is None
+    assert [d.id for d in ring.newest(None, 3)] == ["r99999", "r99998", "r99997"]
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server, list[Server]]]:
+    engines = [
+        start_test_engine("tests.scripted_engine", "--prefill-ms-per-token", str(MS_PER_TOKEN))
+        for _ in range(2)
+    ]
+    mp = pytest.MonkeyPatch()
+    mp.setenv("NARWHAL_TEST_DECISIONS_ADMIN", TOKEN)
+    listed = "".join(
+        f"\n  - {{name: e{i}, url: '{e.url}', dialect: lexi}}" for i, e in enumerate(engines)
+    )
+    router = start_router(
+        tmp_path_factory.mktemp("d"),
+        "model: main\nlisten: {port: $PORT}\nadmission: predictive\n"
+        "predictive: {ttft_budget_s: 1.0}\nhealth: {interval_s: 0.2}\n"
+        "admin: {token_env: NARWHAL_TEST_DECISIONS_ADMIN, decision_records: 50}\n"
+        f"engines:{listed}\n",
+    )
+    mp.undo()
+    # Both engines learn, until both profiles vouch for 1,500-token prompts.
+    for _ in range(20):
+        if min(vouched(router)) >= 1500:
+            break
+        for tokens in (100, 200, 300, 400):
+            r = httpx.post(
+                router.url + "/v1/chat/completions", json=chat(prompt(tokens)), timeout=30
+            )
+            assert r.status_code == 200, r.text
+    assert min(vouched(router)) >= 1500
+    yield router, engines
+    router.stop()
+    for e in engines:
+        e.stop()
+
+
+def vouched(router: Server) -> list[int]:
+    ready = httpx.get(router.url + "/ready", timeout=10).json()
+    return [int(e["profile"]["vouched_up_to_tokens"]) for e in ready["engines"]]
+
+
+def record(router: Server, rid: str) -> dict[str, Any]:
+    r = httpx.get(router.url + f"/admin/requests/{rid}", headers=ADMIN, timeout=10)
+    assert r.status_code == 200, r.text
+    return dict(r.json())
+
+
+@pytest.mark.slow
+def test_a_placed_request_says_what_was_weighed_chosen_and_measured(
+    fleet: tuple[Server, list[Server]],
+) -> None:
+    router, _ = fleet
+    shared = f"script:prefill:{MS_PER_TOKEN}:{uuid.uuid4().hex} " + "w" * 1200
+    first = httpx.post(router.url + "/v1/chat/completions", json=chat(shared + " a"), timeout=30)
+    assert first.status_code == 200
+    again = httpx.post(router.url + "/v1/chat/completions", json=chat(shared + " b"), timeout=30)
+    assert again.status_code == 200
+    d = record(router, again.headers["x-request-id"])
+    assert d["outcome"] == "completed" and d["refusal"] is None
+    weighed = {c["engine"]: c for c in d["candidates"]}
+    assert set(weighed) == {"e0", "e1"}
+    assert all(c["projected_ttft_ms"] > 0 for c in weighed.values())
+    home = record(router, first.headers["x-request-id"])["choice"]
+    # Its prefix was placed on the first one's engine: expected in that engine's cache alone.
+    assert weighed[home]["cached_tokens_expected"] > 0
+    assert all(c["cached_tokens_expected"] == 0 for n, c in weighed.items() if n != home)
+    assert d["choice"] in weighed and weighed[d["choice"]]["chosen"] and d["why"]
+    assert d["measured"]["engine"] == d["choice"]
+    assert d["measured"]["ttfb_ms"] > 0 and d["measured"]["tokens_in"] > 0
+
+
+@pytest.mark.slow
+def test_a_refused_request_says_why_and_is_listed_with_the_refusals(
+    fleet: tuple[Server, list[Server]],
+) -> None:
+    router, _ = fleet
+    r = httpx.post(router.url + "/v1/chat/completions", json=chat(prompt(1500)), timeout=30)
+    assert r.status_code == 429
+    rid = r.headers["x-request-id"]
+    assert rid in r.json()["error"]["message"]  # the client can quote it
+    d = record(router, rid)
+    assert d["outcome"] == "refused" and d["choice"] is None
+    assert d["refusal"]["code"] == "prompt_exceeds_ttft_budget" == d["reason"]
+    assert {c["engine"] for c in d["candidates"]} == {"e0", "e1"}
+    # Each engine's projection is past the 1 s budget: 1,500 tokens at 2 ms each.
+    assert all(c["own_prefill_ms"] > d["budget_ms"] for c in d["candidates"])
+    assert d["measured"] == {}
+    listed = httpx.get(
+        router.url + "/admin/requests?outcome=refused&limit=5", headers=ADMIN, timeout=10
+    )
+    assert listed.status_code == 200
+    assert rid in [x["request_id"] for x in listed.json()["data"]]
+    assert all(x["outcome"] == "refused" for x in listed.json()["data"])
+    # Behind the admin token; a limit out of range is a 400 in the envelope.
+    assert httpx.get(router.url + f"/admin/requests/{rid}", timeout=10).status_code == 401
+    bad = httpx.get(router.url + "/admin/requests?limit=0", headers=ADMIN, timeout=10)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "limit"
+    gone = httpx.get(router.url + "/admin/requests/nope", headers=ADMIN, timeout=10)
+    assert gone.status_code == 404
+
+
+def test_how_many_records_are_kept_is_a_setting(tmp_path: Path) -> None:
+    from narwhal.router.config import load
+
+    cfg = tmp_path / "n.yaml"
+    cfg.write_text(
+        "listen: {port: 1}\nadmin: {token_env: X, decision_records: 0}\n"
+        "engines:\n  - {name: a, url: 'http://127.0.0.1:2'}\n"
+    )
+    assert load(cfg).decision_records == 0
