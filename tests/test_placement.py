@@ -725,6 +725,26 @@ def test_lateness_is_learned_at_the_first_token_and_from_prompts_gone_past_due()
         assert refused.value.code == "ttft_budget_exceeded", how
 
 
+def test_an_engine_without_misses_of_its_own_is_judged_by_the_fleets() -> None:
+    """A fresh router's engines, or a new one, were placed at the budget's edge with no
+    margin until each had five projections scored: the first ones came late."""
+    f = Fleet(n=2)
+    for i in range(6):  # e0's first tokens came 1.25x their projections
+        lease = f.open(request(words(f"m{i}-", 100)), on="e0")
+        lease.predicted_s = 1.0
+        lease.measured.sent_at = time.monotonic() - 1.25
+        lease.measured.prompt_tokens = lease.tokens
+        lease.first_output()
+        lease.finished(5)
+        lease.release()
+    p = f.predictor
+    e0, e1 = p.profiles["e0"], p.profiles["e1"]
+    assert e1.drift is None  # nothing scored there
+    assert p.margin(e1) == pytest.approx(p.margin(e0))
+    assert p.margin(e1) > 1.5
+    assert Fleet(n=2).predictor.margin(e1) == 1.0  # nothing scored anywhere: no margin
+
+
 def test_a_generous_max_tokens_does_not_hide_that_most_answers_are_short() -> None:
     """Clients ask for 2,048 tokens and most answers stop after a few dozen: the ledger holds
     a new stream to what answers here run to (a low quantile of them), so the prefill that

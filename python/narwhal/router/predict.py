@@ -206,7 +206,10 @@ class Profile:
         expected_cached: int = 0,
         probe: bool = False,
         queued: bool = False,
-    ) -> None:
+    ) -> float | None:
+        """Learn from one answered request; the projection's miss, ln(measured /
+        projected TTFT), where it was scored."""
+        miss: float | None = None
         # A prompt the engine partly served from its prefix cache prefilled only the rest:
         # its rate counts those tokens. The projection counted the cache it expected; where
         # the engine's cache held much more or much less than that, the miss is the
@@ -267,6 +270,7 @@ class Profile:
             self.tpot_s = _ewma(self.tpot_s, decode_s / (decode_tokens - 1))
         if decode_tokens:
             self.output_tokens = _ewma(self.output_tokens, decode_tokens)
+        return miss
 
     def rebase(self) -> None:
         """A fresh profiling measurement: judge drift (and correct) anew from here on."""
@@ -317,6 +321,10 @@ class Predictor:
     ) -> None:
         self.profiles = {e.name: Profile() for e in engines}
         self.edge = 1.0  # the learned widening of every projection (EDGE_TARGET)
+        # The fleet's typical miss (every engine's scored projections): an engine's margin
+        # until it has enough of its own.
+        self.drift: float | None = None
+        self.drift_samples = 0
         self.drift_bound = drift_bound
         self.drift_min_samples = drift_min_samples
         self.stale_after_s = stale_after_s
@@ -424,7 +432,7 @@ class Predictor:
         if prof is None:
             return  # its engine left the fleet while it ran
         ttft = lease.measured.first_at - lease.measured.sent_at if lease.measured.first_at else None
-        prof.observe(
+        miss = prof.observe(
             lease.intake.prompt_bytes,
             lease.measured.prompt_tokens,
             ttft,
@@ -437,6 +445,9 @@ class Predictor:
             probe=lease.probe,
             queued=lease.queued,
         )
+        if miss is not None:
+            self.drift = _ewma(self.drift, abs(miss))
+            self.drift_samples += 1
 
     def _discard(self, lease: Lease, kind: str, against_engine: str | None) -> None:
         prof = self.profiles.get(lease.on.name)
@@ -467,10 +478,17 @@ class Predictor:
         return "; ".join(reasons) or None
 
     def margin(self, prof: Profile) -> float:
-        """How much wider than the projection admission plays it on this engine."""
-        if prof.drift is None or prof.drift_samples < self.drift_min_samples:
-            return 1.0  # a few cold-start misses (fixed overheads) say nothing yet
-        return min(MAX_MARGIN, math.exp(MARGIN_SPREAD * prof.drift))
+        """How much wider than the projection admission plays it on this engine: by its own
+        typical miss, or until it has enough of them, the fleet's (a new engine, or every
+        engine of a router that just started: under load a fresh router's first requests on
+        each engine are placed at the budget's edge, and with no margin until each engine
+        had five scored, one in six of those of a 4x bench run came late)."""
+        drift = prof.drift
+        if drift is None or prof.drift_samples < self.drift_min_samples:
+            if self.drift is None or self.drift_samples < self.drift_min_samples:
+                return 1.0  # a few cold-start misses (fixed overheads) say nothing yet
+            drift = self.drift
+        return min(MAX_MARGIN, math.exp(MARGIN_SPREAD * drift))
 
     def size(self, prompt_bytes: int, e: Engine) -> int:
         bpt = self.profiles[e.name].bytes_per_token or 4.0
