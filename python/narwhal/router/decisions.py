@@ -38,7 +38,6 @@ class Decision:
 
     __slots__ = (
         "_at",
-        "_ms",
         "budget_s",
         "candidates",
         "choice",
@@ -59,7 +58,6 @@ class Decision:
     def __init__(self, rid: str, tenant: str, priority: str, prompt_bytes: int) -> None:
         self.id = rid
         self._at = time.time()
-        self._ms = time.monotonic()
         self.tenant = tenant
         self.priority = priority
         self.prompt_bytes = prompt_bytes

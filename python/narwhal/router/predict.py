@@ -244,24 +244,8 @@ class Profile:
             fresh_start = not probe and not self.sized_live  # the probe's guess replaced
             self.bytes_per_token = ratio if fresh_start else _ewma(self.bytes_per_token, ratio)
             self.sized_live = self.sized_live or not probe
-        # A prompt that waited behind another began when that one's first token came: the
-        # fixed overhead (the request's way in, its first step) ran while it waited, and the
-        # fit, whose samples carry it, is given it back. Such a sample is taken once a fit
-        # exists to bound it (below).
-        measured = prefill_s is not None and prefill_s >= 0
-        if prompt_tokens and measured and fresh and (not queued or self.prefill_tps):
-            assert prefill_s is not None
-            seconds = prefill_s
-            if queued and self.prefill_tps is not None:
-                # Where two prompts shared a step, the later one's sample is short by what
-                # the earlier one's was long: one prompt whose whole prefill ran in the step
-                # that ended another's measured nothing, and alone it swung a fit twenty
-                # times fast (the bench: the burst placed there came 12x late). A sample
-                # that waited moves the fit by at most QUEUED_CLIP either way.
-                quad = prompt_tokens * prompt_tokens - (prompt_tokens - fresh) ** 2
-                expected = self.overhead_s + fresh / self.prefill_tps + self.quad_s * quad
-                seconds = seconds + self.overhead_s
-                seconds = min(max(seconds, expected / QUEUED_CLIP), expected * QUEUED_CLIP)
+        seconds = self._sample_s(prefill_s, fresh or 0, prompt_tokens or 0, queued)
+        if prompt_tokens and fresh and seconds is not None:
             fit = self.fit.add(fresh, prompt_tokens, seconds)
             self.prefill_tps, self.overhead_s, self.quad_s = fit
             self.prefill_samples += 1
@@ -271,6 +255,29 @@ class Profile:
         if decode_tokens:
             self.output_tokens = _ewma(self.output_tokens, decode_tokens)
         return miss
+
+    def _sample_s(
+        self, prefill_s: float | None, fresh: int, prompt: int, queued: bool
+    ) -> float | None:
+        """What a measured prefill teaches the fit, in seconds (None: nothing). A prompt
+        that waited behind another began when that one's first token came: the fixed
+        overhead (the request's way in, its first step) ran while it waited, and the fit,
+        whose samples carry it, is given it back. Where two prompts shared a step, the later
+        one's sample is short by what the earlier one's was long: one prompt whose whole
+        prefill ran in the step that ended another's measured nothing, and alone it swung a
+        fit twenty times fast (the bench: the burst placed there came 12x late). So a
+        sample that waited moves the fit by at most QUEUED_CLIP either way, and is taken
+        only once a fit exists to bound it."""
+        if prefill_s is None or prefill_s < 0:
+            return None
+        if not queued:
+            return prefill_s
+        if self.prefill_tps is None:
+            return None
+        quad = prompt * prompt - (prompt - fresh) ** 2
+        expected = self.overhead_s + fresh / self.prefill_tps + self.quad_s * quad
+        seconds = prefill_s + self.overhead_s
+        return min(max(seconds, expected / QUEUED_CLIP), expected * QUEUED_CLIP)
 
     def rebase(self) -> None:
         """A fresh profiling measurement: judge drift (and correct) anew from here on."""
