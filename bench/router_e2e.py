@@ -129,15 +129,19 @@ def stop(p: subprocess.Popen[bytes]) -> None:
         os.killpg(p.pid, 9)
 
 
-def router_yaml(port: int, engine: str, dialect: str = "openai", cpus: str = "auto") -> str:
+def router_yaml(
+    port: int, engine: str, dialect: str = "openai", cpus: str = "auto", telemetry: str = ""
+) -> str:
     """Narwhal in front of one engine, admitting everything, limits out of the way: what
-    every CPU comparison runs (`serving.cpu_affinity`: `cpus`)."""
+    every CPU comparison runs (`serving.cpu_affinity`: `cpus`; `telemetry`: that section's
+    YAML flow mapping, if any)."""
     return (
         f"model: main\nlisten: {{port: {port}}}\nadmission: open\n"
         f"serving: {{cpu_affinity: {cpus}}}\n"
         "phases: {prefill_concurrency: 512, decode_concurrency: 512}\n"
         "queue: {size: 1024}\n"
-        f"engines:\n  - {{name: e, url: '{engine}', dialect: {dialect}}}\n"
+        + (f"telemetry: {telemetry}\n" if telemetry else "")
+        + f"engines:\n  - {{name: e, url: '{engine}', dialect: {dialect}}}\n"
     )
 
 
@@ -166,6 +170,21 @@ def doors(engine: str, a: argparse.Namespace) -> list[tuple[str, list[str], str,
         out.append(
             (
                 f"narwhal ({label})",
+                [str(BIN / "narwhal"), "serve", "--config", str(cfg)],
+                "/ready",
+                port,
+            )
+        )
+    if a.traced is not None:
+        # Same config as the first door, with traces sent to a receiver in this harness
+        # (decoding them is its CPU, not the door's): what tracing costs per token.
+        port = free_port()
+        cfg = tmp / f"{port}.yaml"
+        sink = f"{{otlp_endpoint: '{a.receiver_url}', sample_ratio: {a.traced}}}"
+        cfg.write_text(router_yaml(port, engine, telemetry=sink))
+        out.append(
+            (
+                f"narwhal (openai dialect, traced at {a.traced:g})",
                 [str(BIN / "narwhal"), "serve", "--config", str(cfg)],
                 "/ready",
                 port,
@@ -232,6 +251,12 @@ def main() -> None:
     ap.add_argument("--sglang")
     ap.add_argument("--vllm")
     ap.add_argument("--narwhal-at", metavar="DIR", help="also run another checkout's router")
+    ap.add_argument(
+        "--traced",
+        type=float,
+        metavar="RATIO",
+        help="also run Narwhal with traces on at this sample ratio (OTLP to a receiver here)",
+    )
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--levels", default="1,64,256")
     ap.add_argument(
@@ -257,6 +282,12 @@ def main() -> None:
     # still reach the `finally` that stops them, or they outlive it.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     levels = [int(x) for x in a.levels.split(",")]
+    receiver = None
+    if a.traced is not None:
+        from tests.otlp_receiver import Receiver
+
+        receiver = Receiver()
+        a.receiver_url = receiver.url
     eport = free_port()
     engine = f"http://127.0.0.1:{eport}"
     os.environ["NARWHAL_FLOOR_ENGINE"] = engine
@@ -301,6 +332,9 @@ def main() -> None:
             if proc:
                 stop(proc)
         stop(eng)
+        if receiver is not None:
+            print(f"traced door: {len(receiver.spans())} spans received", file=sys.stderr)
+            receiver.close()
     report(results, levels, [d for d, _, _ in running])
 
 
@@ -323,6 +357,23 @@ def report(results: dict[tuple[str, int], Result], levels: list[int], order: lis
                 f"| {r.door} | {r.concurrency} | {r.tokens} | {cpu_tok} | {spread} | {cpu_req} "
                 f"| {r.pct(0.5):.1f} | {r.pct(0.99):.1f} | {added50} | {added99} |"
             )
+    # A variant of Narwhal (traced, another checkout) against Narwhal as configured by
+    # default, round by round: what the variant's difference costs per token.
+    base = "narwhal (openai dialect)"
+    variants = [d for d in order if d.startswith("narwhal at ") or "traced" in d]
+    if variants:
+        print()
+        print("| door | " + " | ".join(f"{c} streams: / {base} (range)" for c in levels) + " |")
+        print("|---|" + "---|" * len(levels))
+        for door in variants:
+            cells = []
+            for c in levels:
+                pairs = zip(results[door, c].rounds, results[base, c].rounds, strict=True)
+                ratios = [x / b for x, b in pairs if b > 0]
+                cells.append(
+                    f"{statistics.median(ratios):.3f} ({min(ratios):.3f}-{max(ratios):.3f})"
+                )
+            print(f"| {door} | " + " | ".join(cells) + " |")
     peers = [p for p in (SGLANG, VLLM) if (p, levels[0]) in results]
     if not peers:
         return

@@ -98,6 +98,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     STATS["requests"] += 1
     STATS["last"] = body
     STATS["last_request_id"] = request.headers.get("x-request-id")
+    STATS["last_traceparent"] = request.headers.get("traceparent")
     if len(STATS["authorizations"]) < 1000:
         STATS["authorizations"].append(request.headers.get("authorization"))
     fence = request.headers.get("x-narwhal-fence")

@@ -13,8 +13,10 @@ import httpx
 import pytest
 
 from narwhal.router.decisions import Decision, Decisions
+from tests.otlp_receiver import Receiver, Span
 from tests.support import Server, start_router, start_test_engine
 from tests.test_predictive import MS_PER_TOKEN, chat, prompt
+from tests.test_traces import of_request
 
 TOKEN = "decisions-admin-token"
 ADMIN = {"authorization": f"Bearer {TOKEN}"}
@@ -30,13 +32,24 @@ def test_the_ring_keeps_the_last_records_and_no_more() -> None:
 
 
 @pytest.fixture(scope="module")
-def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server, list[Server]]]:
+def receiver() -> Iterator[Receiver]:
+    """Where the router's spans go: with traces on, a record is its placement span too."""
+    r = Receiver()
+    yield r
+    r.close()
+
+
+@pytest.fixture(scope="module")
+def fleet(
+    tmp_path_factory: pytest.TempPathFactory, receiver: Receiver
+) -> Iterator[tuple[Server, list[Server]]]:
     engines = [
         start_test_engine("tests.scripted_engine", "--prefill-ms-per-token", str(MS_PER_TOKEN))
         for _ in range(2)
     ]
     mp = pytest.MonkeyPatch()
     mp.setenv("NARWHAL_TEST_DECISIONS_ADMIN", TOKEN)
+    mp.setenv("OTEL_BSP_SCHEDULE_DELAY", "100")
     listed = "".join(
         f"\n  - {{name: e{i}, url: '{e.url}', dialect: lexi}}" for i, e in enumerate(engines)
     )
@@ -45,6 +58,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server, li
         "model: main\nlisten: {port: $PORT}\nadmission: predictive\n"
         "predictive: {ttft_budget_s: 1.0}\nhealth: {interval_s: 0.2}\n"
         "admin: {token_env: NARWHAL_TEST_DECISIONS_ADMIN, decision_records: 50}\n"
+        f"telemetry: {{otlp_endpoint: '{receiver.url}'}}\n"
         f"engines:{listed}\n",
     )
     mp.undo()
@@ -77,7 +91,7 @@ def record(router: Server, rid: str) -> dict[str, Any]:
 
 @pytest.mark.slow
 def test_a_placed_request_says_what_was_weighed_chosen_and_measured(
-    fleet: tuple[Server, list[Server]],
+    fleet: tuple[Server, list[Server]], receiver: Receiver
 ) -> None:
     router, _ = fleet
     shared = f"script:prefill:{MS_PER_TOKEN}:{uuid.uuid4().hex} " + "w" * 1200
@@ -97,11 +111,23 @@ def test_a_placed_request_says_what_was_weighed_chosen_and_measured(
     assert d["choice"] in weighed and weighed[d["choice"]]["chosen"] and d["why"]
     assert d["measured"]["engine"] == d["choice"]
     assert d["measured"]["ttfb_ms"] > 0 and d["measured"]["tokens_in"] > 0
+    # The same record is the request's placement span: an event per engine weighed.
+    rid = again.headers["x-request-id"]
+    placement = placement_span(receiver, rid)
+    assert placement.attributes["narwhal.choice"] == d["choice"]
+    events = {e["engine"]: e for name, e in placement.events if name == "candidate"}
+    assert set(events) == {"e0", "e1"}
+    assert events[home]["cached_tokens_expected"] == weighed[home]["cached_tokens_expected"]
+
+
+def placement_span(receiver: Receiver, rid: str) -> Span:
+    spans = receiver.wait_for(lambda s: "placement" in {x.name for x in of_request(s, rid)})
+    return next(s for s in of_request(spans, rid) if s.name == "placement")
 
 
 @pytest.mark.slow
 def test_a_refused_request_says_why_and_is_listed_with_the_refusals(
-    fleet: tuple[Server, list[Server]],
+    fleet: tuple[Server, list[Server]], receiver: Receiver
 ) -> None:
     router, _ = fleet
     r = httpx.post(router.url + "/v1/chat/completions", json=chat(prompt(1500)), timeout=30)
@@ -127,6 +153,15 @@ def test_a_refused_request_says_why_and_is_listed_with_the_refusals(
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "limit"
     gone = httpx.get(router.url + "/admin/requests/nope", headers=ADMIN, timeout=10)
     assert gone.status_code == 404
+    # Its trace says so too: the request's span failed with the reason, and its placement
+    # span with the refusal, over the engines weighed.
+    placement = placement_span(receiver, rid)
+    assert placement.error == "prompt_exceeds_ttft_budget"
+    assert {e["engine"] for name, e in placement.events if name == "candidate"} == {"e0", "e1"}
+    root = of_request(receiver.spans(), rid)[0]
+    assert root.error == "prompt_exceeds_ttft_budget"
+    assert root.attributes["narwhal.refusal.reason"] == "prompt_exceeds_ttft_budget"
+    assert root.attributes["narwhal.outcome"] == "refused"
 
 
 def test_how_many_records_are_kept_is_a_setting(tmp_path: Path) -> None:

@@ -27,8 +27,11 @@ from narwhal.engine.protocol import Job
 from narwhal.engine.render import Output, ToolCallFailed
 from narwhal.engine.routes import JOBS, writer_for
 from narwhal.engine.slots import Busy, Slots
+from narwhal.engine.tracing import GenerationTrace
 from narwhal.errors import ApiError, json_object
 from narwhal.etcd import Etcd, EtcdError
+from narwhal.telemetry import Settings as TraceSettings
+from narwhal.telemetry import Tracing
 
 log = logging.getLogger("lexi_engine")
 access_log = logging.getLogger("lexi.access")
@@ -59,6 +62,16 @@ class LexiEngine:
         self.background = Background(self.metrics.background_errors)
         self.stopping = False
         self.registrar = _registrar(config, self._healthy)
+        self.tracing = (
+            Tracing(
+                TraceSettings(
+                    config.otlp_endpoint, config.otel_service_name, config.otel_sample_ratio
+                ),
+                "lexi_engine",
+            )
+            if config.otlp_endpoint
+            else None
+        )
 
     # -- ASGI ---------------------------------------------------------------------------
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -138,6 +151,8 @@ class LexiEngine:
         if self.registrar is not None:
             await self.registrar.close()
         await asyncio.to_thread(self.decoder.stop)
+        if self.tracing is not None:
+            await asyncio.to_thread(self.tracing.shutdown)  # the last spans are sent
 
     def _authorize(self, scope: Scope) -> None:
         if self.keys:
@@ -196,6 +211,37 @@ class LexiEngine:
 
     # -- generation ---------------------------------------------------------------------
     async def _generate(self, path: str, scope: Scope, receive: Receive, send: Send) -> None:
+        trace = (
+            GenerationTrace(
+                self.tracing, asgi.header(scope, b"traceparent"), f"POST {path}", time.monotonic()
+            )
+            if self.tracing is not None
+            else None
+        )
+        if trace is None:
+            await self._generation(path, scope, receive, send, None)
+            return
+        status = 500
+        try:
+            await self._generation(path, scope, receive, send, trace)
+            status = trace.status
+        except asyncio.CancelledError:
+            status = 499
+            raise
+        except ApiError as e:
+            status = e.status
+            raise
+        finally:
+            trace.ended(status, time.monotonic())
+
+    async def _generation(
+        self,
+        path: str,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        trace: GenerationTrace | None,
+    ) -> None:
         route = path.rsplit("/", 1)[-1]
         status = 200
         try:
@@ -210,6 +256,8 @@ class LexiEngine:
             job = await asyncio.to_thread(JOBS[path], body, self.config, self.model)
             if token is not None:
                 await self._take_fence(token, scope)  # only an accepted request moves the floor
+            if trace is not None:
+                trace.rendered(job)
         except ApiError as e:
             self.metrics.requests.labels(route, str(e.status)).inc()
             raise
@@ -235,12 +283,14 @@ class LexiEngine:
                 self.slots.release(slot)
                 raise
             gen = Request(prompt, job.sampling, job.cache_prompt)
+            if trace is not None:
+                trace.seated_at, trace.gen = gen.started_at, gen
             # The slot goes back when the decode loop has let go of the request, not when
             # this task ends: a task cancelled twice must not hand on a slot still decoding.
             gen.done.add_done_callback(lambda _: self.slots.release(slot))
             self.decoder.submit(slot, gen)
             try:
-                await self._run(job, gen, send)
+                await self._run(job, gen, send, trace)
             finally:
                 gen.cancel()
         except asyncio.CancelledError:
@@ -253,9 +303,15 @@ class LexiEngine:
         finally:
             watcher.cancel()
             self.metrics.requests.labels(route, str(status)).inc()
+            if trace is not None:
+                trace.status = status
 
-    async def _run(self, job: Job, gen: Request, send: Send) -> None:
+    async def _run(
+        self, job: Job, gen: Request, send: Send, trace: GenerationTrace | None = None
+    ) -> None:
         out = Output(job)
+        if trace is not None:
+            trace.checks = out.checks
         writer = writer_for(job, self.model.id)
         self.metrics.prompt_tokens.inc(len(job.prompt_ids))
         finish: Finish | None = None
@@ -274,6 +330,8 @@ class LexiEngine:
                             await asgi.stream_chunk(send, writer.delta(d))
                         continue
                     finish = item
+                    if trace is not None:
+                        trace.finish, trace.finished_at = finish, time.monotonic()
                     break
                 rec = asgi.current.get()
                 if rec is not None:

@@ -63,6 +63,9 @@ class EngineConfig:
     register_key: str | None = None
     advertise: str | None = None  # the URL routers reach it at (default http://host:port)
     register_ttl_s: int = 10
+    otlp_endpoint: str | None = None  # traces to this collector (narwhal.telemetry); None: off
+    otel_service_name: str = "lexi-engine"
+    otel_sample_ratio: float = 1.0
 
     def to_json(self) -> bytes:
         return orjson.dumps(dataclasses.asdict(self))
@@ -122,6 +125,7 @@ def from_args(ns: argparse.Namespace) -> EngineConfig:
     _check_limits(ns)
     _check_fencing(ns)
     _check_registration(ns)
+    _check_telemetry(ns)
     aliases = tuple(ns.alias)
     for a in aliases:
         if not a.strip():
@@ -157,6 +161,9 @@ def from_args(ns: argparse.Namespace) -> EngineConfig:
         register_key=ns.register_key,
         advertise=ns.advertise,
         register_ttl_s=ns.register_ttl,
+        otlp_endpoint=ns.otlp_endpoint,
+        otel_service_name=ns.otel_service_name,
+        otel_sample_ratio=ns.otel_sample_ratio,
     )
 
 
@@ -290,6 +297,24 @@ def _check_registration(ns: argparse.Namespace) -> None:
         raise EngineConfigError("--advertise", "must be an http(s):// URL")
     if not 2 <= ns.register_ttl <= 300:
         raise EngineConfigError("--register-ttl", "must be between 2 and 300 seconds")
+
+
+def _check_telemetry(ns: argparse.Namespace) -> None:
+    if ns.otlp_endpoint is not None and not re.match(r"https?://[^/]", ns.otlp_endpoint):
+        raise EngineConfigError("--otlp-endpoint", "must be an http(s):// URL")
+    if not 0 <= ns.otel_sample_ratio <= 1:
+        raise EngineConfigError("--otel-sample-ratio", "must be between 0 and 1")
+    if not ns.otel_service_name.strip():
+        raise EngineConfigError("--otel-service-name", "empty name")
+    if ns.otlp_endpoint is not None:
+        from narwhal import telemetry
+
+        if not telemetry.installed():
+            raise EngineConfigError(
+                "--otlp-endpoint",
+                "traces need the OpenTelemetry SDK, which is not installed: "
+                "pip install 'narwhal-serve[telemetry]'",
+            )
 
 
 _NAME = re.compile(r"[A-Za-z0-9_.-]{1,128}")

@@ -20,6 +20,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     _limits_arguments(p)
     _fencing_arguments(p)
     _registration_arguments(p)
+    _telemetry_arguments(p)
 
 
 def _model_arguments(p: argparse.ArgumentParser) -> None:
@@ -218,6 +219,31 @@ def _registration_arguments(p: argparse.ArgumentParser) -> None:
         default=default("register_ttl_s"),
         metavar="S",
         help="the key's lease in seconds (default %(default)d)",
+    )
+
+
+def _telemetry_arguments(p: argparse.ArgumentParser) -> None:
+    """OpenTelemetry traces (the router's `telemetry:` section, for the engine)."""
+    p.add_argument(
+        "--otlp-endpoint",
+        metavar="URL",
+        help="send OpenTelemetry traces to this collector's OTLP/HTTP base URL "
+        "(http://collector:4318): a span per request (render, queue, prefill, decode, each "
+        "tool call's check), joined to the router's trace by its traceparent (default: off)",
+    )
+    p.add_argument(
+        "--otel-service-name",
+        default=default("otel_service_name"),
+        metavar="NAME",
+        help="with --otlp-endpoint: the spans' service.name (default %(default)s)",
+    )
+    p.add_argument(
+        "--otel-sample-ratio",
+        type=float,
+        default=default("otel_sample_ratio"),
+        metavar="R",
+        help="with --otlp-endpoint: the share of requests without a sampled traceparent "
+        "that are traced, 0-1 (default %(default)g)",
     )
 
 

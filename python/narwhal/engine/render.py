@@ -6,6 +6,8 @@ writer (`routes/`) turns its deltas into chunks of that route's shape.
 
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
@@ -49,6 +51,15 @@ class Delta:
         self.calls = calls or []
 
 
+@dataclass
+class Check:
+    """One tool call's check against the offered tools (a span where traces are on)."""
+
+    began: float  # monotonic
+    ended: float
+    call: Call | None  # None: markup that was not a valid call
+
+
 class Output:
     """Per-request text state. Token IDs of text that is held back ride on the next delta."""
 
@@ -62,6 +73,7 @@ class Output:
         )
         self.call_splitter = CallSplitter(job.tools) if job.tools is not None else None
         self.calls: list[Call] = []
+        self.checks: list[Check] = []  # each call checked against the tools' schemas (spans)
         self.pending_ids: list[int] = []
         self.token_ids: list[int] = []
         self.content: list[str] = []
@@ -98,7 +110,12 @@ class Output:
         if cs is None:
             return c, []
         text, calls = [], []
-        for kind, value in (cs.feed(c) if c else []) + (cs.finish() if final else []):
+        began = time.monotonic()
+        events = (cs.feed(c) if c else []) + (cs.finish() if final else [])
+        checked = time.monotonic()
+        for kind, value in events:
+            if kind in ("call", "bad"):
+                self.checks.append(Check(began, checked, value if kind == "call" else None))
             if kind == "call":
                 calls.append(value)
             elif kind == "bad" and cs.plan.required:

@@ -37,6 +37,8 @@ from narwhal.router.relay.relayer import Relayer
 from narwhal.router.status import Status
 from narwhal.router.supervisor import pool_from
 from narwhal.router.tenants.registry import Tenants, client_keys
+from narwhal.telemetry import Settings as TraceSettings
+from narwhal.telemetry import Tracing
 
 log = logging.getLogger("narwhal.router")
 access_log = logging.getLogger("narwhal.access")
@@ -107,6 +109,17 @@ class Router:
         from narwhal import __version__
 
         self.metrics.info.labels(config.model, __version__).set(1)
+        self.metrics.targets(config.ttft_budget_s, config.tpot_target_s)
+        self.tracing = (
+            Tracing(
+                TraceSettings(
+                    config.otlp_endpoint, config.otel_service_name, config.otel_sample_ratio
+                ),
+                "narwhal.router",
+            )
+            if config.otlp_endpoint
+            else None
+        )
         self.flow = self._flow(config)
         self.background = Background(self.metrics.background_errors)
         self.status = Status(self)
@@ -150,6 +163,7 @@ class Router:
             self.placer,
             self.tenants,
             self.decisions,
+            self.tracing,
         )
 
     def reload(self) -> str | None:
@@ -159,6 +173,7 @@ class Router:
     def _settings(self, new: RouterConfig) -> None:
         """A reloaded config's settings, for requests from now on."""
         self.config = self.flow.config = new
+        self.metrics.targets(new.ttft_budget_s, new.tpot_target_s)
         settle(
             new,
             self.admission,
@@ -242,6 +257,8 @@ class Router:
         await self.fleet.close()
         if self.session is not None:
             await self.session.close()
+        if self.tracing is not None:
+            await asyncio.to_thread(self.tracing.shutdown)  # the last spans are sent
 
     # -- ASGI ---------------------------------------------------------------------------
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

@@ -11,6 +11,7 @@ import jsonschema_rs
 import orjson
 import yaml
 
+from narwhal import telemetry
 from narwhal.router.config_schema import SCHEMA, TOKEN_ID_DIALECTS
 from narwhal.router.urls import credentials
 
@@ -156,6 +157,12 @@ class RouterConfig:
     drain_timeout_s: float = 60.0
     admin_token_env: str | None = None  # the admin API's token, by environment variable
     decision_records: int = 1024  # the last requests' decision records kept (admin API)
+    # OpenTelemetry traces (narwhal.telemetry): the collector's OTLP/HTTP URL (None: off),
+    # the service name spans carry, and the share of requests traced (a sampled parent's
+    # request always is).
+    otlp_endpoint: str | None = None
+    otel_service_name: str = "narwhal"
+    otel_sample_ratio: float = 1.0
     api_keys: tuple[str, ...] = ()  # client keys (auth.api_keys); none: no client auth
     api_keys_env: str | None = None  # a variable holding more, comma-separated
     tenant_keys: tuple[TenantKey, ...] = ()  # auth.api_keys entries that name a tenant
@@ -305,6 +312,11 @@ def parse(data: Any) -> RouterConfig:
         given["tenant_keys"] = _tenant_keys(keys)
     if "api_keys_env" in auth:
         given["api_keys_env"] = auth["api_keys_env"]
+    if given.get("otlp_endpoint") and not telemetry.installed():
+        raise RouterConfigError(
+            "telemetry: traces need the OpenTelemetry SDK, which is not installed: "
+            "pip install 'narwhal-serve[telemetry]'"
+        )
     return replace(_DEFAULTS, engines=engines, **given)
 
 
@@ -425,6 +437,9 @@ _FIELDS = {
     ("health", "interval_s"): "health_interval_s",
     ("health", "timeout_s"): "health_timeout_s",
     ("health", "eject_after"): "eject_after",
+    ("telemetry", "otlp_endpoint"): "otlp_endpoint",
+    ("telemetry", "service_name"): "otel_service_name",
+    ("telemetry", "sample_ratio"): "otel_sample_ratio",
 }
 _DEFAULTS = RouterConfig(engines=())
 _NAMES = {name: f"{s}.{k}" if s else k for (s, k), name in _FIELDS.items()} | {

@@ -100,6 +100,15 @@ MEANINGS = {
     "its requests may ask for with `x-narwhal-priority`)",
     "auth.api_keys_env": "an environment variable holding more keys, comma-separated (keeps "
     "them out of the file)",
+    "telemetry": "OpenTelemetry traces over OTLP/HTTP (protobuf); off without it. A request's "
+    "span has a child per stage (intake, placement with its decision record, queue, the "
+    "upstream call, relay); the call to the engine carries `traceparent`, so LexiEngine's "
+    "spans (`--otlp-endpoint`) join the trace",
+    "telemetry.otlp_endpoint": "the collector's OTLP/HTTP base URL (`http://collector:4318`; "
+    "spans go to its `/v1/traces`)",
+    "telemetry.service_name": "the `service.name` the spans carry (default `narwhal`)",
+    "telemetry.sample_ratio": "the share of requests traced, 0 to 1 (default 1); a request "
+    "whose `traceparent` says sampled is traced whatever the ratio",
     "admin": "the admin API (`/admin/maintenance`, `/admin/engines`); without it there are "
     "no admin routes",
     "admin.token_env": "the environment variable that holds the admin Bearer token",

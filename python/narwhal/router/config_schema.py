@@ -139,6 +139,16 @@ SCHEMA: dict[str, Any] = {
                 "api_keys_env": _env_name,
             },
         },
+        "telemetry": {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["otlp_endpoint"],
+            "properties": {
+                "otlp_endpoint": {"type": "string", "pattern": "^https?://[^/]"},
+                "service_name": {"type": "string", "minLength": 1, "maxLength": 256},
+                "sample_ratio": {"type": "number", "minimum": 0, "maximum": 1},
+            },
+        },
         "admin": {
             "type": "object",
             "additionalProperties": False,

@@ -123,6 +123,27 @@ class RouterMetrics:
         self.output_tokens = Counter(
             "narwhal_output_tokens", "Relayed output tokens", ["engine"], registry=r
         )
+        self.prompt_tokens = Counter(
+            "narwhal_prompt_tokens",
+            "Prompt tokens of answered requests, as the engine counted them",
+            ["engine"],
+            registry=r,
+        )
+        self.cached_tokens = Counter(
+            "narwhal_cached_prompt_tokens",
+            "Of those, the tokens the engine's prefix cache served (where it says: the "
+            "llama-server dialect does not); over narwhal_prompt_tokens_total, its hit rate",
+            ["engine"],
+            registry=r,
+        )
+        # The targets requests are held to (predictive.ttft_budget_s, tpot_target_s), for
+        # dashboards to draw the latencies against; a reload that changes one moves it.
+        self.target = Gauge(
+            "narwhal_target_seconds",
+            "The TTFT budget and the TPOT target (where set) requests are held to",
+            ["target"],
+            registry=r,
+        )
         self.inflight = Gauge(
             "narwhal_inflight", "Requests placed on an engine", ["engine", "phase"], registry=r
         )
@@ -304,6 +325,10 @@ class RouterMetrics:
                 self.ttft_prediction_error.labels(name).observe(math.log(ttft / lease.predicted_s))
         # Only where the engine said what its cache served (llama-server's dialect does not).
         prompt, cached = lease.measured.prompt_tokens, lease.measured.cached_tokens
+        if prompt:
+            m.prompt_tokens.inc(prompt)
+            if cached:
+                m.cached_tokens.inc(cached)
         if (
             lease.plan is not None
             and lease.plan.blocks is not None
@@ -335,6 +360,14 @@ class RouterMetrics:
         if child is None:
             child = self._finished_as[outcome] = self.finished.labels(outcome)
         return child
+
+    def targets(self, ttft_budget_s: float, tpot_target_s: float | None) -> None:
+        self.target.labels("ttft").set(ttft_budget_s)
+        if tpot_target_s is not None:
+            self.target.labels("tpot").set(tpot_target_s)
+        else:
+            with contextlib.suppress(KeyError):
+                self.target.remove("tpot")
 
     def engine(self, name: str) -> EngineMetrics:
         """The per-request series of one engine, looked up once: `labels()` validates and
@@ -377,10 +410,12 @@ class RouterMetrics:
 
 
 class EngineMetrics:
-    __slots__ = ("completed", "output_tokens", "tpot", "ttfb")
+    __slots__ = ("cached_tokens", "completed", "output_tokens", "prompt_tokens", "tpot", "ttfb")
 
     def __init__(self, m: RouterMetrics, name: str) -> None:
         self.ttfb: Any = m.ttfb.labels(name)
+        self.prompt_tokens: Any = m.prompt_tokens.labels(name)
+        self.cached_tokens: Any = m.cached_tokens.labels(name)
         self.completed: Any = m.completed.labels(name)
         self.output_tokens: Any = m.output_tokens.labels(name)
         self.tpot: Any = m.tpot.labels(name)

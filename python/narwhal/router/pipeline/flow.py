@@ -26,6 +26,8 @@ from narwhal.router.pipeline.place import Placer
 from narwhal.router.pipeline.read import read
 from narwhal.router.tenants.fair_queue import CLASSES, RANK
 from narwhal.router.tenants.registry import Tenants
+from narwhal.router.tracing import RequestTrace
+from narwhal.telemetry import Tracing
 
 # What a decision record says was measured: the access line's fields of the engine's part.
 MEASURED = ("engine", "ttfb_ms", "sent_ms", "tokens_in", "tokens_cached", "tokens_out")
@@ -44,9 +46,11 @@ class Flow:
         placer: Placer,
         tenants: Tenants,
         decisions: Decisions | None = None,
+        tracing: Tracing | None = None,
     ) -> None:
         self.config = config
         self.decisions = decisions  # where each judged request's record is kept (None: not)
+        self.tracing = tracing  # None: no spans (and nothing on the way costs any)
         self.metrics = metrics
         self.admission = admission
         self.gate = gate
@@ -65,6 +69,7 @@ class Flow:
         end = Ending()
         rank: int | None = None
         record: Decision | None = None
+        trace = self._trace(path, scope, arrived) if self.tracing is not None else None
         try:
             try:
                 self.admission.retain()
@@ -74,6 +79,7 @@ class Flow:
             try:
                 req, deadline, budget = await read(path, scope, receive, self.config, m, arrived)
                 req.tenant = tenant or ""
+                req.trace = trace
                 req.rank = rank = self.tenants.rank(
                     tenant, asgi.header(scope, b"x-narwhal-priority")
                 )
@@ -88,8 +94,10 @@ class Flow:
                     # out of being refused first.
                     budget = min(budget, self.config.ttft_budget_s)
                 budget *= req.share
+                if trace is not None:
+                    trace.read(req)
                 ticket = self.tenants.admit(tenant, req.estimated_prompt_tokens(), req.rank)
-                record = self._record(req)
+                record = self._record(req, trace)
                 try:
                     await self._serve(req, receive, send, arrived, deadline, budget, end, record)
                 finally:
@@ -119,22 +127,36 @@ class Flow:
                     rec.fields["reason"] = end.label
                 if record is not None:
                     self._keep(record, end, rec.fields)
+            if trace is not None:
+                trace.finish(end, record, rec.fields if rec is not None else {}, time.monotonic())
 
-    def _record(self, req: Intake) -> Decision | None:
-        """A decision record for this request, where they are kept."""
+    def _trace(self, path: str, scope: Scope, arrived: float) -> RequestTrace:
+        assert self.tracing is not None
+        trace = RequestTrace(
+            self.tracing, asgi.header(scope, b"traceparent"), f"POST {path}", arrived
+        )
         rec = asgi.current.get()
-        if self.decisions is None or rec is None:
+        if trace.recording and rec is not None:
+            trace.attributes["narwhal.request_id"] = rec.id
+        return trace
+
+    def _record(self, req: Intake, trace: RequestTrace | None) -> Decision | None:
+        """A decision record for this request, where they are kept or it is traced (the
+        record is its placement span)."""
+        rec = asgi.current.get()
+        if rec is None or (self.decisions is None and (trace is None or not trace.recording)):
             return None
         return Decision(rec.id, req.tenant, CLASSES[req.rank], req.prompt_bytes)
 
     def _keep(self, record: Decision, end: Ending, fields: dict[str, object]) -> None:
-        """The record closed with how the request ended and what was measured of it."""
-        assert self.decisions is not None
+        """The record closed with how the request ended and what was measured of it, and
+        kept where records are."""
         record.outcome = end.outcome
         record.reason = end.label if end.outcome in ("refused", "rejected") else None
         if "engine" in fields:
             record.measured = {k: fields.get(k) for k in MEASURED}
-        self.decisions.keep(record)
+        if self.decisions is not None:
+            self.decisions.keep(record)
 
     async def _serve(
         self,
@@ -154,9 +176,12 @@ class Flow:
             self.gate.check()
             try:
                 plan = await self.judge.plan(req, arrived, budget, record)
+                judged = time.monotonic()
+                if req.trace is not None:
+                    req.trace.judged_at = judged
                 rec = asgi.current.get()
                 if rec is not None:
-                    rec.fields["judged_ms"] = round((time.monotonic() - arrived) * 1000, 1)
+                    rec.fields["judged_ms"] = round((judged - arrived) * 1000, 1)
             except ApiError as e:
                 e.ended("refused", e.code or "predictive")
                 raise

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import orjson
 
 from narwhal.errors import ApiError, invalid, json_object
+
+if TYPE_CHECKING:
+    from narwhal.router.tracing import RequestTrace
 
 CHAT = "/v1/chat/completions"
 COMPLETION = "/v1/completions"
@@ -35,6 +38,7 @@ class Intake:
     # Its place among requests waiting for pace: its class, and within a class a tenant
     # over its fair share after the others (0 .. 5; lower goes first).
     standing: int = 2
+    trace: RequestTrace | None = None  # its spans' times, where it is traced (router.tracing)
 
     @property
     def kind(self) -> Literal["chat", "completion"]:

@@ -108,7 +108,10 @@ class Placer:
                 lease.plan = plan
                 self.policy.placed(lease)
                 placed = True
-                waited = time.monotonic() - arrived
+                now = time.monotonic()
+                if req.trace is not None:
+                    req.trace.placed_at = now
+                waited = now - arrived
                 self.queue_time.observe(waited)
                 if req.tenant:
                     self.tenants.queued(req.tenant, req.rank, waited)

@@ -107,6 +107,9 @@ class Relayer:
         rec = asgi.current.get()
         if rec is not None:  # the ID is printable ASCII without spaces (asgi.begin)
             headers += f"x-request-id: {rec.id}\r\n"
+        trace = lease.intake.trace
+        if trace is not None:  # the engine's spans join the request's trace
+            headers += trace.call(lease)
         try:
             resp = await self.upstream(e).request(
                 lease.intake.route, body, lease.deadline, headers, before_send
