@@ -244,3 +244,31 @@ def test_the_engine_traces_each_tool_call_it_checks(model_path: str, receiver: R
     found = {(s.attributes.get("gen_ai.tool.name", ""), s.error or "") for s in checks}
     assert found == {("", "not a valid call of the offered tools"), ("get_weather", "")}
     assert len(checks) == 2
+
+
+@pytest.mark.slow
+def test_an_engine_the_router_launches_sends_its_spans_where_the_router_does(
+    model_path: str, receiver: Receiver, tmp_path: Path
+) -> None:
+    router = start_router(
+        tmp_path,
+        "model: main\nlisten: {port: $PORT}\n"
+        f"telemetry: {{otlp_endpoint: '{receiver.url}'}}\n"
+        "engines:\n  - name: local\n"
+        f"    launch: {{model: {model_path}, parallel: 1, args: ['--ctx-size', '512']}}\n",
+    )
+    try:
+        r = httpx.post(
+            router.url + "/v1/chat/completions", json=chat("Hi", max_tokens=4), timeout=60
+        )
+        assert r.status_code == 200
+        rid = r.headers["x-request-id"]
+
+        def joined(spans: list[Span]) -> bool:
+            mine = of_request(spans, rid)
+            calls = {s.span_id for s in mine if s.name == "upstream"}
+            return any(s.service == "lexi-engine" and s.parent_id in calls for s in spans)
+
+        receiver.wait_for(joined)
+    finally:
+        router.stop()

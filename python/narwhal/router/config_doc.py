@@ -103,7 +103,7 @@ MEANINGS = {
     "telemetry": "OpenTelemetry traces over OTLP/HTTP (protobuf); off without it. A request's "
     "span has a child per stage (intake, placement with its decision record, queue, the "
     "upstream call, relay); the call to the engine carries `traceparent`, so LexiEngine's "
-    "spans (`--otlp-endpoint`) join the trace",
+    "spans (`--otlp-endpoint`; given to the engines it launches) join the trace",
     "telemetry.otlp_endpoint": "the collector's OTLP/HTTP base URL (`http://collector:4318`; "
     "spans go to its `/v1/traces`)",
     "telemetry.service_name": "the `service.name` the spans carry (default `narwhal`)",

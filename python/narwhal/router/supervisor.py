@@ -71,9 +71,13 @@ class ManagedEngine:
         spec: EngineSpec,
         model_name: str,
         on_fatal: Callable[[str], None] | None = None,
+        traces: tuple[str, float] | None = None,
     ) -> None:
         assert spec.launch is not None
         self.spec = spec
+        # Where the router sends its traces and at what ratio: the engine sends its own
+        # there too (joined to the router's by traceparent), unless its args say otherwise.
+        self.traces = traces
         self.port = spec.launch.port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.model_name = model_name
@@ -105,8 +109,15 @@ class ManagedEngine:
             str(la.parallel),
             "--queue-wait",
             "600",
+            *self._traced(la.args),
             *la.args,
         ]
+
+    def _traced(self, args: tuple[str, ...]) -> list[str]:
+        if self.traces is None or any(a.startswith("--otlp-endpoint") for a in args):
+            return []
+        endpoint, ratio = self.traces
+        return ["--otlp-endpoint", endpoint, "--otel-sample-ratio", str(ratio)]
 
     def describe(self) -> dict[str, object]:
         return {
@@ -241,7 +252,10 @@ def pool_from(config: RouterConfig, metrics: RouterMetrics) -> Pool:
     engines = []
     for spec in config.engines:
         if spec.launch is not None:
-            me = ManagedEngine(spec, config.model, on_fatal=_fatal)
+            traces = (
+                (config.otlp_endpoint, config.otel_sample_ratio) if config.otlp_endpoint else None
+            )
+            me = ManagedEngine(spec, config.model, on_fatal=_fatal, traces=traces)
             engines.append(Engine(spec, me.url, managed=me))
         else:
             assert spec.url is not None
