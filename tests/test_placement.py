@@ -14,13 +14,16 @@ import orjson
 import pytest
 
 from narwhal.errors import ApiError
+from narwhal.router import decisions as why
 from narwhal.router.admission import Admission
 from narwhal.router.config import EngineSpec
+from narwhal.router.decisions import Decision
 from narwhal.router.engines import Engine, Pool
 from narwhal.router.lease import Events, Lease
 from narwhal.router.pipeline import intake
 from narwhal.router.pipeline.judge import Judge
 from narwhal.router.policies import Plan
+from narwhal.router.policies.lengths import MIN_SAMPLES
 from narwhal.router.policies.predictive import PredictivePolicy
 from narwhal.router.policies.prefix_cache import PrefixCache
 from narwhal.router.policies.tpot import Streams
@@ -63,6 +66,7 @@ class Fleet:
         n: int = 3,
         tpot_target_s: float | None = None,
         reserve: CriticalReserve | None = None,
+        answers_seen: bool = True,
     ) -> None:
         self.engines = [Engine(EngineSpec(f"e{i}"), f"http://e{i}", healthy=True) for i in range(n)]
         self.predictor = Predictor(self.engines)
@@ -74,6 +78,8 @@ class Fleet:
         )
         self.events = Events()
         self.policy.watch(self.events)
+        if tpot_target_s is not None and answers_seen:
+            self.seen_answers(1000)
         self.pool = Pool(self.engines, prefill_limit=64, decode_limit=64)
         self.admission = Admission(self.pool, 100, 10, 5.0, self.events)
         self.loop = asyncio.new_event_loop()
@@ -121,6 +127,12 @@ class Fleet:
         lease.plan = plan
         self.policy.placed(lease)
         return lease
+
+    def seen_answers(self, tokens: int, count: int = MIN_SAMPLES) -> None:
+        """The router has seen `count` answers of `tokens` tokens: the ledger's verdicts
+        rest on measured lengths (with `max_tokens` below them, it is what holds a stream)."""
+        for _ in range(count):
+            self.policy.lengths.observe("", tokens)
 
     def learn_tau0(self, seconds: float) -> None:
         for streams in self.policy.streams.values():
@@ -834,3 +846,19 @@ def test_streams_that_kept_well_within_their_target_let_more_prefill_beside_the_
 def test_streams_that_ran_past_their_aim_hold_the_next_to_less() -> None:
     # Within the target, past the aim (nine tenths of it) they were held to.
     assert _fitting_after(3, tpot_s=0.049) < _fitting_after(0, tpot_s=0.049)
+
+
+def test_a_fresh_router_places_what_pace_would_hold_until_it_has_seen_answers() -> None:
+    f = Fleet(n=1, tpot_target_s=0.05, answers_seen=False)
+    f.learn_tau0(0.02)
+    short = f.open(request(words("s", 10), max_tokens=5), on="e0")
+    short.first_output()
+    long = request(words("L", 1000))  # a second of prefill beside a 5-token answer
+    record = Decision("r", "", "standard", long.prompt_bytes)
+    plan = f.policy.judge(long, f.engines, BUDGET, record)
+    # Nothing measured says how long answers run: placed, and the record says why.
+    assert plan.prefer is f.engines[0] and record.why == why.PACE_UNSURE
+    plan.settle()
+    f.seen_answers(1000)
+    with pytest.raises(NoEngineKeepsPace):
+        f.judge(long)

@@ -27,6 +27,11 @@ HOME = "the conversation's engine (its history is cached there), within budget"
 LOWEST = "the lowest projected TTFT within budget"
 LOWEST_PACED = "the lowest projected TTFT within budget, with the decode stall it costs"
 PACED = "the best engine whose streams keep their TPOT target (better ones would not)"
+PACE_UNSURE = (
+    "the lowest projected TTFT with the decode stall it costs: no engine keeps pace by the "
+    "ledger, but the answers' lengths or the engines' steps it holds streams to are not "
+    "measured yet (admitted, learned so)"
+)
 WAIT_HOME = "waiting for the conversation's engine to keep its streams' pace"
 WAIT_CACHE = "waiting for an engine that holds more of the prompt to keep its streams' pace"
 WAIT_PACE = "waiting for an engine to keep its streams' pace"

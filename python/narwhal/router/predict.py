@@ -532,6 +532,7 @@ class Predictor:
         klass: int = 2,
         share: float = 1.0,
         record: Decision | None = None,
+        pace_sure: bool = True,
     ) -> Projection:
         """The best projection within budget, or the spec's 429 refusals. `cached` says
         per engine name how many of the prompt's tokens its cache is expected to serve;
@@ -546,7 +547,9 @@ class Predictor:
         request's class (what waits in the router's queue in a lower class goes after it);
         `share` the part of its own budget it is judged against (`budget_s`): a prompt that
         fits its own budget but not the share is refused for load, not for its length.
-        `record`, where given, is told what was weighed and chosen, and why."""
+        `record`, where given, is told what was weighed and chosen, and why. Without
+        `pace_sure` (what holds the engines' streams is not measured yet) pace only ranks:
+        no request waits or is refused for it."""
         cached = cached or {}
         ps = [self.project(prompt_bytes, e, cached.get(e.name, 0), klass) for e in engines]
         if record is not None:
@@ -559,7 +562,7 @@ class Predictor:
         fit = _within_budget(ps, budget_s, share)
         at_home = next((p for p in fit if p.engine is home), None)
         if at_home is not None:
-            if keeps_pace is None or keeps_pace(at_home):
+            if keeps_pace is None or not pace_sure or keeps_pace(at_home):
                 return _chose(record, at_home, why.HOME)
             # Its engine holds the conversation's history: moving it prefills the whole
             # history again elsewhere (an engine's worth of capacity, and a longer stall
@@ -582,10 +585,12 @@ class Predictor:
         ranked = sorted(fit, key=rank)
         i = next((i for i, p in enumerate(ranked) if keeps_pace(p)), None)
         if i is None:
+            if not pace_sure:
+                return _chose(record, ranked[0], why.PACE_UNSURE)
             _waits(record, why.WAIT_PACE)
             raise NoEngineKeepsPace(budget_s - min((p.guarded_s or 0.0) for p in fit))
         p = ranked[i]
-        if i:
+        if i and pace_sure:
             # Better-ranked engines were kept out by the TPOT target alone. Where one holds
             # much more of the prompt in its cache, taking this one prefills that again (a
             # family's prefix spread to one more engine, its cache's room taken twice); a

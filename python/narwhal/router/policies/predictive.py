@@ -139,6 +139,7 @@ class PredictivePolicy:
             req.rank,
             req.share,
             record,
+            not paced or self._pace_sure(req.tenant, engines),
         )
         if paced and any(self._waiting[: req.standing]):
             # A request of a higher class (or of a tenant within its fair share, where
@@ -165,6 +166,17 @@ class PredictivePolicy:
             charge,
             proj.own_s,
         )
+
+    def _pace_sure(self, tenant: str, engines: list[Engine]) -> bool:
+        """Whether the ledger's verdicts rest on measured answer lengths, so that a request
+        may wait or be refused for pace: the router has seen enough answers, or every
+        engine has a typical length. Before, every stream is held to two tokens (nothing
+        says more), and a fresh router refused a tenth of a light load for pace in its
+        first 20 s (bench/README.md, "A fresh router"); pace still ranks the engines."""
+        if self.lengths.of(tenant) is not None:
+            return True
+        profiles = [self.predictor.profiles.get(e.name) for e in engines]
+        return all(p is not None and p.output_tokens is not None for p in profiles)
 
     def _paced(self, share: float, rank: int) -> Callable[[Projection], bool]:
         # The reserve is read once a request, not once an engine.
