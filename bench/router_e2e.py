@@ -175,16 +175,16 @@ def doors(engine: str, a: argparse.Namespace) -> list[tuple[str, list[str], str,
                 port,
             )
         )
-    if a.traced is not None:
+    for ratio in a.traced or ():
         # Same config as the first door, with traces sent to a receiver in this harness
         # (decoding them is its CPU, not the door's): what tracing costs per token.
         port = free_port()
         cfg = tmp / f"{port}.yaml"
-        sink = f"{{otlp_endpoint: '{a.receiver_url}', sample_ratio: {a.traced}}}"
+        sink = f"{{otlp_endpoint: '{a.receiver_url}', sample_ratio: {ratio}}}"
         cfg.write_text(router_yaml(port, engine, telemetry=sink))
         out.append(
             (
-                f"narwhal (openai dialect, traced at {a.traced:g})",
+                f"narwhal (openai dialect, traced at {ratio:g})",
                 [str(BIN / "narwhal"), "serve", "--config", str(cfg)],
                 "/ready",
                 port,
@@ -253,9 +253,9 @@ def main() -> None:
     ap.add_argument("--narwhal-at", metavar="DIR", help="also run another checkout's router")
     ap.add_argument(
         "--traced",
-        type=float,
-        metavar="RATIO",
-        help="also run Narwhal with traces on at this sample ratio (OTLP to a receiver here)",
+        type=lambda v: [float(x) for x in v.split(",")],
+        metavar="RATIO[,RATIO...]",
+        help="also run Narwhal with traces on at each sample ratio (OTLP to a receiver here)",
     )
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--levels", default="1,64,256")
@@ -283,7 +283,7 @@ def main() -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     levels = [int(x) for x in a.levels.split(",")]
     receiver = None
-    if a.traced is not None:
+    if a.traced:
         from tests.otlp_receiver import Receiver
 
         receiver = Receiver()
