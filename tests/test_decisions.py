@@ -97,9 +97,15 @@ def test_a_placed_request_says_what_was_weighed_chosen_and_measured(
     shared = f"script:prefill:{MS_PER_TOKEN}:{uuid.uuid4().hex} " + "w" * 1200
     first = httpx.post(router.url + "/v1/chat/completions", json=chat(shared + " a"), timeout=30)
     assert first.status_code == 200
-    again = httpx.post(router.url + "/v1/chat/completions", json=chat(shared + " b"), timeout=30)
+    again = httpx.post(
+        router.url + "/v1/chat/completions",
+        json=chat(shared + " b"),
+        headers={"x-session-id": "conversation-7"},
+        timeout=30,
+    )
     assert again.status_code == 200
     d = record(router, again.headers["x-request-id"])
+    assert d["session"] == "conversation-7"  # what may have steered it
     assert d["outcome"] == "completed" and d["refusal"] is None
     weighed = {c["engine"]: c for c in d["candidates"]}
     assert set(weighed) == {"e0", "e1"}
@@ -164,12 +170,25 @@ def test_a_refused_request_says_why_and_is_listed_with_the_refusals(
     assert root.attributes["narwhal.outcome"] == "refused"
 
 
-def test_how_many_records_are_kept_is_a_setting(tmp_path: Path) -> None:
-    from narwhal.router.config import load
-
-    cfg = tmp_path / "n.yaml"
-    cfg.write_text(
-        "listen: {port: 1}\nadmin: {token_env: X, decision_records: 0}\n"
-        "engines:\n  - {name: a, url: 'http://127.0.0.1:2'}\n"
+@pytest.mark.slow
+def test_no_records_are_kept_where_the_setting_says_none(
+    tmp_path: Path, scripted: Server, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("NARWHAL_TEST_DECISIONS_ADMIN", TOKEN)
+    router = start_router(
+        tmp_path,
+        "model: main\nlisten: {port: $PORT}\nadmission: predictive\n"
+        "admin: {token_env: NARWHAL_TEST_DECISIONS_ADMIN, decision_records: 0}\n"
+        f"engines:\n  - {{name: e0, url: '{scripted.url}', dialect: lexi}}\n",
     )
-    assert load(cfg).decision_records == 0
+    try:
+        r = httpx.post(router.url + "/v1/chat/completions", json=chat("hello"), timeout=30)
+        assert r.status_code == 200
+        kept = httpx.get(
+            router.url + f"/admin/requests/{r.headers['x-request-id']}", headers=ADMIN, timeout=10
+        )
+        assert kept.status_code == 404
+        listed = httpx.get(router.url + "/admin/requests", headers=ADMIN, timeout=10)
+        assert listed.status_code == 404
+    finally:
+        router.stop()

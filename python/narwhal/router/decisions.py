@@ -55,6 +55,7 @@ class Decision:
         "prompt_bytes",
         "reason",
         "refusal",
+        "session",
         "tenant",
         "waited_s",
         "why",
@@ -69,6 +70,7 @@ class Decision:
         self.budget_s = 0.0  # what the last judgement was against (after any wait)
         self.candidates: list[Projection] = []
         self.expected: dict[str, int] = {}  # engine -> prompt tokens its cache should serve
+        self.session: str | None = None  # the conversation's routing key, where it has one
         self.paced: dict[str, bool] = {}  # engine -> its streams keep pace (where asked)
         self.why = ""
         self.choice: str | None = None
@@ -114,6 +116,7 @@ class Decision:
             "request_id": self.id,
             "at": round(self._at, 3),
             "tenant": self.tenant or None,
+            "session": self.session,
             "priority": self.priority,
             "prompt_bytes": self.prompt_bytes,
             "budget_ms": ms(self.budget_s),

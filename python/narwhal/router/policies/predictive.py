@@ -126,6 +126,7 @@ class PredictivePolicy:
         cached = {name: x.tokens for name, x in expected.items()}
         if record is not None:
             record.expected = cached
+            record.session = req.session
         home = self.sessions.engine(req.session)
         paced = self.tpot_target_s is not None
         proj = self.predictor.judge(
