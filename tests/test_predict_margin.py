@@ -141,3 +141,26 @@ def test_a_prompt_prefilled_in_the_step_that_ended_another_does_not_swing_the_fi
     cold = Profile()
     cold.observe(4 * 1600, 1600, 0.0, 0.0, 0, 0.0, queued=True)
     assert cold.prefill_tps is None and cold.prefill_samples == 0
+
+
+def test_a_new_leader_plays_each_engine_as_wide_as_the_last_one_did() -> None:
+    old, e = engine_with_work(900)
+    old.profiles["e"].drift, old.profiles["e"].drift_samples = 0.15, 5
+    old.drift, old.drift_samples, old.edge = 0.1, 40, 1.2
+    new, _ = engine_with_work(900)
+    new.load(old.export())  # what the last leader published to etcd
+    assert new.project(90 * 4, e).guarded_s == pytest.approx(old.project(90 * 4, e).guarded_s)
+    # An engine of its own with no misses yet takes the fleet's typical miss, as before.
+    new.profiles["e"].drift_samples = 0
+    old.profiles["e"].drift_samples = 0
+    assert new.project(90 * 4, e).guarded_s == pytest.approx(old.project(90 * 4, e).guarded_s)
+    assert new.project(90 * 4, e).guarded_s > 0.99 * 1.2  # the margin and the edge are there
+
+
+def test_what_a_leader_published_is_taken_only_as_finite_numbers_in_range() -> None:
+    p, e = engine_with_work(900)
+    before = p.project(90 * 4, e).guarded_s
+    p.load(b'{"": {"edge": 1e300, "drift": "x", "drift_samples": true}, "e": {"drift": NaN}}')
+    p.load(b'{"": {"edge": 1e300, "drift": -3, "drift_samples": 99}, "e": []}')
+    assert p.edge <= 1.5 and (p.drift is None or p.drift >= 0)
+    assert p.project(90 * 4, e).guarded_s <= before * 1.5

@@ -374,15 +374,20 @@ class Predictor:
         "output_tokens",
         "prefill_samples",
         "correction",
+        "drift",
+        "drift_samples",
     )
+    # What the whole fleet learned: its typical miss (an engine's margin until it has its
+    # own) and the edge. Kept under the name "", which no engine can have.
+    _FLEET = ("drift", "drift_samples", "edge")
 
-    _COUNTS = ("prefill_samples", "largest_measured")
+    _COUNTS = ("prefill_samples", "largest_measured", "drift_samples")
 
     def export(self) -> bytes:
         """The learned profiles, for the next leader (bounded: a few numbers an engine)."""
-        return orjson.dumps(
-            {name: {k: getattr(p, k) for k in self._SHARED} for name, p in self.profiles.items()}
-        )
+        out = {name: {k: getattr(p, k) for k in self._SHARED} for name, p in self.profiles.items()}
+        out[""] = {k: getattr(self, k) for k in self._FLEET}
+        return orjson.dumps(out)
 
     def load(self, raw: bytes) -> int:
         """Take over profiles another leader learned; how many engines it knew. They count
@@ -395,14 +400,17 @@ class Predictor:
             return 0
         taken = 0
         now = time.monotonic()
+        fleet = data.pop("", None)
+        if isinstance(fleet, dict):
+            _take(self, fleet, self._FLEET, self._COUNTS)
+            self.edge = min(MAX_EDGE, max(1.0, self.edge))  # within what it can learn
+            if self.drift is not None:
+                self.drift = max(0.0, self.drift)
         for name, shared in data.items():
             prof = self.profiles.get(name)
             if prof is None or not isinstance(shared, dict):
                 continue
-            for k in self._SHARED:
-                v = shared.get(k)
-                if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
-                    setattr(prof, k, int(v) if k in self._COUNTS else float(v))
+            _take(prof, shared, self._SHARED, self._COUNTS)
             if prof.prefill_tps is not None:
                 prof.measured_at = now
             taken += 1
@@ -603,6 +611,16 @@ class Predictor:
                 _waits(record, why.WAIT_CACHE)
                 raise NoEngineKeepsPace(wait)
         return _chose(record, p, why.PACED if i else why.LOWEST_PACED)
+
+
+def _take(
+    into: object, shared: dict[str, object], names: tuple[str, ...], counts: tuple[str, ...]
+) -> None:
+    """The finite numbers `shared` has under `names`, set on `into` (counts as ints)."""
+    for k in names:
+        v = shared.get(k)
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+            setattr(into, k, int(v) if k in counts else float(v))
 
 
 def _chose(record: Decision | None, p: Projection, reason: str) -> Projection:
