@@ -18,7 +18,7 @@ from narwhal.router.admission import Admission
 from narwhal.router.config import RouterConfig
 from narwhal.router.decisions import Decisions
 from narwhal.router.fleet.reload import settle
-from narwhal.router.fleet.wiring import Fleet
+from narwhal.router.fleet.wiring import Fleet, pool_of
 from narwhal.router.ha.leadership import Leadership
 from narwhal.router.ha.maintenance import Maintenance
 from narwhal.router.ha.profiles import SharedProfiles
@@ -35,7 +35,6 @@ from narwhal.router.predict import Predictor
 from narwhal.router.profiling import Profiler
 from narwhal.router.relay.relayer import Relayer
 from narwhal.router.status import Status
-from narwhal.router.supervisor import pool_from
 from narwhal.router.tenants.registry import Tenants, client_keys
 from narwhal.telemetry import Settings as TraceSettings
 from narwhal.telemetry import Tracing
@@ -50,7 +49,7 @@ class Router:
     def __init__(self, config: RouterConfig) -> None:
         self.config = config
         self.metrics = RouterMetrics()
-        self.pool = pool_from(config, self.metrics)
+        self.pool = pool_of(config, self.metrics)
         engines = self.pool.engines
         self.managed = [e.managed for e in engines if e.managed is not None]
         # What happens to each lease reaches these three, subscribed here once.

@@ -21,16 +21,13 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import aiohttp
 import orjson
 
 from narwhal import service
 from narwhal.router import affinity
-from narwhal.router.config import EngineSpec, RouterConfig
-from narwhal.router.engines import Engine, Pool
-from narwhal.router.metrics import RouterMetrics
+from narwhal.router.config import EngineSpec
 
 log = logging.getLogger("narwhal.supervisor")
 
@@ -247,39 +244,7 @@ def _labelled(line: bytes, label: bytes, name: str) -> bytes:
     return label + line
 
 
-def pool_from(config: RouterConfig, metrics: RouterMetrics) -> Pool:
-    """The config file's engines: called, or launched and supervised here."""
-    engines = []
-    for spec in config.engines:
-        if spec.launch is not None:
-            traces = (
-                (config.otlp_endpoint, config.otel_sample_ratio) if config.otlp_endpoint else None
-            )
-            me = ManagedEngine(spec, config.model, on_fatal=_fatal, traces=traces)
-            engines.append(Engine(spec, me.url, managed=me))
-        else:
-            assert spec.url is not None
-            key = os.environ.get(spec.api_key_env) if spec.api_key_env else None
-            engines.append(Engine(spec, spec.url.rstrip("/"), api_key=key))
-    pool = Pool(engines, config.prefill_concurrency, config.decode_concurrency, config.eject_after)
-    for e in engines:
-        if e.managed is not None:
-            e.managed.on_exit = _exited(pool, e, metrics.engine_restarts.labels(e.name))
-    return pool
-
-
-def _exited(pool: Pool, engine: Engine, restarts: Any) -> Callable[[str], None]:
-    """A managed engine's process ended: counted, and out of placement at once rather than
-    at the next health probe (until then /ready would call a dead engine ready)."""
-
-    def exited(_: str) -> None:
-        restarts.inc()
-        pool.process_exited(engine)
-
-    return exited
-
-
-def _fatal(report: str) -> None:
+def fatal(report: str) -> None:
     """A managed engine can never start: the router stops with the engine's own words.
     The worker exits at once; Granian's main process then ends with this status, and the
     other managed engines follow (each dies with this process, see supervisor)."""

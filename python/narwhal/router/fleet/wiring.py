@@ -1,16 +1,17 @@
-"""The fleet's parts, built once for a router: membership and who hears of its changes,
-the sources that feed it (etcd, DNS, the admin edits of `ha`), the admin routes and the
-reloader."""
+"""The fleet's parts, built once for a router: the pool of the config file's engines,
+membership and who hears of its changes, the sources that feed it (etcd, DNS, the admin
+edits of `ha`), the admin routes and the reloader."""
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from typing import Any
 
 from narwhal.background import Background
 from narwhal.etcd import Etcd
 from narwhal.router.config import RouterConfig
-from narwhal.router.engines import Pool
+from narwhal.router.engines import Engine, Pool
 from narwhal.router.fleet.admin import EnginesAdmin
 from narwhal.router.fleet.dns_source import DnsSource
 from narwhal.router.fleet.etcd_source import EtcdSource
@@ -21,8 +22,41 @@ from narwhal.router.ha.leadership import Leadership
 from narwhal.router.metrics import RouterMetrics
 from narwhal.router.policies import Policy
 from narwhal.router.relay.relayer import Relayer
+from narwhal.router.supervisor import ManagedEngine, fatal
 
 CONFIG_PATH_ENV = "NARWHAL_ROUTER_CONFIG_PATH"  # the YAML itself, for reloads
+
+
+def pool_of(config: RouterConfig, metrics: RouterMetrics) -> Pool:
+    """The config file's engines: called, or launched and supervised (`supervisor`)."""
+    engines = []
+    for spec in config.engines:
+        if spec.launch is not None:
+            traces = (
+                (config.otlp_endpoint, config.otel_sample_ratio) if config.otlp_endpoint else None
+            )
+            me = ManagedEngine(spec, config.model, on_fatal=fatal, traces=traces)
+            engines.append(Engine(spec, me.url, managed=me))
+        else:
+            assert spec.url is not None
+            key = os.environ.get(spec.api_key_env) if spec.api_key_env else None
+            engines.append(Engine(spec, spec.url.rstrip("/"), api_key=key))
+    pool = Pool(engines, config.prefill_concurrency, config.decode_concurrency, config.eject_after)
+    for e in engines:
+        if e.managed is not None:
+            e.managed.on_exit = _exited(pool, e, metrics.engine_restarts.labels(e.name))
+    return pool
+
+
+def _exited(pool: Pool, engine: Engine, restarts: Any) -> Callable[[str], None]:
+    """A managed engine's process ended: counted, and out of placement at once rather than
+    at the next health probe (until then /ready would call a dead engine ready)."""
+
+    def exited(_: str) -> None:
+        restarts.inc()
+        pool.process_exited(engine)
+
+    return exited
 
 
 def rules_of(config: RouterConfig) -> Rules:
