@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from narwhal.router.config import DnsSource as DnsConfig
+from narwhal.router.config import DnsSourceSpec as DnsConfig
 from narwhal.router.config import EngineSpec
 from narwhal.router.engines import Engine, Pool
 from narwhal.router.fleet import spec as specs

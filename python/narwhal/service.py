@@ -45,7 +45,7 @@ class StartError(Exception):
 
 
 @dataclass(frozen=True)
-class Limits:
+class ServerLimits:
     grace_s: float  # drain time after the first stop signal
     # A request head, or the next one on a kept-alive connection, must come within this:
     # a client that trickles a head (slowloris) or idles between requests is closed.
@@ -205,7 +205,7 @@ def serve(
     prog: str,
     target: str,
     addr: Address,
-    limits: Limits,
+    limits: ServerLimits,
     notify_stop: bool = False,
     notify_reload: bool = False,
     **granian: Any,

@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
 
     service.hand_off(CONFIG_ENV, config.to_json())
     logs.choose(args.log_format, args.log_level)
-    limits = service.Limits(
+    limits = service.ServerLimits(
         config.shutdown_grace_s, config.header_timeout_s, config.max_connections
     )
     return service.serve(

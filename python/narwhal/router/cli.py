@@ -252,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     # uvloop: the upstream reads run through the loop's transports once per token; its C
     # transports take ~10% off the router's CPU per relayed token (bench/README.md).
-    limits = service.Limits(
+    limits = service.ServerLimits(
         config.shutdown_grace_s, config.header_timeout_s, config.max_connections
     )
     return service.serve(

@@ -57,7 +57,7 @@ class TenantKey:
 
 
 @dataclass(frozen=True)
-class EtcdSource:
+class EtcdSourceSpec:
     """Engines registered under a prefix in etcd (each key's last segment is a name)."""
 
     endpoints: tuple[str, ...]
@@ -65,7 +65,7 @@ class EtcdSource:
 
 
 @dataclass(frozen=True)
-class DnsSource:
+class DnsSourceSpec:
     """Engines at the addresses a DNS name resolves to (a Kubernetes headless Service)."""
 
     name: str
@@ -146,8 +146,8 @@ class RouterConfig:
     health_timeout_s: float = 2.0
     eject_after: int = 3  # request faults in a row that take an engine out until a probe
     ha: HA | None = None  # several routers; None: this router is its own leader
-    etcd_source: EtcdSource | None = None  # engines_from.etcd
-    dns_source: DnsSource | None = None  # engines_from.dns
+    etcd_source: EtcdSourceSpec | None = None  # engines_from.etcd
+    dns_source: DnsSourceSpec | None = None  # engines_from.dns
     # What engines added at runtime (admin API, etcd, DNS) may name: the addresses they may
     # be at (CIDRs; none: anywhere but link-local) and the key variables they may use.
     runtime_allow: tuple[str, ...] = ()
@@ -187,9 +187,9 @@ class RouterConfig:
             d["ha"] = HA(**{**d["ha"], "etcd": tuple(d["ha"]["etcd"])})
         if d["etcd_source"] is not None:
             src = d["etcd_source"]
-            d["etcd_source"] = EtcdSource(tuple(src["endpoints"]), src["prefix"])
+            d["etcd_source"] = EtcdSourceSpec(tuple(src["endpoints"]), src["prefix"])
         if d["dns_source"] is not None:
-            d["dns_source"] = DnsSource(**d["dns_source"])
+            d["dns_source"] = DnsSourceSpec(**d["dns_source"])
         d["runtime_allow"] = tuple(d["runtime_allow"])
         d["runtime_key_envs"] = tuple(d["runtime_key_envs"])
         return cls(engines=tuple(engines), **d)
@@ -377,7 +377,7 @@ def _sources(sources: dict[str, Any]) -> dict[str, Any]:
     given: dict[str, Any] = {}
     if "etcd" in sources:
         src = sources["etcd"]
-        given["etcd_source"] = EtcdSource(tuple(src["endpoints"]), src["prefix"])
+        given["etcd_source"] = EtcdSourceSpec(tuple(src["endpoints"]), src["prefix"])
     if "allow" in sources:
         for cidr in sources["allow"]:
             try:
@@ -391,11 +391,11 @@ def _sources(sources: dict[str, Any]) -> dict[str, Any]:
         given["runtime_key_envs"] = tuple(sources["api_key_envs"])
     if "dns" in sources:
         src = sources["dns"]
-        given["dns_source"] = DnsSource(
+        given["dns_source"] = DnsSourceSpec(
             src["name"],
             src["port"],
-            src.get("dialect", DnsSource.dialect),
-            float(src.get("every_s", DnsSource.every_s)),
+            src.get("dialect", DnsSourceSpec.dialect),
+            float(src.get("every_s", DnsSourceSpec.every_s)),
             src.get("nameserver"),
             src.get("api_key_env"),
         )

@@ -12,7 +12,7 @@ from typing import Any
 from narwhal.router.config import (
     _FIELDS,
     HA,
-    DnsSource,
+    DnsSourceSpec,
     EngineSpec,
     Launch,
     RouterConfig,
@@ -258,7 +258,7 @@ def _defaults() -> dict[str, str]:
         ("engines[].", EngineSpec),
         ("engines[].launch.", Launch),
         ("ha.", HA),
-        ("engines_from.dns.", DnsSource),
+        ("engines_from.dns.", DnsSourceSpec),
     ):
         for f in dataclasses.fields(cls):
             if f.default is not dataclasses.MISSING:

@@ -20,7 +20,7 @@ import secrets
 import socket
 import struct
 
-from narwhal.router.config import DnsSource as Config
+from narwhal.router.config import DnsSourceSpec as Config
 from narwhal.router.config import EngineSpec
 from narwhal.router.fleet.membership import Conflict, Membership
 
