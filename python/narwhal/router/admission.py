@@ -15,17 +15,16 @@ import contextlib
 import time
 from collections.abc import AsyncIterator, Callable
 
-from narwhal.errors import ApiError
+from narwhal.errors import ApiError, unavailable
 from narwhal.router.engines import Engine, Pool
 from narwhal.router.lease import Events, Lease, Phase
 from narwhal.router.pipeline.intake import Intake
 from narwhal.router.tenants.fair_queue import FairQueue
 
 
-def retry_after(
-    message: str, status: int = 429, code: str = "rate_limited", type: str = "rate_limit_error"
-) -> ApiError:
-    return ApiError(status, message, type=type, code=code, headers={"retry-after": "1"})
+def retry_after(message: str, code: str) -> ApiError:
+    """429, to retry in a second: the router is full now (the 503 is `errors.unavailable`)."""
+    return ApiError(429, message, type="rate_limit_error", code=code, headers={"retry-after": "1"})
 
 
 class Expired(Exception):
@@ -146,12 +145,7 @@ class Admission:
 
     async def _seat(self, lease: Lease) -> None:
         if not any(e.name not in lease.exclude for e in self.pool.eligible()):
-            raise retry_after(
-                "no engine can take work now",
-                status=503,
-                code="backend_unavailable",
-                type="server_error",
-            )
+            raise unavailable("no engine can take work now", "backend_unavailable")
         if not self.queued:
             e = self.pool.pick(lease.prefer, lease.exclude)
             if e is not None:

@@ -27,7 +27,7 @@ from narwhal.router.lease import Events
 from narwhal.router.metrics import RouterMetrics
 from narwhal.router.pipeline import intake
 from narwhal.router.pipeline.flow import Flow
-from narwhal.router.pipeline.gate import Gate, Unavailable
+from narwhal.router.pipeline.gate import Gate, not_taking
 from narwhal.router.pipeline.judge import Judge
 from narwhal.router.pipeline.place import Placer
 from narwhal.router.policies.choose import choose
@@ -245,7 +245,7 @@ class Router:
 
     def _turn_away(self) -> None:
         lead = self.leadership
-        self.admission.turn_away(lambda: Unavailable(lead.role.value, lead.reason))
+        self.admission.turn_away(lambda: not_taking(lead.role.value, lead.reason))
 
     async def shutdown(self) -> None:
         await self._resign()

@@ -7,7 +7,7 @@ may have waited): the fencing token it carries must be one this router still hol
 
 from __future__ import annotations
 
-from narwhal.errors import ApiError
+from narwhal.errors import ApiError, unavailable
 from narwhal.router.engines import Pool
 from narwhal.router.ha.leadership import Leadership
 from narwhal.router.ha.maintenance import Maintenance
@@ -44,13 +44,13 @@ class Gate:
     def check(self) -> None:
         down = self.unavailable()
         if down is not None:
-            raise Unavailable(*down)
+            raise not_taking(*down)
 
     def check_leading(self) -> None:
-        """Raises Unavailable unless this router may still place work."""
+        """Raises the retryable 503 unless this router may still place work."""
         why = self.leadership.serving()
         if why is not None:
-            raise Unavailable(self.leadership.role.value, why)
+            raise not_taking(self.leadership.role.value, why)
 
     def cannot_serve(self, req: intake.Intake) -> frozenset[str]:
         """The engines whose dialect cannot serve the request's route (a 404 when none can)."""
@@ -71,15 +71,9 @@ class Gate:
         return names
 
 
-class Unavailable(ApiError):
-    """A retryable 503: this router takes no completion request now (why: `reason`)."""
-
-    def __init__(self, code: str, reason: str) -> None:
-        super().__init__(
-            503,
-            f"this router takes no requests now ({reason}); retry shortly",
-            type="server_error",
-            code=code,
-            headers={"retry-after": "1"},
-        )
-        self.ended("rejected", code)
+def not_taking(code: str, reason: str) -> ApiError:
+    """The retryable 503 (`errors.unavailable`): this router takes no completion request
+    now (why: `reason`); the request ends rejected, labelled `code`."""
+    return unavailable(f"this router takes no requests now ({reason}); retry shortly", code).ended(
+        "rejected", code
+    )

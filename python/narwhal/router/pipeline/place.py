@@ -138,7 +138,7 @@ class Placer:
                 code="admission_timeout",
             ).ended("rejected", "wait_expired") from None
         except ApiError as e:
-            # Unavailable (no longer leading once placed: nothing was sent) said so itself.
+            # A 503 (no longer leading once placed: nothing was sent) said so itself.
             if placed:
                 e.ended("deadline" if e.status == 504 else "engine_failed")
             else:  # admission refused it
