@@ -211,10 +211,9 @@ class Lease:
             hook(self, kind, against_engine)
 
     def release(self) -> None:
-        placed = self.phase in (Phase.PREFILL, Phase.DECODE)
-        if placed:
-            self._seats.release(self)
-        self.phase = Phase.DONE
-        if placed:
-            for hook in self._events.released:
-                hook(self)
+        if self.phase not in (Phase.PREFILL, Phase.DECODE):
+            self.phase = Phase.DONE  # never seated: nothing to give back
+            return
+        self._seats.release(self)  # its owner moves the seat, and the phase with it
+        for hook in self._events.released:
+            hook(self)
