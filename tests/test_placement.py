@@ -805,49 +805,6 @@ def test_late_first_tokens_widen_every_projection_until_lateness_is_rare() -> No
     assert f.judge(edge).prefer is f.engines[0]
 
 
-def _longest_fitting(f: Fleet) -> int:
-    """The most words a prompt may have and still fit beside the streams on the fleet now."""
-    n = 10
-    while n < 2000:
-        try:
-            f.judge(request(words("L", n + 5))).settle()
-        except NoEngineKeepsPace:
-            return n
-        n += 5
-    raise AssertionError("every prompt fits: no stream holds the engine")
-
-
-def _streams(f: Fleet, count: int, tpot_s: float) -> None:
-    """`count` five-token streams served on e0 at `tpot_s` a token."""
-    for i in range(count):
-        lease = f.open(request(words(f"k{i}", 5), max_tokens=5), on="e0")
-        lease.first_output()
-        lease.finished(5)
-        lease.measured.decode_s = 4 * tpot_s
-        lease.release()
-
-
-def _fitting_after(count: int, tpot_s: float) -> int:
-    """The longest prompt that fits beside a short stream on an engine that has served
-    `count` streams at `tpot_s` a token (its step without prefill known: 20 ms)."""
-    f = Fleet(n=1, tpot_target_s=0.05)
-    _streams(f, count, tpot_s)
-    f.learn_tau0(0.02)  # what the streams taught of the step is not what is tested here
-    held = f.open(request(words("s", 10), max_tokens=5), on="e0")
-    held.first_output()
-    return _longest_fitting(f)
-
-
-def test_streams_that_kept_well_within_their_target_let_more_prefill_beside_the_next() -> None:
-    # Half the target: the ledger was cautious, and learns it.
-    assert _fitting_after(300, tpot_s=0.025) > _fitting_after(0, tpot_s=0.025)
-
-
-def test_streams_that_ran_past_their_aim_hold_the_next_to_less() -> None:
-    # Within the target, past the aim (nine tenths of it) they were held to.
-    assert _fitting_after(3, tpot_s=0.049) < _fitting_after(0, tpot_s=0.049)
-
-
 def test_a_fresh_router_places_what_pace_would_hold_until_it_has_seen_answers() -> None:
     f = Fleet(n=1, tpot_target_s=0.05, answers_seen=False)
     f.learn_tau0(0.02)

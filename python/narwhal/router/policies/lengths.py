@@ -18,7 +18,7 @@ import math
 
 # The share of answers (that reached a given length) expected to stop sooner than the
 # ledger assumes: a quarter are held to a length they do not reach, their stall's cost
-# spread over fewer tokens than it will be (the aim's learned share, tpot.Aim, covers them).
+# spread over fewer tokens than it will be (TPOT_AIM's slack covers them).
 QUANTILE = 0.25
 # Log-spaced buckets, this many an octave, up to 2^OCTAVES tokens.
 PER_OCTAVE = 4

@@ -25,16 +25,16 @@ from narwhal.router.policies import Plan
 from narwhal.router.policies.lengths import Lengths
 from narwhal.router.policies.prefix_cache import Expectation, PrefixCache
 from narwhal.router.policies.sessions import Sessions
-from narwhal.router.policies.tpot import Aim, Charge, Streams
+from narwhal.router.policies.tpot import Charge, Streams
 from narwhal.router.predict import NoEngineKeepsPace, Predictor, Profile, Projection
 from narwhal.router.tenants.fair_queue import CLASSES
 from narwhal.router.tenants.reserve import CriticalReserve
 
-# Streams are first kept within this share of the TPOT target: a charge is an estimate (a
-# prompt's sizing is off by 10-20 % from one prompt to the next, an eviction the picture
-# learns of only when the engine reports it), and the misses it let through were all short
-# streams a few per cent over the target (bench/README.md, "Fleet"). From there the share
-# is learned from the streams served (`tpot.Aim`).
+# Streams are kept within this share of the TPOT target: a charge is an estimate (a prompt's
+# sizing is off by 10-20 % from one prompt to the next, an eviction the picture learns of
+# only when the engine reports it), and the misses it lets through were all short streams
+# a few per cent over the target (bench/README.md, "Fleet"). Learning the share from the
+# streams served was tried and measured no better (bench/README.md, the A/B of 06b6088).
 TPOT_AIM = 0.9
 # Before anything is measured, a step without prefill is taken to cost this share of the
 # aim: a stream's allowance then starts at half of what its target leaves, and grows as it
@@ -65,7 +65,6 @@ class PredictivePolicy:
         self.tpot_target_s = tpot_target_s
         self.sessions = sessions or Sessions()
         self.lengths = Lengths()
-        self.aim = Aim(TPOT_AIM)
         self.streams = {e.name: Streams(len(CLASSES)) for e in engines}
         # Placed requests, until released: their stream's entry in the ledger (None for an
         # answer of one token) and their prompt's charge.
@@ -268,7 +267,7 @@ class PredictivePolicy:
             n = typical if n is None else min(n, typical)
         entry = None
         if n is None or n > 1:
-            aim = self.aim.share * self.tpot_target_s
+            aim = TPOT_AIM * self.tpot_target_s
             tau0 = self._tau0(name, aim)
             entry = ledger.joined(aim, tau0, n or 2, lease.intake.rank, lengths, cap)
         self._entries[lease] = (entry, charge)
@@ -321,10 +320,7 @@ class PredictivePolicy:
         ledger = self.streams.get(lease.on.name)
         if entry is None or ledger is None:
             return
-        m = lease.measured
-        ledger.ended(entry, m.output_tokens, m.decode_s)
-        if m.output_tokens > 1 and m.decode_s > 0 and self.tpot_target_s is not None:
-            self.aim.observe(m.decode_s / (m.output_tokens - 1), self.tpot_target_s)
+        ledger.ended(entry, lease.measured.output_tokens, lease.measured.decode_s)
         for standing, ended in enumerate(self._ended):
             if ended is not None:
                 if not ended.done():

@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import heapq
 import itertools
-import math
 import statistics
 from collections import deque
 from typing import TYPE_CHECKING, Protocol
@@ -57,41 +56,6 @@ SAMPLES = 7
 # A stream whose ledger charge was under this share of its decode time had steps of its
 # own, mostly: its time per token says what a step without prefill costs.
 CLEAN_SHARE = 0.25
-
-
-class Aim:
-    """The share of the TPOT target the ledger holds streams to, learned from the streams
-    it served.
-
-    The ledger is an estimate: it charges a stream every prefill placed after it as if all
-    of it ran during its decode, and sizes its length low, so on most fleets it holds
-    streams well under their target (production-8 at 2x: the slowest 1 % of served
-    streams at 0.8 of it, while a fifth of the offered work was refused for pace). Where
-    it errs the other way a stream misses. So the share moves like a quantile tracker: up
-    a little for each stream that kept to its aim, down much more for each that did not,
-    settling where `OVER` of the streams exceed the aim they were held to; the aim is at
-    most the target, so at most that many exceed the target (the SLO: 99 % of what is
-    served within both targets)."""
-
-    # The share of streams let past their aim at equilibrium: half of the 1 % the SLO
-    # allows to miss, the other half left to first tokens.
-    OVER = 0.005
-    # How far one stream moves the share (ln): a stream past its aim takes it down ~9 %,
-    # one within raises it 0.05 %, so two hundred kept streams undo one miss.
-    STEP = 0.1
-
-    __slots__ = ("_bounds", "share")
-
-    def __init__(self, share: float, lo: float = 0.5, hi: float = 1.0) -> None:
-        self.share = share
-        self._bounds = (lo, hi)
-
-    def observe(self, tpot_s: float, target_s: float) -> None:
-        """One stream's mean time per output token, against the target it was held to."""
-        over = tpot_s > self.share * target_s
-        self.share *= math.exp(self.STEP * (self.OVER - over))
-        lo, hi = self._bounds
-        self.share = min(hi, max(lo, self.share))
 
 
 class Tally(Protocol):
