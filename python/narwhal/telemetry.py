@@ -139,6 +139,29 @@ class Tracing:
         self.provider.shutdown()
 
 
+def tracing_of(
+    otlp_endpoint: str | None, service_name: str, sample_ratio: float, scope: str
+) -> Tracing | None:
+    """A program's tracer from its settings; None (off) without an endpoint."""
+    if not otlp_endpoint:
+        return None
+    return Tracing(Settings(otlp_endpoint, service_name, sample_ratio), scope)
+
+
+class Trace:
+    """One request's own span (kind server, child of the `traceparent` it came with), begun
+    at its arrival; what its stages record for the rest is the program's (router.tracing,
+    engine.tracing)."""
+
+    __slots__ = ("arrived", "recording", "root", "tracing")
+
+    def __init__(self, tracing: Tracing, parent: str | None, name: str, arrived: float) -> None:
+        self.tracing = tracing
+        self.root: Span = tracing.begin(name, parent, arrived)
+        self.recording = self.root.is_recording()  # False: left out by the sampler
+        self.arrived = arrived
+
+
 def traceparent(span: Span) -> str:
     """The W3C `traceparent` value naming `span` (its sampled flag as decided)."""
     c = span.get_span_context()

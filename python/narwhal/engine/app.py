@@ -30,8 +30,7 @@ from narwhal.engine.slots import Busy, Slots
 from narwhal.engine.tracing import GenerationTrace
 from narwhal.errors import ApiError, json_object
 from narwhal.etcd import Etcd, EtcdError
-from narwhal.telemetry import Settings as TraceSettings
-from narwhal.telemetry import Tracing
+from narwhal.telemetry import tracing_of
 
 log = logging.getLogger("lexi_engine")
 access_log = logging.getLogger("lexi.access")
@@ -62,15 +61,8 @@ class LexiEngine:
         self.background = Background(self.metrics.background_errors)
         self.stopping = False
         self.registrar = _registrar(config, self._healthy)
-        self.tracing = (
-            Tracing(
-                TraceSettings(
-                    config.otlp_endpoint, config.otel_service_name, config.otel_sample_ratio
-                ),
-                "lexi_engine",
-            )
-            if config.otlp_endpoint
-            else None
+        self.tracing = tracing_of(
+            config.otlp_endpoint, config.otel_service_name, config.otel_sample_ratio, "lexi_engine"
         )
 
     # -- ASGI ---------------------------------------------------------------------------

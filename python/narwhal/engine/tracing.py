@@ -13,11 +13,9 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
-from narwhal.telemetry import Tracing
+from narwhal.telemetry import Trace, Tracing
 
 if TYPE_CHECKING:
-    from opentelemetry.trace import Span
-
     from narwhal.engine.generation import Finish, Request
     from narwhal.engine.protocol import Job
     from narwhal.engine.render import Check
@@ -25,29 +23,22 @@ if TYPE_CHECKING:
 log = logging.getLogger("lexi_engine.tracing")
 
 
-class GenerationTrace:
+class GenerationTrace(Trace):
     """What the stages record of one request for its spans (see the module)."""
 
     __slots__ = (
-        "arrived",
         "checks",
         "finish",
         "finished_at",
         "gen",
         "job",
-        "recording",
         "rendered_at",
-        "root",
         "seated_at",
         "status",
-        "tracing",
     )
 
     def __init__(self, tracing: Tracing, parent: str | None, name: str, arrived: float) -> None:
-        self.tracing = tracing
-        self.root: Span = tracing.begin(name, parent, arrived)
-        self.recording = self.root.is_recording()
-        self.arrived = arrived
+        super().__init__(tracing, parent, name, arrived)
         self.rendered_at = 0.0  # the prompt's tokens are ready
         self.seated_at = 0.0  # a slot was had
         self.finished_at = 0.0  # the decode loop's last word (its Finish) came

@@ -36,8 +36,7 @@ from narwhal.router.profiling import Profiler
 from narwhal.router.relay.relayer import Relayer
 from narwhal.router.status import Status
 from narwhal.router.tenants.registry import Tenants, client_keys
-from narwhal.telemetry import Settings as TraceSettings
-from narwhal.telemetry import Tracing
+from narwhal.telemetry import tracing_of
 
 log = logging.getLogger("narwhal.router")
 access_log = logging.getLogger("narwhal.access")
@@ -109,15 +108,9 @@ class Router:
 
         self.metrics.info.labels(config.model, __version__).set(1)
         self.metrics.targets(config.ttft_budget_s, config.tpot_target_s)
-        self.tracing = (
-            Tracing(
-                TraceSettings(
-                    config.otlp_endpoint, config.otel_service_name, config.otel_sample_ratio
-                ),
-                "narwhal.router",
-            )
-            if config.otlp_endpoint
-            else None
+        c = config
+        self.tracing = tracing_of(
+            c.otlp_endpoint, c.otel_service_name, c.otel_sample_ratio, "narwhal.router"
         )
         self.flow = self._flow(config)
         self.background = Background(self.metrics.background_errors)

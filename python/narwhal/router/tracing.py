@@ -18,7 +18,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from narwhal.router.tenants.fair_queue import CLASSES
-from narwhal.telemetry import CLIENT, Tracing, traceparent
+from narwhal.telemetry import CLIENT, Trace, Tracing, traceparent
 
 if TYPE_CHECKING:
     from opentelemetry.trace import Span
@@ -38,26 +38,13 @@ def ms(s: float | None) -> float | None:
     return None if s is None else round(s * 1000, 1)
 
 
-class RequestTrace:
+class RequestTrace(Trace):
     """What the stages record of one request for its spans (see the module)."""
 
-    __slots__ = (
-        "arrived",
-        "attributes",
-        "calls",
-        "judged_at",
-        "placed_at",
-        "read_at",
-        "recording",
-        "root",
-        "tracing",
-    )
+    __slots__ = ("attributes", "calls", "judged_at", "placed_at", "read_at")
 
     def __init__(self, tracing: Tracing, parent: str | None, name: str, arrived: float) -> None:
-        self.tracing = tracing
-        self.root: Span = tracing.begin(name, parent, arrived)
-        self.recording = self.root.is_recording()
-        self.arrived = arrived
+        super().__init__(tracing, parent, name, arrived)
         self.read_at = 0.0  # the body was read and checked
         self.judged_at = 0.0  # placement chose (after any wait for pace)
         self.placed_at = 0.0  # a seat was had
