@@ -70,7 +70,6 @@ class Tracing:
         from opentelemetry.trace import SpanKind, Status, StatusCode, set_span_in_context
         from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-        self.settings = settings
         self.provider: TracerProvider = TracerProvider(
             resource=Resource.create({"service.name": settings.service_name}),
             sampler=ParentBased(TraceIdRatioBased(settings.sample_ratio)),
@@ -93,10 +92,9 @@ class Tracing:
         """A request's span (kind server), child of `traceparent` where one came and is
         valid (anything else starts a trace of its own), from `start` (monotonic)."""
         ctx = self._propagator.extract({"traceparent": traceparent}) if traceparent else None
-        span = self.tracer.start_span(
+        return self.tracer.start_span(
             name, context=ctx, kind=self._kinds[SERVER], start_time=wall_ns(start)
         )
-        return span
 
     def open(self, parent: Span, name: str, start: float, kind: str = INTERNAL) -> Span:
         """A child of `parent` from `start`, ended by its caller (`close`)."""

@@ -303,7 +303,7 @@ class LexiEngine:
     ) -> None:
         out = Output(job)
         if trace is not None:
-            trace.checks = out.checks
+            out.checks = trace.checks  # each tool call's check timed, for its span
         writer = writer_for(job, self.model.id)
         self.metrics.prompt_tokens.inc(len(job.prompt_ids))
         finish: Finish | None = None

@@ -73,7 +73,9 @@ class Output:
         )
         self.call_splitter = CallSplitter(job.tools) if job.tools is not None else None
         self.calls: list[Call] = []
-        self.checks: list[Check] = []  # each call checked against the tools' schemas (spans)
+        # Each call checked against the tools' schemas, timed where the request is traced
+        # (None: not, and no clock is read per piece).
+        self.checks: list[Check] | None = None
         self.pending_ids: list[int] = []
         self.token_ids: list[int] = []
         self.content: list[str] = []
@@ -110,12 +112,15 @@ class Output:
         if cs is None:
             return c, []
         text, calls = [], []
-        began = time.monotonic()
+        checks = self.checks
+        began = time.monotonic() if checks is not None else 0.0
         events = (cs.feed(c) if c else []) + (cs.finish() if final else [])
-        checked = time.monotonic()
+        if checks is not None:
+            end = time.monotonic()
+            for kind, value in events:
+                if kind != "text":  # a call, valid or not
+                    checks.append(Check(began, end, value if kind == "call" else None))
         for kind, value in events:
-            if kind in ("call", "bad"):
-                self.checks.append(Check(began, checked, value if kind == "call" else None))
             if kind == "call":
                 calls.append(value)
             elif kind == "bad" and cs.plan.required:

@@ -38,6 +38,11 @@ WAIT_PACE = "waiting for an engine to keep its streams' pace"
 WAIT_CLASS = "waiting behind a request of a higher class (or a tenant within its share)"
 
 
+def ms(s: float | None) -> float | None:
+    """Seconds as milliseconds to a tenth, as records and spans show them."""
+    return None if s is None else round(s * 1000, 1)
+
+
 class Decision:
     """One request's decision record (see the module)."""
 
@@ -93,10 +98,6 @@ class Decision:
 
     def describe(self) -> dict[str, Any]:
         chosen = self.choice
-
-        def ms(s: float | None) -> float | None:
-            return None if s is None else round(s * 1000, 1)
-
         candidates = [
             {
                 "engine": p.engine.name,

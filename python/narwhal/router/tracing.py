@@ -17,6 +17,7 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
+from narwhal.router.decisions import ms
 from narwhal.router.tenants.fair_queue import CLASSES
 from narwhal.telemetry import CLIENT, Trace, Tracing, traceparent
 
@@ -34,10 +35,6 @@ log = logging.getLogger("narwhal.tracing")
 FAILED = frozenset({"refused", "rejected", "invalid", "engine_failed", "deadline", "stream_fault"})
 
 
-def ms(s: float | None) -> float | None:
-    return None if s is None else round(s * 1000, 1)
-
-
 class RequestTrace(Trace):
     """What the stages record of one request for its spans (see the module)."""
 
@@ -53,18 +50,19 @@ class RequestTrace(Trace):
 
     def read(self, req: Intake) -> None:
         """The body was read and checked: what the request's span says of it."""
+        if not self.recording:
+            return
         self.read_at = time.monotonic()
-        if self.recording:
-            self.attributes.update(
-                {
-                    "gen_ai.request.model": req.body.get("model"),
-                    "narwhal.tenant": req.tenant or None,
-                    "narwhal.priority": CLASSES[req.rank],
-                    "narwhal.stream": req.stream,
-                    "narwhal.prompt_bytes": req.prompt_bytes,
-                    "narwhal.max_tokens": req.max_tokens,
-                }
-            )
+        self.attributes.update(
+            {
+                "gen_ai.request.model": req.body.get("model"),
+                "narwhal.tenant": req.tenant or None,
+                "narwhal.priority": CLASSES[req.rank],
+                "narwhal.stream": req.stream,
+                "narwhal.prompt_bytes": req.prompt_bytes,
+                "narwhal.max_tokens": req.max_tokens,
+            }
+        )
 
     def call(self, lease: Lease) -> str:
         """The `traceparent` header line for the call to `lease`'s engine, naming the
