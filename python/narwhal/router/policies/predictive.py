@@ -297,6 +297,8 @@ class PredictivePolicy:
         return self.predictor.degraded(engines)
 
     def _decoding(self, lease: Lease) -> None:
+        if lease.measured.tally is not None:
+            self.lengths.started(lease, lease.intake.tenant, lease.measured.tally)
         placed = self._entries.get(lease)
         if placed is None:
             return
@@ -307,11 +309,14 @@ class PredictivePolicy:
             ledger.decoding(entry, lease.measured.first_at, lease.measured.tally)
 
     def _finished(self, lease: Lease) -> None:
-        self.lengths.observe(lease.intake.tenant, lease.measured.output_tokens)
+        tokens = lease.measured.output_tokens
+        cap = lease.intake.max_tokens
+        self.lengths.ended(lease, lease.intake.tenant, tokens, cap is None or tokens < cap)
         if self.cache is not None:
             self._reported(lease)
 
     def _released(self, lease: Lease) -> None:
+        self.lengths.cut(lease, lease.intake.tenant)
         placed = self._entries.pop(lease, None)
         if placed is None:
             return
