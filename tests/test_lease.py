@@ -15,9 +15,10 @@ from narwhal.router.config import EngineSpec
 from narwhal.router.engines import Engine, Pool
 from narwhal.router.lease import Events, Lease, Phase
 from narwhal.router.pipeline import intake
+from narwhal.router.request import CHAT
 
 REQ = intake.check(
-    intake.CHAT, orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]}), "m"
+    CHAT, orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]}), "m"
 )
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from narwhal.router.policies.lengths import MIN_SAMPLES
 from tests.support import (
     ROOT,
     Server,
@@ -57,8 +58,9 @@ engines:
 """,
         )
         try:
-            # The router learns the engine's prefill rate and time per output token.
-            for i in range(4):
+            # The router learns the engine's prefill rate, its time per output token and how
+            # long answers run (it waits or refuses for pace only once it has seen enough).
+            for i in range(MIN_SAMPLES):
                 got = httpx.post(
                     r.url + "/v1/chat/completions",
                     json=chat(words(f"w{i}-", 300), stream=True, max_tokens=8),

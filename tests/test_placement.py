@@ -28,6 +28,7 @@ from narwhal.router.policies.predictive import PredictivePolicy
 from narwhal.router.policies.prefix_cache import PrefixCache
 from narwhal.router.policies.tpot import Streams
 from narwhal.router.predict import NoEngineKeepsPace, Predictor
+from narwhal.router.request import CHAT, Request, Standing
 from narwhal.router.tenants.reserve import CriticalReserve
 from tests.support import measured
 
@@ -39,13 +40,13 @@ def words(tag: str, n: int) -> str:
     return " ".join(f"{tag}{i:04d}" for i in range(n))
 
 
-def request(text: str, session: str | None = None, max_tokens: int | None = None) -> intake.Intake:
+def request(text: str, session: str | None = None, max_tokens: int | None = None) -> Request:
     body: dict[str, object] = {"model": "m", "messages": [{"role": "user", "content": text}]}
     if session:
         body["user"] = session
     if max_tokens:
         body["max_tokens"] = max_tokens
-    return intake.check(intake.CHAT, orjson.dumps(body), "m")
+    return intake.check(CHAT, orjson.dumps(body), "m")
 
 
 _loops: list[asyncio.AbstractEventLoop] = []
@@ -58,6 +59,9 @@ def _close_loops() -> Iterator[None]:
         loop = _loops.pop()
         loop.run_until_complete(loop.shutdown_asyncgens())  # open leases end
         loop.close()
+
+
+CRITICAL = Standing(rank=0, order=0)
 
 
 class Fleet:
@@ -87,12 +91,12 @@ class Fleet:
         _loops.append(self.loop)
         self._open: list[object] = []
 
-    def judge(self, req: intake.Intake) -> Plan:
+    def judge(self, req: Request) -> Plan:
         return self.policy.judge(req, self.engines, BUDGET)
 
     def serve(
         self,
-        req: intake.Intake,
+        req: Request,
         cached_tokens: int | None = None,
         prompt_tokens: int | None = None,
     ) -> str:
@@ -113,7 +117,7 @@ class Fleet:
 
         return asyncio.run(run())
 
-    def open(self, req: intake.Intake, on: str, plan: Plan | None = None) -> Lease:
+    def open(self, req: Request, on: str, plan: Plan | None = None) -> Lease:
         """A request placed on engine `on` (as `plan` said, or with a plan for it) and
         still running (release it to end it)."""
         e = next(e for e in self.engines if e.name == on)
@@ -590,23 +594,22 @@ def test_a_lower_class_must_leave_the_streams_more_of_their_allowance() -> None:
     short.first_output()  # 4 steps left, 25 ms each to spare: 0.1 s of prefill
     prompt = request(words("p", 64))  # 80 tokens at 1,000/s: 0.08 s
     assert f.judge(prompt).prefer is f.engines[0]
-    prompt.share = 0.5  # sheddable: as if its prefill took twice as long
+    sheddable = prompt.classified(Standing(share=0.5))  # as if its prefill took twice as long
     with pytest.raises(NoEngineKeepsPace):
-        f.judge(prompt)
+        f.judge(sheddable)
 
 
 def test_lower_classes_leave_critical_streams_the_reserve() -> None:
     # 0.05 s of prefill kept for critical work in critical streams' allowance.
     f = Fleet(n=1, tpot_target_s=0.05, reserve=CriticalReserve(0.05 / BUDGET))
     f.learn_tau0(0.02)
-    chat = request(words("s", 10), max_tokens=5)
-    chat.rank = 0  # critical: 4 steps left, 25 ms each to spare, 0.1 s of prefill
+    chat = request(words("s", 10), max_tokens=5).classified(CRITICAL)
+    # Critical: 4 steps left, 25 ms each to spare, 0.1 s of prefill.
     f.open(chat, on="e0").first_output()
     batch = request(words("p", 64))  # 80 tokens at 1,000/s: 0.08 s, within the 0.1 s
     with pytest.raises(NoEngineKeepsPace):
         f.judge(batch)  # standard: 0.08 s + the reserve's 0.05 s do not fit
-    batch.rank = 0
-    assert f.judge(batch).prefer is f.engines[0]  # critical work takes the room
+    assert f.judge(batch.classified(CRITICAL)).prefer is f.engines[0]  # critical work takes it
 
 
 def test_waiters_of_a_higher_class_are_woken_first() -> None:
@@ -644,8 +647,7 @@ def test_a_lower_class_waits_behind_a_higher_one_waiting_for_pace() -> None:
         standard = request(words("q", 10))
         with pytest.raises(NoEngineKeepsPace):  # it would spend what the waiter needs
             f.judge(standard)
-        critical = request(words("c", 10))
-        critical.standing = 0
+        critical = request(words("c", 10)).classified(CRITICAL)
         assert f.judge(critical).prefer is f.engines[0]
         waiter.cancel()
         with contextlib.suppress(asyncio.CancelledError):
@@ -807,8 +809,13 @@ def test_late_first_tokens_widen_every_projection_until_lateness_is_rare() -> No
 
 
 def test_a_fresh_router_places_what_pace_would_hold_until_it_has_seen_answers() -> None:
+    """Before the router has seen enough answers, pace ranks engines but refuses nothing,
+    even where each engine's answers that ended say how long they ran: a fresh router's
+    first answers to end are its shortest."""
     f = Fleet(n=1, tpot_target_s=0.05, answers_seen=False)
     f.learn_tau0(0.02)
+    for p in f.predictor.profiles.values():
+        p.output_tokens = 5.0  # what its answers that ended ran to
     short = f.open(request(words("s", 10), max_tokens=5), on="e0")
     short.first_output()
     long = request(words("L", 1000))  # a second of prefill beside a 5-token answer
@@ -873,3 +880,15 @@ def test_answers_cut_by_their_clients_count_as_at_least_what_they_ran() -> None:
     assert f.judge(long).prefer is f.engines[0]
     hist = f.policy.lengths.of("")
     assert hist is not None and hist.at_least(300) == 300  # nothing says they run longer
+
+
+def test_a_stream_that_began_before_answers_were_seen_is_held_to_them_once_they_are() -> None:
+    f = Fleet(n=1, tpot_target_s=0.05, answers_seen=False, seats=200)
+    f.learn_tau0(0.01)
+    f.predictor.profiles["e0"].output_tokens = 5.0  # the first answers to end were short
+    early = f.open(request(words("s", 10), max_tokens=2048), on="e0")
+    early.measured.tally = Counted(1)
+    early.first_output()  # held to what its engine's answers that ended ran to
+    f.seen_answers(300, count=100)
+    long = request(words("L", 1000))  # 1 s of prefill: within a 300-token answer's allowance
+    assert f.judge(long).prefer is f.engines[0]

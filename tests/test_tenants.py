@@ -17,7 +17,8 @@ import orjson
 import pytest
 
 from narwhal.etcd import _b64
-from narwhal.router.pipeline.intake import CHAT, check
+from narwhal.router.pipeline.intake import check
+from narwhal.router.request import CHAT
 from narwhal.router.tenants.fair_queue import RANK, FairQueue
 from narwhal.router.tenants.limits import WINDOW_S, Limits, Tenant, TenantLimited
 from narwhal.router.tenants.reserve import CEILING, TAU_BUDGETS, CriticalReserve
@@ -411,7 +412,7 @@ engines: [{{name: s, url: '{engine.url}'}}]
 
 def test_each_class_is_admitted_against_its_share_of_the_budget() -> None:
     from narwhal.router.config import parse
-    from narwhal.router.pipeline.flow import class_share
+    from narwhal.router.pipeline.classify import class_share
 
     config = parse(
         {

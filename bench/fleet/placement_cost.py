@@ -28,13 +28,14 @@ from narwhal.router.pipeline import intake
 from narwhal.router.policies.predictive import PredictivePolicy
 from narwhal.router.policies.prefix_cache import PrefixCache
 from narwhal.router.predict import Predictor
+from narwhal.router.request import CHAT, Request
 
 
-def _request(i: int, words: int) -> intake.Intake:
+def _request(i: int, words: int) -> Request:
     system = " ".join(f"s{j % 97}x{j}" for j in range(words // 2))
     tail = " ".join(f"q{i}w{j}" for j in range(words // 2))
     body = {"model": "m", "messages": [{"role": "user", "content": system + " " + tail}]}
-    return intake.check(intake.CHAT, orjson.dumps(body), "m")
+    return intake.check(CHAT, orjson.dumps(body), "m")
 
 
 class _Counted:

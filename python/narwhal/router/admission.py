@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator, Callable
 from narwhal.errors import ApiError, unavailable
 from narwhal.router.engines import Engine, Pool
 from narwhal.router.lease import Events, Lease, Phase
-from narwhal.router.pipeline.intake import Intake
+from narwhal.router.request import Request
 from narwhal.router.tenants.fair_queue import FairQueue
 
 
@@ -83,7 +83,7 @@ class Admission:
 
     def place(
         self,
-        intake: Intake,
+        request: Request,
         arrived: float,
         deadline: float,
         *,
@@ -101,7 +101,7 @@ class Admission:
         lease = Lease(
             self,
             self.events,
-            intake,
+            request,
             arrived,
             deadline,
             tokens=tokens,
@@ -117,7 +117,7 @@ class Admission:
     async def place_on(
         self,
         e: Engine,
-        intake: Intake,
+        request: Request,
         arrived: float,
         deadline: float,
         tokens: int = 0,
@@ -127,7 +127,7 @@ class Admission:
         lease = Lease(
             self,
             self.events,
-            intake,
+            request,
             arrived,
             deadline,
             tokens=tokens,
@@ -154,9 +154,9 @@ class Admission:
         if self.queued >= self.queue_size:
             raise retry_after("the admission queue is full; retry shortly", code="queue_full")
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        cost = lease.tokens or lease.intake.estimated_prompt_tokens()
-        i = lease.intake
-        self._queue.push((fut, lease), i.rank, i.tenant, lease.deadline, cost)
+        cost = lease.tokens or lease.request.estimated_prompt_tokens()
+        st = lease.request.standing
+        self._queue.push((fut, lease), st.rank, st.tenant, lease.deadline, cost)
         self._enqueue(lease)
         self._drain()
         now = time.monotonic()
@@ -186,15 +186,15 @@ class Admission:
         for, in its class, until it leaves the queue."""
         e = lease.prefer
         if e is not None and lease.tokens:
-            e.queued_tokens[lease.intake.rank] += lease.tokens
-            e.queued_sq[lease.intake.rank] += lease.tokens * lease.tokens
+            e.queued_tokens[lease.request.standing.rank] += lease.tokens
+            e.queued_sq[lease.request.standing.rank] += lease.tokens * lease.tokens
             lease.queued_on = e
 
     def _unqueue(self, lease: Lease) -> None:
         e, lease.queued_on = lease.queued_on, None
         if e is not None:
-            e.queued_tokens[lease.intake.rank] -= lease.tokens
-            e.queued_sq[lease.intake.rank] -= lease.tokens * lease.tokens
+            e.queued_tokens[lease.request.standing.rank] -= lease.tokens
+            e.queued_sq[lease.request.standing.rank] -= lease.tokens * lease.tokens
 
     def _take(self, lease: Lease, e: Engine) -> None:
         """The one place a seat is taken."""

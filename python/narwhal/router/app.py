@@ -25,7 +25,6 @@ from narwhal.router.ha.profiles import SharedProfiles
 from narwhal.router.ha.tenant_windows import SharedTenantWindows
 from narwhal.router.lease import Events
 from narwhal.router.metrics import RouterMetrics
-from narwhal.router.pipeline import intake
 from narwhal.router.pipeline.flow import Flow
 from narwhal.router.pipeline.gate import Gate, not_taking
 from narwhal.router.pipeline.judge import Judge
@@ -34,6 +33,7 @@ from narwhal.router.policies.choose import choose
 from narwhal.router.predict import Predictor
 from narwhal.router.profiling import Profiler
 from narwhal.router.relay.relayer import Relayer
+from narwhal.router.request import ROUTES
 from narwhal.router.status import Status
 from narwhal.router.tenants.registry import Tenants, client_keys
 from narwhal.telemetry import tracing_of
@@ -41,7 +41,7 @@ from narwhal.telemetry import tracing_of
 log = logging.getLogger("narwhal.router")
 access_log = logging.getLogger("narwhal.access")
 
-COMPLETION_ROUTES = (intake.CHAT, intake.COMPLETION, intake.RESPONSES)
+COMPLETION_ROUTES = ROUTES
 
 
 class Router:

@@ -18,9 +18,9 @@ from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from narwhal.router.engines import Engine
-    from narwhal.router.pipeline.intake import Intake
     from narwhal.router.policies import Plan
     from narwhal.router.policies.tpot import Tally
+    from narwhal.router.request import Request
 
 
 class Phase(enum.Enum):
@@ -113,7 +113,6 @@ class Lease:
         "exclude",
         "fence",
         "firsts_seen",
-        "intake",
         "measured",
         "own_s",
         "phase",
@@ -124,6 +123,7 @@ class Lease:
         "probe",
         "queued",
         "queued_on",
+        "request",
         "tokens",
         "ttft_by",
     )
@@ -132,7 +132,7 @@ class Lease:
         self,
         seats: Seats,
         events: Events,
-        intake: Intake,
+        request: Request,
         arrived: float,
         deadline: float,
         *,
@@ -145,7 +145,7 @@ class Lease:
     ) -> None:
         self._seats = seats
         self._events = events
-        self.intake = intake
+        self.request = request
         self.arrived = arrived
         self.deadline = deadline
         self.tokens = tokens  # sized prompt tokens, in engine.prefill_tokens while in prefill

@@ -448,7 +448,7 @@ class Predictor:
             return  # its engine left the fleet while it ran
         ttft = lease.measured.first_at - lease.measured.sent_at if lease.measured.first_at else None
         miss = prof.observe(
-            lease.intake.prompt_bytes,
+            lease.request.prompt_bytes,
             lease.measured.prompt_tokens,
             ttft,
             lease.prefill_s,

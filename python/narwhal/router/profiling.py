@@ -25,6 +25,7 @@ from narwhal.router.pipeline import intake
 from narwhal.router.predict import Predictor
 from narwhal.router.relay.errors import EngineBusy, EngineFailed, EngineFenced
 from narwhal.router.relay.relayer import Relayer
+from narwhal.router.request import CHAT, Request
 
 log = logging.getLogger("narwhal.profiling")
 
@@ -33,7 +34,7 @@ log = logging.getLogger("narwhal.profiling")
 _TEXT = "Narwhal measures how fast this engine reads a prompt of ordinary text. " * 14
 
 
-def probe_request(model: str, e: Engine) -> intake.Intake:
+def probe_request(model: str, e: Engine) -> Request:
     # A fresh prompt each time: an engine that reuses a cached prefix (LexiEngine, vLLM,
     # SGLang) would otherwise answer the repeat at once and teach the predictor a prefill
     # rate no new prompt gets. LexiEngine is also told not to reuse (`cache_prompt`,
@@ -46,7 +47,7 @@ def probe_request(model: str, e: Engine) -> intake.Intake:
     }
     if e.spec.dialect in ("lexi", "llamacpp"):
         body["cache_prompt"] = False
-    return intake.check(intake.CHAT, orjson.dumps(body), model)
+    return intake.check(CHAT, orjson.dumps(body), model)
 
 
 async def _discard(_: Any) -> None:

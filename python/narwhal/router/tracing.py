@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from narwhal.router.decisions import Decision
     from narwhal.router.lease import Lease
     from narwhal.router.pipeline import Ending
-    from narwhal.router.pipeline.intake import Intake
+    from narwhal.router.request import Request
 
 log = logging.getLogger("narwhal.tracing")
 
@@ -48,7 +48,7 @@ class RequestTrace(Trace):
         self.calls: list[tuple[Span, Lease]] = []  # upstream calls, the last one answered
         self.attributes: dict[str, Any] = {}  # of the request's span, as intake learns them
 
-    def read(self, req: Intake) -> None:
+    def read(self, req: Request) -> None:
         """The body was read and checked: what the request's span says of it."""
         if not self.recording:
             return
@@ -56,8 +56,8 @@ class RequestTrace(Trace):
         self.attributes.update(
             {
                 "gen_ai.request.model": req.body.get("model"),
-                "narwhal.tenant": req.tenant or None,
-                "narwhal.priority": CLASSES[req.rank],
+                "narwhal.tenant": req.standing.tenant or None,
+                "narwhal.priority": CLASSES[req.standing.rank],
                 "narwhal.stream": req.stream,
                 "narwhal.prompt_bytes": req.prompt_bytes,
                 "narwhal.max_tokens": req.max_tokens,

@@ -19,20 +19,19 @@ from narwhal.router.config import RouterConfig
 from narwhal.router.decisions import Decision, Decisions
 from narwhal.router.metrics import RouterMetrics
 from narwhal.router.pipeline import Ending
+from narwhal.router.pipeline.classify import CRITICAL, classify
 from narwhal.router.pipeline.gate import Gate
-from narwhal.router.pipeline.intake import Intake
 from narwhal.router.pipeline.judge import Judge
 from narwhal.router.pipeline.place import Placer
 from narwhal.router.pipeline.read import read
-from narwhal.router.tenants.fair_queue import CLASSES, RANK
+from narwhal.router.request import Request
+from narwhal.router.tenants.fair_queue import CLASSES
 from narwhal.router.tenants.registry import Tenants
 from narwhal.router.tracing import RequestTrace
 from narwhal.telemetry import Tracing
 
 # What a decision record says was measured: the access line's fields of the engine's part.
 MEASURED = ("engine", "ttfb_ms", "sent_ms", "tokens_in", "tokens_cached", "tokens_out")
-
-CRITICAL, SHEDDABLE, STANDARD = RANK["critical"], RANK["sheddable"], RANK["standard"]
 
 
 class Flow:
@@ -77,26 +76,21 @@ class Flow:
                 e.ended("rejected", "retention")
                 raise
             try:
-                req, deadline, budget = await read(path, scope, receive, self.config, m, arrived)
-                req.tenant = tenant or ""
-                req.trace = trace
-                req.rank = rank = self.tenants.rank(
-                    tenant, asgi.header(scope, b"x-narwhal-priority")
+                req, deadline, budget = await read(
+                    path, scope, receive, self.config, m, arrived, trace
                 )
-                req.share = class_share(req.rank, self.config, self.tenants.reserve.share())
-                fair = self.tenants.fair_share(tenant)
-                req.share *= fair
-                req.standing = 2 * req.rank + (fair < 1.0)
-                if req.share < 1.0:
-                    # A lower class (or a tenant over its share) is judged against less
-                    # than the budget: a target of its own may lower it, never raise it
-                    # past the configured one, or a sheddable request could ask its way
-                    # out of being refused first.
-                    budget = min(budget, self.config.ttft_budget_s)
-                budget *= req.share
+                req, budget = classify(
+                    req,
+                    tenant,
+                    asgi.header(scope, b"x-narwhal-priority"),
+                    budget,
+                    self.config,
+                    self.tenants,
+                )
+                rank = req.standing.rank
                 if trace is not None:
                     trace.read(req)
-                ticket = self.tenants.admit(tenant, req.estimated_prompt_tokens(), req.rank)
+                ticket = self.tenants.admit(tenant, req.estimated_prompt_tokens(), rank)
                 record = self._record(req, trace)
                 try:
                     await self._serve(req, receive, send, arrived, deadline, budget, end, record)
@@ -140,13 +134,14 @@ class Flow:
             trace.attributes["narwhal.request_id"] = rec.id
         return trace
 
-    def _record(self, req: Intake, trace: RequestTrace | None) -> Decision | None:
+    def _record(self, req: Request, trace: RequestTrace | None) -> Decision | None:
         """A decision record for this request, where they are kept or it is traced (the
         record is its placement span)."""
         rec = asgi.current.get()
         if rec is None or (self.decisions is None and (trace is None or not trace.recording)):
             return None
-        return Decision(rec.id, req.tenant, CLASSES[req.rank], req.prompt_bytes)
+        st = req.standing
+        return Decision(rec.id, st.tenant, CLASSES[st.rank], req.prompt_bytes)
 
     def _keep(self, record: Decision, end: Ending, fields: dict[str, object]) -> None:
         """The record closed with how the request ended and what was measured of it, and
@@ -160,7 +155,7 @@ class Flow:
 
     async def _serve(
         self,
-        req: Intake,
+        req: Request,
         receive: Receive,
         send: Send,
         arrived: float,
@@ -208,14 +203,3 @@ class Flow:
             m.refused.labels(end.label or "predictive").inc()
         elif end.outcome == "invalid" and end.status in (400, 413):
             m.invalid_requests.inc()
-
-
-def class_share(rank: int, config: RouterConfig, reserve: float) -> float:
-    """The share of its TTFT budget a request of this class is admitted against:
-    sheddable work is refused first as load rises; lower classes leave critical work
-    `reserve` of it (tenants/reserve.py; 0 where no key may send critical work)."""
-    if rank == SHEDDABLE:
-        return min(config.sheddable_headroom, 1.0 - reserve)
-    if rank == STANDARD:
-        return 1.0 - reserve
-    return 1.0

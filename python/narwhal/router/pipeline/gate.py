@@ -11,8 +11,8 @@ from narwhal.errors import ApiError, unavailable
 from narwhal.router.engines import Pool
 from narwhal.router.ha.leadership import Leadership
 from narwhal.router.ha.maintenance import Maintenance
-from narwhal.router.pipeline import intake
 from narwhal.router.policies import Policy
+from narwhal.router.request import RESPONSES, RESPONSES_DIALECTS, Request
 
 
 class Gate:
@@ -52,19 +52,17 @@ class Gate:
         if why is not None:
             raise not_taking(self.leadership.role.value, why)
 
-    def cannot_serve(self, req: intake.Intake) -> frozenset[str]:
+    def cannot_serve(self, req: Request) -> frozenset[str]:
         """The engines whose dialect cannot serve the request's route (a 404 when none can)."""
-        if req.route != intake.RESPONSES:
+        if req.route != RESPONSES:
             return frozenset()
         engines = self.pool.engines
-        names = frozenset(
-            e.name for e in engines if e.spec.dialect not in intake.RESPONSES_DIALECTS
-        )
+        names = frozenset(e.name for e in engines if e.spec.dialect not in RESPONSES_DIALECTS)
         if engines and len(names) == len(engines):  # none yet (engines_from): a 503 later
             raise ApiError(
                 404,
                 f"no engine behind this router serves {req.route} (dialects that do: "
-                + ", ".join(sorted(intake.RESPONSES_DIALECTS))
+                + ", ".join(sorted(RESPONSES_DIALECTS))
                 + ")",
                 code="unsupported",
             ).ended("invalid")

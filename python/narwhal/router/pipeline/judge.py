@@ -13,9 +13,9 @@ from collections.abc import Callable
 from narwhal.errors import ApiError
 from narwhal.router.decisions import Decision
 from narwhal.router.engines import Pool
-from narwhal.router.pipeline.intake import Intake
 from narwhal.router.policies import OPEN_PLAN, Plan, Policy
 from narwhal.router.predict import NoEngineKeepsPace
+from narwhal.router.request import Request
 
 # A request that would wait less than this for an engine to keep pace is refused at once.
 MIN_WAIT_S = 0.01
@@ -29,7 +29,7 @@ class Judge:
         self.on_paced_wait = on_paced_wait  # once per request that waited for pace
 
     async def plan(
-        self, req: Intake, arrived: float, budget: float, record: Decision | None = None
+        self, req: Request, arrived: float, budget: float, record: Decision | None = None
     ) -> Plan:
         """The policy's plan, or its refusal (an ApiError); `record`, where given, is told
         what was weighed, chosen and waited for."""
@@ -49,7 +49,7 @@ class Judge:
                 deferred = e.refusal
                 began = time.monotonic()
                 try:
-                    await self.policy.room(e.slack_s, req.standing)
+                    await self.policy.room(e.slack_s, req.standing.order)
                 finally:
                     if record is not None:
                         record.waited_s += time.monotonic() - began

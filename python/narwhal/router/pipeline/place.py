@@ -18,10 +18,10 @@ from narwhal.router.engines import Pool
 from narwhal.router.lease import Lease
 from narwhal.router.pipeline import Ending
 from narwhal.router.pipeline.gate import Gate
-from narwhal.router.pipeline.intake import Intake
 from narwhal.router.policies import Plan, Policy
 from narwhal.router.relay.errors import EngineBusy, EngineFailed, EngineFenced
 from narwhal.router.relay.relayer import Relayer
+from narwhal.router.request import Request
 from narwhal.router.tenants.registry import Tenants
 
 
@@ -47,7 +47,7 @@ class Placer:
 
     async def serve(
         self,
-        req: Intake,
+        req: Request,
         send: Send,
         arrived: float,
         deadline: float,
@@ -78,7 +78,7 @@ class Placer:
 
     async def _once(
         self,
-        req: Intake,
+        req: Request,
         send: Send,
         arrived: float,
         deadline: float,
@@ -113,8 +113,8 @@ class Placer:
                     req.trace.placed_at = now
                 waited = now - arrived
                 self.queue_time.observe(waited)
-                if req.tenant:
-                    self.tenants.queued(req.tenant, req.rank, waited)
+                if req.standing.tenant:
+                    self.tenants.queued(req.standing.tenant, req.standing.rank, waited)
                 return await self._relay(lease, send, end)
         except EngineFenced as e:
             self.leadership.fence(str(e))
@@ -160,7 +160,7 @@ class Placer:
             ) from None
         finally:
             _note(lease)
-            prompt = lease.measured.prompt_tokens or lease.intake.estimated_prompt_tokens()
+            prompt = lease.measured.prompt_tokens or lease.request.estimated_prompt_tokens()
             end.tokens = prompt + lease.measured.output_tokens
 
 

@@ -3,12 +3,18 @@ request's TTFT budget (`x-narwhal-ttft-target-ms`) and deadline (`x-narwhal-time
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from narwhal import asgi
 from narwhal.asgi import Receive, Scope
 from narwhal.errors import ApiError
 from narwhal.router.config import RouterConfig
 from narwhal.router.metrics import RouterMetrics
 from narwhal.router.pipeline import intake
+from narwhal.router.request import Request
+
+if TYPE_CHECKING:
+    from narwhal.router.tracing import RequestTrace
 
 _MAX_MS = 10**9  # 11.6 days: more than any timeout, and a float without overflow
 
@@ -20,7 +26,8 @@ async def read(
     config: RouterConfig,
     metrics: RouterMetrics,
     arrived: float,
-) -> tuple[intake.Intake, float, float]:
+    trace: RequestTrace | None = None,
+) -> tuple[Request, float, float]:
     """The checked request, its deadline (monotonic) and its TTFT budget (seconds)."""
     try:
         raw = await asgi.read_body(receive, config.max_request_bytes, config.body_timeout_s)
@@ -42,10 +49,8 @@ async def read(
         deadline = arrived + (timeout if ms is None else min(timeout, ms / 1000))
         ms = ms_header(scope, b"x-narwhal-ttft-target-ms")
         budget = config.ttft_budget_s if ms is None else ms / 1000
-        req = intake.check(path, raw, config.model)
         session = asgi.header(scope, b"x-session-id")
-        if session:
-            req.session = session[:256]
+        req = intake.check(path, raw, config.model, session[:256] if session else None, trace)
     except ApiError as e:
         e.ended("invalid")
         raise

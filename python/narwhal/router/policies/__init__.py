@@ -21,9 +21,9 @@ if TYPE_CHECKING:
     from narwhal.router.decisions import Decision
     from narwhal.router.engines import Engine
     from narwhal.router.lease import Events, Lease
-    from narwhal.router.pipeline.intake import Intake
     from narwhal.router.policies.prefix_cache import Expectation
     from narwhal.router.policies.tpot import Charge
+    from narwhal.router.request import Request
 
 
 @dataclass(frozen=True)
@@ -59,7 +59,7 @@ OPEN_PLAN = Plan()
 
 class Policy(Protocol):
     def judge(
-        self, req: Intake, engines: list[Engine], budget_s: float, record: Decision | None = None
+        self, req: Request, engines: list[Engine], budget_s: float, record: Decision | None = None
     ) -> Plan:
         """The plan for `req`, or an ApiError refusing it, or `NoEngineKeepsPace` when it
         may wait for `room()`; `record`, where given, is told what was weighed and why."""

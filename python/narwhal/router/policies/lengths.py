@@ -9,9 +9,10 @@ is a low quantile of the lengths, not their mean (one long answer in ten lifts a
 above what most answers run to), and it grows with the stream: of the answers that have
 reached `k` tokens, `QUANTILE` stopped before `at_least(k)`.
 
-An answer that has not ended says how long it is at least: the streams still running, those
-a client left or a fault cut, and those stopped by their `max_tokens` are right-censored,
-and the distribution is the Kaplan-Meier estimate over them and the answers that ended.
+An answer that has not ended says how long it is at least: the streams still running and
+those a client left or a fault cut are right-censored, and the distribution is the
+Kaplan-Meier estimate over them and the answers that ended (one its `max_tokens` stopped
+ended there: it is how long a stream of its kind runs).
 Read from ended answers alone it is biased short exactly when it matters most: a fresh
 router's first answers to end are its shortest, while the long ones still stream (on a mix
 of chats, RAG and agent steps it refused 7.5 % of a light load for pace, bench/README.md,
@@ -33,8 +34,10 @@ QUANTILE = 0.25
 # Log-spaced buckets, this many an octave, up to 2^OCTAVES tokens.
 PER_OCTAVE = 4
 OCTAVES = 18
-# Answers ended before a distribution is read (the router's, then a tenant's own).
+# Answers seen (ended, cut or still streaming) before a distribution is read (the
+# router's, then a tenant's own), of which at least MIN_ENDED ended at their own length.
 MIN_SAMPLES = 20
+MIN_ENDED = 5
 # About this many recent answers weigh in: each new one counts e^(1/MEMORY) more.
 MEMORY = 1000
 # The table of quantiles is rebuilt after this many answers have ended, not after each;
@@ -61,7 +64,16 @@ class Histogram:
     """Decayed counts of answer lengths, ended and censored, the streams running now, and
     from them the quantile table."""
 
-    __slots__ = ("_censored", "_dirty", "_ended", "_running", "_table", "_weight", "samples")
+    __slots__ = (
+        "_censored",
+        "_dirty",
+        "_ended",
+        "_running",
+        "_table",
+        "_weight",
+        "cut",
+        "samples",
+    )
 
     def __init__(self) -> None:
         self._ended = [0.0] * _BUCKETS  # answers that ended at their own length
@@ -71,6 +83,13 @@ class Histogram:
         self._table: list[int] | None = None
         self._dirty = 0
         self.samples = 0  # answers that ended at their own length
+        self.cut = 0  # answers cut at a length they would have passed
+
+    def ready(self) -> bool:
+        """Whether enough answers were seen to read it."""
+        return self.samples >= MIN_ENDED and self.samples + self.cut + len(self._running) >= (
+            MIN_SAMPLES
+        )
 
     def add(self, tokens: int, complete: bool = True) -> None:
         counts = self._ended if complete else self._censored
@@ -82,6 +101,8 @@ class Histogram:
             self._weight = 1.0
         if complete:
             self.samples += 1
+        else:
+            self.cut += 1
         self._dirty += 1
         if self._dirty >= REBUILD_EVERY or self.samples < YOUNG:
             self._table = None
@@ -149,7 +170,7 @@ class Lengths:
 
     def ended(self, key: object, tenant: str, tokens: int, complete: bool = True) -> None:
         """An answer of `tokens` ended: at its own length (`complete`), or cut at a length
-        it would have passed (its `max_tokens`)."""
+        it would have passed."""
         for h in self._of(tenant):
             h._running.pop(key, None)
             if tokens >= 1:
@@ -167,6 +188,27 @@ class Lengths:
         """The distribution to read for `tenant`'s answers ("": none): its own once it has
         enough, else the router's; None before the router has seen enough."""
         h = self._tenants.get(tenant) if tenant else None
-        if h is not None and h.samples >= MIN_SAMPLES:
+        if h is not None and h.ready():
             return h
-        return self._all if self._all.samples >= MIN_SAMPLES else None
+        return self._all if self._all.ready() else None
+
+    def expect(self, tenant: str) -> Expect:
+        """What a stream of `tenant` is held to as it runs: read when it is read, so a
+        stream that began before enough answers were seen is held to them once they are."""
+        return Expect(self, tenant)
+
+
+class Expect:
+    """How long a stream is expected to run, read from its tenant's lengths when asked."""
+
+    __slots__ = ("_lengths", "_tenant")
+
+    def __init__(self, lengths: Lengths, tenant: str) -> None:
+        self._lengths = lengths
+        self._tenant = tenant
+
+    def at_least(self, tokens: int) -> int | None:
+        """Of the answers that reached `tokens`, the length all but QUANTILE reach; None
+        before enough answers were seen."""
+        h = self._lengths.of(self._tenant)
+        return None if h is None else h.at_least(tokens)

@@ -7,13 +7,13 @@ import asyncio
 from narwhal.router.decisions import Decision
 from narwhal.router.engines import Engine
 from narwhal.router.lease import Events, Lease
-from narwhal.router.pipeline.intake import Intake
 from narwhal.router.policies import OPEN_PLAN, Plan
+from narwhal.router.request import Request
 
 
 class OpenPolicy:
     def judge(
-        self, req: Intake, engines: list[Engine], budget_s: float, record: Decision | None = None
+        self, req: Request, engines: list[Engine], budget_s: float, record: Decision | None = None
     ) -> Plan:
         return OPEN_PLAN
 

@@ -20,13 +20,13 @@ from narwhal.router import decisions as why
 from narwhal.router.decisions import Decision
 from narwhal.router.engines import Engine
 from narwhal.router.lease import Events, Lease
-from narwhal.router.pipeline.intake import Intake
 from narwhal.router.policies import Plan
 from narwhal.router.policies.lengths import Lengths
 from narwhal.router.policies.prefix_cache import Expectation, PrefixCache
 from narwhal.router.policies.sessions import Sessions
 from narwhal.router.policies.tpot import Charge, Streams
 from narwhal.router.predict import NoEngineKeepsPace, Predictor, Profile, Projection
+from narwhal.router.request import Request
 from narwhal.router.tenants.fair_queue import CLASSES
 from narwhal.router.tenants.reserve import CriticalReserve
 
@@ -105,7 +105,7 @@ class PredictivePolicy:
         ]
 
     def judge(
-        self, req: Intake, engines: list[Engine], budget_s: float, record: Decision | None = None
+        self, req: Request, engines: list[Engine], budget_s: float, record: Decision | None = None
     ) -> Plan:
         blocks = None
         expected: dict[str, Expectation] = {}
@@ -134,14 +134,14 @@ class PredictivePolicy:
             budget_s,
             cached,
             self._engines.get(home or ""),
-            self._paced(req.share, req.rank) if paced else None,
+            self._paced(req.standing.share, req.standing.rank) if paced else None,
             self._stall if paced else None,
-            req.rank,
-            req.share,
+            req.standing.rank,
+            req.standing.share,
             record,
-            not paced or self._pace_sure(req.tenant, engines),
+            not paced or self._pace_sure(req.standing.tenant),
         )
-        if paced and any(self._waiting[: req.standing]):
+        if paced and any(self._waiting[: req.standing.order]):
             # A request of a higher class (or of a tenant within its fair share, where
             # this one's is over) waits for pace: this one would spend the allowance it
             # waits for. It waits behind it, as long as its own budget lets.
@@ -167,16 +167,13 @@ class PredictivePolicy:
             proj.own_s,
         )
 
-    def _pace_sure(self, tenant: str, engines: list[Engine]) -> bool:
+    def _pace_sure(self, tenant: str) -> bool:
         """Whether the ledger's verdicts rest on measured answer lengths, so that a request
-        may wait or be refused for pace: the router has seen enough answers, or every
-        engine has a typical length. Before, every stream is held to two tokens (nothing
-        says more), and a fresh router refused a tenth of a light load for pace in its
-        first 20 s (bench/README.md, "A fresh router"); pace still ranks the engines."""
-        if self.lengths.of(tenant) is not None:
-            return True
-        profiles = [self.predictor.profiles.get(e.name) for e in engines]
-        return all(p is not None and p.output_tokens is not None for p in profiles)
+        may wait or be refused for pace. Before, a stream is held to what its engine's
+        answers that ended ran to, which a fresh router's first answers (its shortest: the
+        long ones still stream) set short: it refused a tenth of a light load for pace in
+        its first 20 s (bench/README.md, "A fresh router"); pace still ranks the engines."""
+        return self.lengths.of(tenant) is not None
 
     def _paced(self, share: float, rank: int) -> Callable[[Projection], bool]:
         # The reserve is read once a request, not once an engine.
@@ -257,11 +254,12 @@ class PredictivePolicy:
         # run (`lengths`), its max_tokens at most; before the router has seen enough
         # answers, what this engine's typically ran to. With nothing known, two tokens: its
         # allowance then comes from its decoding.
-        cap = lease.intake.max_tokens
-        lengths = self.lengths.of(lease.intake.tenant)
+        cap = lease.request.max_tokens
+        expect = self.lengths.expect(lease.request.standing.tenant)
         n = cap
-        if lengths is not None:
-            n = lengths.at_least(2) if cap is None else min(cap, lengths.at_least(2))
+        seen = expect.at_least(2)
+        if seen is not None:
+            n = seen if cap is None else min(cap, seen)
         elif prof.output_tokens is not None:
             typical = max(2, round(prof.output_tokens))
             n = typical if n is None else min(n, typical)
@@ -269,7 +267,7 @@ class PredictivePolicy:
         if n is None or n > 1:
             aim = TPOT_AIM * self.tpot_target_s
             tau0 = self._tau0(name, aim)
-            entry = ledger.joined(aim, tau0, n or 2, lease.intake.rank, lengths, cap)
+            entry = ledger.joined(aim, tau0, n or 2, lease.request.standing.rank, expect, cap)
         self._entries[lease] = (entry, charge)
 
     def _tau0(self, name: str, aim: float) -> float:
@@ -298,7 +296,7 @@ class PredictivePolicy:
 
     def _decoding(self, lease: Lease) -> None:
         if lease.measured.tally is not None:
-            self.lengths.started(lease, lease.intake.tenant, lease.measured.tally)
+            self.lengths.started(lease, lease.request.standing.tenant, lease.measured.tally)
         placed = self._entries.get(lease)
         if placed is None:
             return
@@ -309,14 +307,14 @@ class PredictivePolicy:
             ledger.decoding(entry, lease.measured.first_at, lease.measured.tally)
 
     def _finished(self, lease: Lease) -> None:
-        tokens = lease.measured.output_tokens
-        cap = lease.intake.max_tokens
-        self.lengths.ended(lease, lease.intake.tenant, tokens, cap is None or tokens < cap)
+        # An answer its max_tokens stopped counts as ended there: that is how long a stream
+        # of its kind runs, and a tenant whose every answer hits its cap is still read.
+        self.lengths.ended(lease, lease.request.standing.tenant, lease.measured.output_tokens)
         if self.cache is not None:
             self._reported(lease)
 
     def _released(self, lease: Lease) -> None:
-        self.lengths.cut(lease, lease.intake.tenant)
+        self.lengths.cut(lease, lease.request.standing.tenant)
         placed = self._entries.pop(lease, None)
         if placed is None:
             return

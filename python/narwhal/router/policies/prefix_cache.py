@@ -1,6 +1,6 @@
 """The router's picture of each engine's prefix cache: which prompt blocks it placed where.
 
-A prompt's text (`Intake.prefix_text()`: tools, then each message's role and content) is cut
+A prompt's text (`Request.prefix_text()`: tools, then each message's role and content) is cut
 into blocks of `block_bytes` and hashed in Rust, each block chained on the one before
 (`narwhal._native.PromptBlocks`), so equal leading hashes are an equal leading text in any
 dialect and without a tokenizer. Per engine a bounded LRU (`narwhal._native.PrefixMap`)

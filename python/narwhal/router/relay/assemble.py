@@ -20,8 +20,8 @@ async def assemble(rl: Relayer, lease: Lease, resp: Exchange, send: Send) -> str
     """A non-streaming answer: the engine's stream assembled into one response (Rust)."""
     e = lease.on
     asm = Assembler(
-        lease.intake.kind,
-        keep_token_ids=lease.intake.wants_token_ids,
+        lease.request.kind,
+        keep_token_ids=lease.request.wants_token_ids,
         require_token_ids=e.spec.token_ids,
     )
     lease.measured.tally = _Counted(asm)
@@ -37,7 +37,7 @@ async def assemble(rl: Relayer, lease: Lease, resp: Exchange, send: Send) -> str
                 raise EngineFailed("the engine stream ended before [DONE]")
             if asm.feed(chunk):
                 lease.first_output()
-        body = asm.finish(lease.intake.estimated_prompt_tokens())
+        body = asm.finish(lease.request.estimated_prompt_tokens())
         # Only the engine's own count: the estimate must not be learned from itself.
         lease.measured.prompt_tokens = asm.reported_prompt_tokens
         lease.measured.cached_tokens = asm.reported_cached_tokens

@@ -18,7 +18,6 @@ from narwhal.asgi import Send
 from narwhal.router.connection import Exchange, UpstreamError
 from narwhal.router.engines import Engine
 from narwhal.router.lease import Lease
-from narwhal.router.pipeline.intake import upstream_body
 from narwhal.router.relay.assemble import assemble
 from narwhal.router.relay.errors import (
     EngineBusy,
@@ -93,7 +92,7 @@ class Relayer:
         504 before anything was sent, or what `before_send` raises (run once the connection
         is ready, before any byte goes)."""
         e = lease.on
-        body = upstream_body(lease.intake, e.spec.token_ids)
+        body = lease.request.upstream_body(e.spec.token_ids)
         lease.measured.sent_at = time.monotonic()
         headers = ""
         if lease.fence is not None:
@@ -107,12 +106,12 @@ class Relayer:
         rec = asgi.current.get()
         if rec is not None:  # the ID is printable ASCII without spaces (asgi.begin)
             headers += f"x-request-id: {rec.id}\r\n"
-        trace = lease.intake.trace
+        trace = lease.request.trace
         if trace is not None:  # the engine's spans join the request's trace
             headers += trace.call(lease)
         try:
             resp = await self.upstream(e).request(
-                lease.intake.route, body, lease.deadline, headers, before_send
+                lease.request.route, body, lease.deadline, headers, before_send
             )
         except asyncio.TimeoutError:
             raise deadline_passed() from None
@@ -140,10 +139,10 @@ class Relayer:
                     raise EngineFenced(e.name, lease.fence)
                 await refusal.send(send)
                 return "engine_error"
-            if lease.intake.passthrough:
+            if lease.request.passthrough:
                 done = await passthrough(self, lease, resp, send)
                 return "completed" if done else "stream_fault"
-            if lease.intake.stream:
+            if lease.request.stream:
                 done = await stream(self, lease, resp, send)
                 return "completed" if done else "stream_fault"
             outcome = await assemble(self, lease, resp, send)

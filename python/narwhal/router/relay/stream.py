@@ -103,9 +103,9 @@ async def stream(rl: Relayer, lease: Lease, resp: Exchange, send: Send) -> bool:
     from the read callback (`push`) where the server's `send` allows, else pulled to the end."""
     e = lease.on
     relay = StreamRelay(
-        strip_token_ids=not lease.intake.wants_token_ids,
+        strip_token_ids=not lease.request.wants_token_ids,
         require_token_ids=e.spec.token_ids,
-        drop_usage=not lease.intake.include_usage,
+        drop_usage=not lease.request.include_usage,
     )
     lease.measured.tally = relay
     st = Stream(lease, relay, resp.complete)
