@@ -22,6 +22,7 @@ from tests.support import (
     metric,
     sse_frames,
     start_router,
+    wait_idle,
     wait_http,
 )
 
@@ -106,3 +107,16 @@ def test_a_long_prefill_waits_for_a_short_stream_to_end_then_is_served(router: S
     assert tokens  # served in full after waiting
     assert ended, "the short stream did not finish"
     assert metric(router, "narwhal_paced_waits_total") == waits + 1
+
+
+def test_ready_shows_how_long_answers_run_and_each_engines_ledger(router: Server) -> None:
+    """An operator reads why pace holds a request back: what the router has seen of answer
+    lengths, what a new stream is held to, and each engine's streams and headroom."""
+    wait_idle(router)  # no stream decoding now
+    body = httpx.get(router.url + "/ready", timeout=10).json()
+    lengths = body["lengths"]
+    assert lengths["ready"] and lengths["ended"] >= MIN_SAMPLES  # the warm-up's answers
+    assert lengths["new_stream_tokens"] >= 2
+    (engine,) = body["engines"]
+    assert engine["pace"]["tau0_ms"] is not None  # learned from the warm-up's streams
+    assert engine["pace"]["streams"] == 0

@@ -81,6 +81,11 @@ class Status:
         if r.predictor is not None:
             for e in engines:
                 e["profile"] = r.predictor.profiles[str(e["name"])].describe()
+        pace = r.policy.describe()
+        if pace is not None:
+            body["lengths"] = pace["lengths"]
+            for e in engines:
+                e["pace"] = pace["engines"].get(str(e["name"]))
         body["ready"] = reason is None
         if reason is not None:
             body["reason"] = reason

@@ -14,7 +14,7 @@ how it ended through the lease events it subscribed to at start.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from narwhal._native import PromptBlocks
@@ -64,10 +64,10 @@ class Policy(Protocol):
         """The plan for `req`, or an ApiError refusing it, or `NoEngineKeepsPace` when it
         may wait for `room()`; `record`, where given, is told what was weighed and why."""
 
-    async def room(self, timeout_s: float, standing: int = 2) -> None:
+    async def room(self, timeout_s: float, order: int = 2) -> None:
         """Returns when placement may have changed its mind (a stream ended), or after
-        `timeout_s`; waiters of a lower `standing` (a higher class; within one, a tenant
-        within its fair share) are woken first."""
+        `timeout_s`; waiters of a lower `order` (a higher class; within one, a tenant
+        within its fair share: `Standing.order`) are woken first."""
 
     def placed(self, lease: Lease) -> None: ...
 
@@ -78,6 +78,9 @@ class Policy(Protocol):
         """An engine left the fleet (leases on it may still end after this)."""
 
     def watch(self, events: Events) -> None: ...
+
+    def describe(self) -> dict[str, Any] | None:
+        """What the policy holds, for `/ready` (None: nothing to show)."""
 
     def degraded(self, engines: list[Engine]) -> str | None:
         """Why the policy's predictions for these engines cannot be trusted now, or None."""

@@ -85,6 +85,11 @@ class Histogram:
         self.samples = 0  # answers that ended at their own length
         self.cut = 0  # answers cut at a length they would have passed
 
+    @property
+    def streaming(self) -> int:
+        """Streams decoding now (censored as they stand)."""
+        return len(self._running)
+
     def ready(self) -> bool:
         """Whether enough answers were seen to read it."""
         return self.samples >= MIN_ENDED and self.samples + self.cut + len(self._running) >= (
@@ -191,6 +196,18 @@ class Lengths:
         if h is not None and h.ready():
             return h
         return self._all if self._all.ready() else None
+
+    def describe(self) -> dict[str, int | bool | None]:
+        """The router's lengths for `/ready`: what was seen, and what a new stream is held
+        to (None until enough answers were seen)."""
+        h = self._all
+        return {
+            "ended": h.samples,
+            "cut": h.cut,
+            "streaming": h.streaming,
+            "ready": h.ready(),
+            "new_stream_tokens": h.at_least(2) if h.ready() else None,
+        }
 
     def expect(self, tenant: str) -> Expect:
         """What a stream of `tenant` is held to as it runs: read when it is read, so a

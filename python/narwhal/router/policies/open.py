@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 from narwhal.router.decisions import Decision
 from narwhal.router.engines import Engine
@@ -17,7 +18,7 @@ class OpenPolicy:
     ) -> Plan:
         return OPEN_PLAN
 
-    async def room(self, timeout_s: float, standing: int = 2) -> None:
+    async def room(self, timeout_s: float, order: int = 2) -> None:
         await asyncio.sleep(timeout_s)  # never asked for: it never defers a request
 
     def placed(self, lease: Lease) -> None:
@@ -34,6 +35,9 @@ class OpenPolicy:
 
     def degraded(self, engines: list[Engine]) -> str | None:
         return None  # it predicts nothing
+
+    def describe(self) -> dict[str, Any] | None:
+        return None  # it holds nothing
 
     def overrun(self, lease: Lease, engine: Engine, now: float) -> float | None:
         return None  # it holds no budget

@@ -15,6 +15,7 @@ import contextlib
 import statistics
 import time
 from collections.abc import Callable
+from typing import Any
 
 from narwhal.router import decisions as why
 from narwhal.router.decisions import Decision
@@ -42,7 +43,7 @@ TPOT_AIM = 0.9
 COLD_TAU0_SHARE = 0.5
 # Places among requests waiting for pace: a class each (critical, standard, sheddable),
 # and within one a tenant over its fair share after the rest.
-STANDINGS = 6
+ORDERS = 6
 
 
 class PredictivePolicy:
@@ -71,8 +72,8 @@ class PredictivePolicy:
         self._entries: dict[Lease, tuple[int | None, Charge]] = {}
         # Per priority class, resolved when a stream ends: higher classes first, so their
         # waiters are judged (and charged) before lower ones take the room.
-        self._ended: list[asyncio.Future[None] | None] = [None] * STANDINGS
-        self._waiting = [0] * STANDINGS  # requests of each standing waiting in room() now
+        self._ended: list[asyncio.Future[None] | None] = [None] * ORDERS
+        self._waiting = [0] * ORDERS  # requests of each order waiting in room() now
         self._engines = {e.name: e for e in engines}
         # Per slot of the picture, its engine and that engine's profile (None: a slot an
         # engine left), so judging reads them without a lookup an engine.
@@ -294,6 +295,24 @@ class PredictivePolicy:
     def degraded(self, engines: list[Engine]) -> str | None:
         return self.predictor.degraded(engines)
 
+    def describe(self) -> dict[str, Any] | None:
+        """The TPOT ledger's state for `/ready` (None without a TPOT target): how long
+        answers run, and per engine the streams held, the step without prefill, the
+        prefill placed there that has not run, and how much more it can take."""
+        if self.tpot_target_s is None:
+            return None
+        now = time.monotonic()
+        engines = {}
+        for name, ledger in self.streams.items():
+            head = ledger.headroom_s(now)
+            engines[name] = {
+                "streams": len(ledger),
+                "tau0_ms": None if ledger.tau0_s is None else round(ledger.tau0_s * 1000, 2),
+                "pending_prefill_s": round(ledger.pending_s, 3),
+                "headroom_s": None if head is None else round(head, 3),
+            }
+        return {"lengths": self.lengths.describe(), "engines": engines}
+
     def _decoding(self, lease: Lease) -> None:
         if lease.measured.tally is not None:
             self.lengths.started(lease, lease.request.standing.tenant, lease.measured.tally)
@@ -324,24 +343,24 @@ class PredictivePolicy:
         if entry is None or ledger is None:
             return
         ledger.ended(entry, lease.measured.output_tokens, lease.measured.decode_s)
-        for standing, ended in enumerate(self._ended):
+        for order, ended in enumerate(self._ended):
             if ended is not None:
                 if not ended.done():
                     ended.set_result(None)
-                self._ended[standing] = None
+                self._ended[order] = None
 
-    async def room(self, timeout_s: float, standing: int = 2) -> None:
+    async def room(self, timeout_s: float, order: int = 2) -> None:
         """Returns when a stream in the ledger ends (an engine may keep pace again), or
-        after `timeout_s`; waiters of a lower standing are woken before a higher one's."""
-        ended = self._ended[standing]
+        after `timeout_s`; waiters of a lower order are woken before a higher one's."""
+        ended = self._ended[order]
         if ended is None:
-            ended = self._ended[standing] = asyncio.get_running_loop().create_future()
-        self._waiting[standing] += 1
+            ended = self._ended[order] = asyncio.get_running_loop().create_future()
+        self._waiting[order] += 1
         try:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(asyncio.shield(ended), timeout_s)
         finally:
-            self._waiting[standing] -= 1
+            self._waiting[order] -= 1
 
     def _reported(self, lease: Lease) -> None:
         """The engine's own count of cached tokens corrects the picture."""
