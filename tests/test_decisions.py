@@ -192,3 +192,28 @@ def test_no_records_are_kept_where_the_setting_says_none(
         assert listed.status_code == 404
     finally:
         router.stop()
+
+
+@pytest.mark.slow
+def test_only_engines_that_serve_the_route_are_weighed(
+    tmp_path: Path, fleet: tuple[Server, list[Server]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A Responses request is judged over the engines whose dialect serves it: the one that
+    cannot is neither weighed nor chosen (placement would pass it over, and the projection
+    made for it would be wasted)."""
+    _, (sglang, lexi) = fleet
+    monkeypatch.setenv("NARWHAL_TEST_DECISIONS_ADMIN", TOKEN)
+    router = start_router(
+        tmp_path,
+        "model: main\nlisten: {port: $PORT}\nadmission: predictive\n"
+        "admin: {token_env: NARWHAL_TEST_DECISIONS_ADMIN, decision_records: 10}\n"
+        f"engines:\n  - {{name: old, url: '{sglang.url}', dialect: sglang}}\n"
+        f"  - {{name: new, url: '{lexi.url}', dialect: lexi}}\n",
+    )
+    try:
+        r = httpx.post(router.url + "/v1/responses", json={"input": "hello"}, timeout=30)
+        d = record(router, r.headers["x-request-id"])
+        assert [c["engine"] for c in d["candidates"]] == ["new"]
+        assert d["choice"] == "new"
+    finally:
+        router.stop()

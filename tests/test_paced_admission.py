@@ -22,8 +22,8 @@ from tests.support import (
     metric,
     sse_frames,
     start_router,
-    wait_idle,
     wait_http,
+    wait_idle,
 )
 
 pytestmark = pytest.mark.slow

@@ -169,8 +169,11 @@ class Flow:
         watcher = asyncio.create_task(asgi.watch_disconnect(receive, task))
         try:
             self.gate.check()
+            # The engines that cannot serve the route, named once: the judge plans only over
+            # the rest, and placement takes only them.
+            cannot = self.gate.cannot_serve(req)
             try:
-                plan = await self.judge.plan(req, arrived, budget, record)
+                plan = await self.judge.plan(req, arrived, budget, record, cannot)
                 judged = time.monotonic()
                 if req.trace is not None:
                     req.trace.judged_at = judged
@@ -181,11 +184,10 @@ class Flow:
                 e.ended("refused", e.code or "predictive")
                 raise
             try:
-                busy = self.gate.cannot_serve(req)
                 # Where a projection judged it, its whole TTFT is held: the wait for a seat
                 # counts, and a request whose budget a wait spent is refused, not placed.
                 ttft_by = arrived + budget if plan.predicted_s is not None else None
-                await self.placer.serve(req, send, arrived, deadline, plan, busy, end, ttft_by)
+                await self.placer.serve(req, send, arrived, deadline, plan, cannot, end, ttft_by)
             finally:
                 plan.settle()
         except asyncio.CancelledError:

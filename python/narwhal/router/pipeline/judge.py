@@ -29,13 +29,21 @@ class Judge:
         self.on_paced_wait = on_paced_wait  # once per request that waited for pace
 
     async def plan(
-        self, req: Request, arrived: float, budget: float, record: Decision | None = None
+        self,
+        req: Request,
+        arrived: float,
+        budget: float,
+        record: Decision | None = None,
+        cannot: frozenset[str] = frozenset(),
     ) -> Plan:
-        """The policy's plan, or its refusal (an ApiError); `record`, where given, is told
-        what was weighed, chosen and waited for."""
+        """The policy's plan over the eligible engines not in `cannot` (those that cannot
+        serve the request's route), or its refusal (an ApiError); `record`, where given, is
+        told what was weighed, chosen and waited for."""
         deferred: ApiError | None = None
         while True:
             engines = self.pool.eligible()
+            if cannot:
+                engines = [e for e in engines if e.name not in cannot]
             if not engines:
                 return OPEN_PLAN  # placement answers 503: nothing to judge against
             left = budget - (time.monotonic() - arrived)
