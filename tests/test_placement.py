@@ -809,13 +809,8 @@ def test_late_first_tokens_widen_every_projection_until_lateness_is_rare() -> No
 
 
 def test_a_fresh_router_places_what_pace_would_hold_until_it_has_seen_answers() -> None:
-    """Before the router has seen enough answers, pace ranks engines but refuses nothing,
-    even where each engine's answers that ended say how long they ran: a fresh router's
-    first answers to end are its shortest."""
     f = Fleet(n=1, tpot_target_s=0.05, answers_seen=False)
     f.learn_tau0(0.02)
-    for p in f.predictor.profiles.values():
-        p.output_tokens = 5.0  # what its answers that ended ran to
     short = f.open(request(words("s", 10), max_tokens=5), on="e0")
     short.first_output()
     long = request(words("L", 1000))  # a second of prefill beside a 5-token answer
@@ -880,15 +875,3 @@ def test_answers_cut_by_their_clients_count_as_at_least_what_they_ran() -> None:
     assert f.judge(long).prefer is f.engines[0]
     hist = f.policy.lengths.of("")
     assert hist is not None and hist.at_least(300) == 300  # nothing says they run longer
-
-
-def test_a_stream_that_began_before_answers_were_seen_is_held_to_them_once_they_are() -> None:
-    f = Fleet(n=1, tpot_target_s=0.05, answers_seen=False, seats=200)
-    f.learn_tau0(0.01)
-    f.predictor.profiles["e0"].output_tokens = 5.0  # the first answers to end were short
-    early = f.open(request(words("s", 10), max_tokens=2048), on="e0")
-    early.measured.tally = Counted(1)
-    early.first_output()  # held to what its engine's answers that ended ran to
-    f.seen_answers(300, count=100)
-    long = request(words("L", 1000))  # 1 s of prefill: within a 300-token answer's allowance
-    assert f.judge(long).prefer is f.engines[0]

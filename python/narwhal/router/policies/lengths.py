@@ -34,10 +34,8 @@ QUANTILE = 0.25
 # Log-spaced buckets, this many an octave, up to 2^OCTAVES tokens.
 PER_OCTAVE = 4
 OCTAVES = 18
-# Answers seen (ended, cut or still streaming) before a distribution is read (the
-# router's, then a tenant's own), of which at least MIN_ENDED ended at their own length.
+# Answers ended before a distribution is read (the router's, then a tenant's own).
 MIN_SAMPLES = 20
-MIN_ENDED = 5
 # About this many recent answers weigh in: each new one counts e^(1/MEMORY) more.
 MEMORY = 1000
 # The table of quantiles is rebuilt after this many answers have ended, not after each;
@@ -89,12 +87,6 @@ class Histogram:
     def streaming(self) -> int:
         """Streams decoding now (censored as they stand)."""
         return len(self._running)
-
-    def ready(self) -> bool:
-        """Whether enough answers were seen to read it."""
-        return self.samples >= MIN_ENDED and self.samples + self.cut + len(self._running) >= (
-            MIN_SAMPLES
-        )
 
     def add(self, tokens: int, complete: bool = True) -> None:
         counts = self._ended if complete else self._censored
@@ -193,39 +185,19 @@ class Lengths:
         """The distribution to read for `tenant`'s answers ("": none): its own once it has
         enough, else the router's; None before the router has seen enough."""
         h = self._tenants.get(tenant) if tenant else None
-        if h is not None and h.ready():
+        if h is not None and h.samples >= MIN_SAMPLES:
             return h
-        return self._all if self._all.ready() else None
+        return self._all if self._all.samples >= MIN_SAMPLES else None
 
     def describe(self) -> dict[str, int | bool | None]:
         """The router's lengths for `/ready`: what was seen, and what a new stream is held
-        to (None until enough answers were seen)."""
+        to (None until enough answers ended)."""
         h = self._all
+        ready = h.samples >= MIN_SAMPLES
         return {
             "ended": h.samples,
             "cut": h.cut,
             "streaming": h.streaming,
-            "ready": h.ready(),
-            "new_stream_tokens": h.at_least(2) if h.ready() else None,
+            "ready": ready,
+            "new_stream_tokens": h.at_least(2) if ready else None,
         }
-
-    def expect(self, tenant: str) -> Expect:
-        """What a stream of `tenant` is held to as it runs: read when it is read, so a
-        stream that began before enough answers were seen is held to them once they are."""
-        return Expect(self, tenant)
-
-
-class Expect:
-    """How long a stream is expected to run, read from its tenant's lengths when asked."""
-
-    __slots__ = ("_lengths", "_tenant")
-
-    def __init__(self, lengths: Lengths, tenant: str) -> None:
-        self._lengths = lengths
-        self._tenant = tenant
-
-    def at_least(self, tokens: int) -> int | None:
-        """Of the answers that reached `tokens`, the length all but QUANTILE reach; None
-        before enough answers were seen."""
-        h = self._lengths.of(self._tenant)
-        return None if h is None else h.at_least(tokens)

@@ -140,7 +140,7 @@ class PredictivePolicy:
             req.standing.rank,
             req.standing.share,
             record,
-            not paced or self._pace_sure(req.standing.tenant),
+            not paced or self._pace_sure(req.standing.tenant, engines),
         )
         if paced and any(self._waiting[: req.standing.order]):
             # A request of a higher class (or of a tenant within its fair share, where
@@ -168,13 +168,16 @@ class PredictivePolicy:
             proj.own_s,
         )
 
-    def _pace_sure(self, tenant: str) -> bool:
+    def _pace_sure(self, tenant: str, engines: list[Engine]) -> bool:
         """Whether the ledger's verdicts rest on measured answer lengths, so that a request
-        may wait or be refused for pace. Before, a stream is held to what its engine's
-        answers that ended ran to, which a fresh router's first answers (its shortest: the
-        long ones still stream) set short: it refused a tenth of a light load for pace in
-        its first 20 s (bench/README.md, "A fresh router"); pace still ranks the engines."""
-        return self.lengths.of(tenant) is not None
+        may wait or be refused for pace: the router has seen enough answers, or every
+        engine has a typical length. Before, every stream is held to two tokens (nothing
+        says more), and a fresh router refused a tenth of a light load for pace in its
+        first 20 s (bench/README.md, "A fresh router"); pace still ranks the engines."""
+        if self.lengths.of(tenant) is not None:
+            return True
+        profiles = [self.predictor.profiles.get(e.name) for e in engines]
+        return all(p is not None and p.output_tokens is not None for p in profiles)
 
     def _paced(self, share: float, rank: int) -> Callable[[Projection], bool]:
         # The reserve is read once a request, not once an engine.
@@ -256,11 +259,10 @@ class PredictivePolicy:
         # answers, what this engine's typically ran to. With nothing known, two tokens: its
         # allowance then comes from its decoding.
         cap = lease.request.max_tokens
-        expect = self.lengths.expect(lease.request.standing.tenant)
+        lengths = self.lengths.of(lease.request.standing.tenant)
         n = cap
-        seen = expect.at_least(2)
-        if seen is not None:
-            n = seen if cap is None else min(cap, seen)
+        if lengths is not None:
+            n = lengths.at_least(2) if cap is None else min(cap, lengths.at_least(2))
         elif prof.output_tokens is not None:
             typical = max(2, round(prof.output_tokens))
             n = typical if n is None else min(n, typical)
@@ -268,7 +270,7 @@ class PredictivePolicy:
         if n is None or n > 1:
             aim = TPOT_AIM * self.tpot_target_s
             tau0 = self._tau0(name, aim)
-            entry = ledger.joined(aim, tau0, n or 2, lease.request.standing.rank, expect, cap)
+            entry = ledger.joined(aim, tau0, n or 2, lease.request.standing.rank, lengths, cap)
         self._entries[lease] = (entry, charge)
 
     def _tau0(self, name: str, aim: float) -> float:

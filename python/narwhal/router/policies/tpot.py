@@ -49,7 +49,7 @@ from collections import deque
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from narwhal.router.policies.lengths import Expect
+    from narwhal.router.policies.lengths import Histogram
 
 # Clean samples kept for the median.
 SAMPLES = 7
@@ -161,7 +161,7 @@ class Streams:
         tau0_s: float,
         n: int,
         rank: int = 0,
-        lengths: Expect | None = None,
+        lengths: Histogram | None = None,
         cap: int | None = None,
     ) -> int:
         """A stream of `rank` held to `aim_s` a token, expected to run to `n` tokens on
@@ -228,7 +228,7 @@ class _Stream:
         tau0: float,
         n: int,
         rank: int,
-        lengths: Expect | None = None,
+        lengths: Histogram | None = None,
         cap: int | None = None,
     ) -> None:
         self.joined = joined  # the engine's charge when the stream joined
@@ -259,18 +259,14 @@ class _Stream:
         return self.joined + max(self.allowance, grown)
 
     def reaches(self, k: int) -> int:
-        """The length a stream at its `k`th token is held to: never below `n` or `k` (so
-        `floor` stays a lower bound of `value`), and, once the router has seen enough
-        answers, what those that got as far ran to (`cap` at most)."""
-        n = self.n if k < self.n else k
+        """The length a stream at its `k`th token is held to: never below `n` or `k`, and
+        growing with `k` (so `floor` stays a lower bound of `value`)."""
+        if k < self.n:
+            return self.n
         if self.lengths is None:
-            return n
-        m = self.lengths.at_least(k)
-        if m is None:
-            return n
-        if self.cap is not None and m > self.cap:
-            m = self.cap
-        return m if m > n else n
+            return k
+        n = self.lengths.at_least(k)
+        return max(k, n if self.cap is None else min(n, self.cap))
 
     def floor(self) -> float:
         """`value` with no token counted yet: counting tokens only raises it."""
