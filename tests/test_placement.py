@@ -108,8 +108,7 @@ class Fleet:
             async with self.admission.place(
                 req, now, now + 60, prefer=plan.prefer, tokens=plan.tokens
             ) as lease:
-                lease.plan = plan
-                self.policy.placed(lease)
+                self.policy.placed(lease, plan)
                 lease.measured.cached_tokens = cached_tokens
                 lease.measured.prompt_tokens = prompt_tokens
                 lease.finished(0)
@@ -129,8 +128,7 @@ class Fleet:
         lease = self.loop.run_until_complete(placing.__aenter__())
         self._open.append(placing)  # a collected one would release its lease
         assert lease.on is e
-        lease.plan = plan
-        self.policy.placed(lease)
+        self.policy.placed(lease, plan)
         return lease
 
     def seen_answers(self, tokens: int, count: int = MIN_SAMPLES) -> None:

@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from narwhal.router.engines import Engine
-    from narwhal.router.policies import Plan
     from narwhal.router.policies.tpot import Tally
     from narwhal.router.request import Request
 
@@ -108,6 +107,7 @@ class Lease:
         "_seats",
         "ahead",
         "arrived",
+        "cached_expected",
         "deadline",
         "engine",
         "exclude",
@@ -116,7 +116,6 @@ class Lease:
         "measured",
         "own_s",
         "phase",
-        "plan",
         "predicted_s",
         "prefer",
         "prefill_s",
@@ -169,7 +168,9 @@ class Lease:
         self.ahead = 0  # prompts in prefill on its engine when it took its seat
         self.firsts_seen = 0  # the engine's first tokens seen by then
         self.fence: int | None = None  # the leader's fencing token it was placed under
-        self.plan: Plan | None = None  # what the policy decided before placement
+        # What placement expected the engine's prefix cache to serve of its prompt, where
+        # a cache-aware plan sized it (written by placement once seated; None: no such plan).
+        self.cached_expected: int | None = None
         self.probe = False  # the router's own profiling probe, not a client's request
         self.measured = Measured()
 

@@ -329,13 +329,8 @@ class RouterMetrics:
             m.prompt_tokens.inc(prompt)
             if cached:
                 m.cached_tokens.inc(cached)
-        if (
-            lease.plan is not None
-            and lease.plan.blocks is not None
-            and prompt
-            and cached is not None
-        ):
-            held = lease.plan.held_by(name)
+        held = lease.cached_expected
+        if held is not None and prompt and cached is not None:
             self.cache_expectation_error.labels(name).observe((cached - held) / prompt)
 
     def _fault(self, lease: Lease, kind: str, against_engine: str | None) -> None:

@@ -456,7 +456,7 @@ class Predictor:
             lease.measured.decode_s,
             lease.predicted_s,
             cached_tokens=lease.measured.cached_tokens or 0,
-            expected_cached=lease.plan.held_by(lease.on.name) if lease.plan is not None else 0,
+            expected_cached=lease.cached_expected or 0,
             probe=lease.probe,
             queued=lease.queued,
         )

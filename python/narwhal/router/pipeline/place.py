@@ -105,8 +105,9 @@ class Placer:
                 # it got is out of the wave; a degraded predictor has already admitted it.)
                 self.gate.check_leading()
                 lease.fence = self.leadership.token
-                lease.plan = plan
-                self.policy.placed(lease)
+                if plan.blocks is not None:
+                    lease.cached_expected = plan.held_by(lease.on.name)
+                self.policy.placed(lease, plan)
                 placed = True
                 now = time.monotonic()
                 if req.trace is not None:
@@ -181,7 +182,7 @@ def _note(lease: Lease) -> None:
         projected_ms=round(lease.predicted_s * 1000, 1) if lease.predicted_s else None,
         own_ms=round(lease.own_s * 1000, 1) if lease.own_s else None,
         tokens_sized=lease.tokens or None,
-        cached_expected=lease.plan.held_by(lease.on.name) if lease.plan is not None else None,
+        cached_expected=lease.cached_expected or 0,
         tokens_cached=lease.measured.cached_tokens,
         due_ms=round((lease.ttft_by - lease.arrived) * 1000, 1) if lease.ttft_by else None,
         # How long it waited in the router before the engine had it (judge, queue, connect).

@@ -69,7 +69,9 @@ class Policy(Protocol):
         `timeout_s`; waiters of a lower `order` (a higher class; within one, a tenant
         within its fair share: `Standing.order`) are woken first."""
 
-    def placed(self, lease: Lease) -> None: ...
+    def placed(self, lease: Lease, plan: Plan) -> None:
+        """`lease` was seated as `plan` said, or elsewhere (`lease.on`): the policy keeps
+        what it needs of the plan until the lease is released."""
 
     def added(self, engine: Engine) -> None:
         """An engine joined the fleet (before it is placed on)."""

@@ -21,7 +21,7 @@ class OpenPolicy:
     async def room(self, timeout_s: float, order: int = 2) -> None:
         await asyncio.sleep(timeout_s)  # never asked for: it never defers a request
 
-    def placed(self, lease: Lease) -> None:
+    def placed(self, lease: Lease, plan: Plan) -> None:
         pass
 
     def added(self, engine: Engine) -> None:

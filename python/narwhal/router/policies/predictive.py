@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from narwhal._native import PromptBlocks
 from narwhal.router import decisions as why
 from narwhal.router.decisions import Decision
 from narwhal.router.engines import Engine
@@ -70,6 +71,9 @@ class PredictivePolicy:
         # Placed requests, until released: their stream's entry in the ledger (None for an
         # answer of one token) and their prompt's charge.
         self._entries: dict[Lease, tuple[int | None, Charge]] = {}
+        # Per placed lease, the blocks placed and what the engine's cache was expected to
+        # serve of them, until its engine reports what it did (or the lease is released).
+        self._expected: dict[Lease, tuple[PromptBlocks, Expectation]] = {}
         # Per priority class, resolved when a stream ends: higher classes first, so their
         # waiters are judged (and charged) before lower ones take the room.
         self._ended: list[asyncio.Future[None] | None] = [None] * ORDERS
@@ -229,18 +233,18 @@ class PredictivePolicy:
         late = now + due - lease.ttft_by
         return late if late > 0 else None
 
-    def placed(self, lease: Lease) -> None:
-        plan = lease.plan
-        if plan is None:
-            return
+    def placed(self, lease: Lease, plan: Plan) -> None:
         name = lease.on.name
         if plan.blocks is not None and self.cache is not None:
             self.cache.placed(name, plan.blocks)
+            exp = plan.expected.get(name)
+            if exp is not None:
+                self._expected[lease] = (plan.blocks, exp)  # the engine's report corrects it
         self.sessions.placed(plan.session, name)
         if self.tpot_target_s is not None:
-            self._joined(lease, name)
+            self._joined(lease, name, plan)
 
-    def _joined(self, lease: Lease, name: str) -> None:
+    def _joined(self, lease: Lease, name: str, plan: Plan) -> None:
         assert self.tpot_target_s is not None
         prof = self.predictor.profiles[name]
         if prof.prefill_tps is None:
@@ -249,7 +253,7 @@ class PredictivePolicy:
         # Charged when judged if it went where it was judged for; else charged here, and
         # the judged engine's pending prefill is let go (what it was charged stays: a little
         # caution, never too little).
-        charge = lease.plan.charge if lease.plan is not None else None
+        charge = plan.charge
         if charge is None or charge.ledger is not ledger:
             if charge is not None:
                 charge.settle()
@@ -331,11 +335,11 @@ class PredictivePolicy:
         # An answer its max_tokens stopped counts as ended there: that is how long a stream
         # of its kind runs, and a tenant whose every answer hits its cap is still read.
         self.lengths.ended(lease, lease.request.standing.tenant, lease.measured.output_tokens)
-        if self.cache is not None:
-            self._reported(lease)
+        self._reported(lease)
 
     def _released(self, lease: Lease) -> None:
         self.lengths.cut(lease, lease.request.standing.tenant)
+        self._expected.pop(lease, None)
         placed = self._entries.pop(lease, None)
         if placed is None:
             return
@@ -366,13 +370,10 @@ class PredictivePolicy:
 
     def _reported(self, lease: Lease) -> None:
         """The engine's own count of cached tokens corrects the picture."""
-        plan = lease.plan
-        if plan is None or plan.blocks is None or lease.measured.cached_tokens is None:
+        expected = self._expected.pop(lease, None)
+        cached = lease.measured.cached_tokens
+        if expected is None or cached is None:
             return
         assert self.cache is not None
-        name = lease.on.name
-        exp = plan.expected.get(name)
-        if exp is not None:
-            self.cache.reported(
-                name, plan.blocks, exp, lease.measured.cached_tokens, lease.measured.prompt_tokens
-            )
+        blocks, exp = expected
+        self.cache.reported(lease.on.name, blocks, exp, cached, lease.measured.prompt_tokens)
