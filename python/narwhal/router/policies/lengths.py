@@ -9,23 +9,12 @@ is a low quantile of the lengths, not their mean (one long answer in ten lifts a
 above what most answers run to), and it grows with the stream: of the answers that have
 reached `k` tokens, `QUANTILE` stopped before `at_least(k)`.
 
-An answer that has not ended says how long it is at least: the streams still running and
-those a client left or a fault cut are right-censored, and the distribution is the
-Kaplan-Meier estimate over them and the answers that ended (one its `max_tokens` stopped
-ended there: it is how long a stream of its kind runs).
-Read from ended answers alone it is biased short exactly when it matters most: a fresh
-router's first answers to end are its shortest, while the long ones still stream (on a mix
-of chats, RAG and agent steps it refused 7.5 % of a light load for pace, bench/README.md,
-"A fresh router").
-
 `max_tokens`, when the client sets it, is only a cap.
 """
 
 from __future__ import annotations
 
 import math
-
-from .tpot import Tally
 
 # The share of answers (that reached a given length) expected to stop sooner than the
 # ledger assumes: a quarter are held to a length they do not reach, their stall's cost
@@ -34,14 +23,12 @@ QUANTILE = 0.25
 # Log-spaced buckets, this many an octave, up to 2^OCTAVES tokens.
 PER_OCTAVE = 4
 OCTAVES = 18
-# Answers ended before a distribution is read (the router's, then a tenant's own).
+# Answers before a distribution is read (the router's, then a tenant's own).
 MIN_SAMPLES = 20
 # About this many recent answers weigh in: each new one counts e^(1/MEMORY) more.
 MEMORY = 1000
-# The table of quantiles is rebuilt after this many answers have ended, not after each;
-# after each while the distribution is young (the running streams move it most then).
+# The table of quantiles is rebuilt after this many new answers, not after each.
 REBUILD_EVERY = 16
-YOUNG = 10 * MIN_SAMPLES
 
 _BUCKETS = PER_OCTAVE * OCTAVES + 1
 _GROWTH = math.exp(1.0 / MEMORY)
@@ -59,49 +46,26 @@ def _floor(bucket: int) -> int:
 
 
 class Histogram:
-    """Decayed counts of answer lengths, ended and censored, the streams running now, and
-    from them the quantile table."""
+    """Decayed counts of answer lengths and, from them, the quantile table."""
 
-    __slots__ = (
-        "_censored",
-        "_dirty",
-        "_ended",
-        "_running",
-        "_table",
-        "_weight",
-        "cut",
-        "samples",
-    )
+    __slots__ = ("_counts", "_dirty", "_table", "_weight", "samples")
 
     def __init__(self) -> None:
-        self._ended = [0.0] * _BUCKETS  # answers that ended at their own length
-        self._censored = [0.0] * _BUCKETS  # answers cut at a length they would have passed
-        self._running: dict[object, Tally] = {}  # streams decoding now: censored as they stand
+        self._counts = [0.0] * _BUCKETS
         self._weight = 1.0  # what the next answer counts (older ones fade against it)
         self._table: list[int] | None = None
         self._dirty = 0
-        self.samples = 0  # answers that ended at their own length
-        self.cut = 0  # answers cut at a length they would have passed
+        self.samples = 0
 
-    @property
-    def streaming(self) -> int:
-        """Streams decoding now (censored as they stand)."""
-        return len(self._running)
-
-    def add(self, tokens: int, complete: bool = True) -> None:
-        counts = self._ended if complete else self._censored
-        counts[_bucket(tokens)] += self._weight
+    def add(self, tokens: int) -> None:
+        self._counts[_bucket(tokens)] += self._weight
         self._weight *= _GROWTH
         if self._weight > 1e12:  # rescale before the floats lose the small counts
-            self._ended = [c / self._weight for c in self._ended]
-            self._censored = [c / self._weight for c in self._censored]
+            self._counts = [c / self._weight for c in self._counts]
             self._weight = 1.0
-        if complete:
-            self.samples += 1
-        else:
-            self.cut += 1
+        self.samples += 1
         self._dirty += 1
-        if self._dirty >= REBUILD_EVERY or self.samples < YOUNG:
+        if self._dirty >= REBUILD_EVERY:
             self._table = None
 
     def at_least(self, tokens: int) -> int:
@@ -113,33 +77,17 @@ class Histogram:
         return max(tokens, self._table[_bucket(tokens)])
 
     def _build(self) -> list[int]:
-        ended = self._ended
-        left = list(self._censored)
-        for tally in self._running.values():
-            if tally.counted > 0:
-                left[_bucket(tally.counted)] += self._weight
-        # survival[i]: the estimated share of answers that reach bucket i (Kaplan-Meier: of
-        # those at risk there, ended or censored in it or beyond, the ended ones leave).
-        survival = [1.0] * (_BUCKETS + 1)
-        at_risk = sum(ended) + sum(left)
-        last = 0  # the highest bucket anything reached: a quantile past it is unknown
-        for i in range(_BUCKETS):
-            if ended[i] or left[i]:
-                last = i
-            gone = ended[i] / at_risk if at_risk > 1e-12 else 1.0
-            survival[i + 1] = survival[i] * max(0.0, 1.0 - gone)
-            at_risk -= ended[i] + left[i]
-        table = [_floor(i) for i in range(_BUCKETS)]
-        j = 0
-        for i in range(last):
-            if survival[i] <= 0.0:
+        counts = self._counts
+        table = [0] * _BUCKETS
+        above = 0.0  # the counts of buckets >= i
+        for i in range(_BUCKETS - 1, -1, -1):
+            above += counts[i]
+            if not above:
+                table[i] = _floor(i)
                 continue
-            # The first bucket by whose end QUANTILE of the answers that reached bucket i
-            # have ended (the target only falls with i: the walk only moves forward); the
-            # highest bucket reached where the censored ones leave it unknown.
-            stop = (1.0 - QUANTILE) * survival[i]
-            j = max(j, i)
-            while j < last and survival[j + 1] > stop:
+            target, seen, j = QUANTILE * above, 0.0, i
+            while j < _BUCKETS - 1 and seen + counts[j] < target:
+                seen += counts[j]
                 j += 1
             table[i] = _floor(j)
         return table
@@ -152,34 +100,16 @@ class Lengths:
         self._all = Histogram()
         self._tenants: dict[str, Histogram] = {}
 
-    def _of(self, tenant: str) -> list[Histogram]:
-        if not tenant:
-            return [self._all]
-        h = self._tenants.get(tenant)
-        if h is None:
-            h = self._tenants[tenant] = Histogram()
-        return [self._all, h]
-
-    def started(self, key: object, tenant: str, tally: Tally) -> None:
-        """A stream began decoding: until it ends, it has run at least `tally.counted`."""
-        for h in self._of(tenant):
-            h._running[key] = tally
-
-    def ended(self, key: object, tenant: str, tokens: int, complete: bool = True) -> None:
-        """An answer of `tokens` ended: at its own length (`complete`), or cut at a length
-        it would have passed."""
-        for h in self._of(tenant):
-            h._running.pop(key, None)
-            if tokens >= 1:
-                h.add(tokens, complete)
-
-    def cut(self, key: object, tenant: str) -> None:
-        """A stream let go without ending (its client left, a fault): it ran at least what
-        it counted. Nothing for a stream that `ended` or never decoded."""
-        for h in self._of(tenant):
-            tally = h._running.pop(key, None)
-            if tally is not None and tally.counted >= 1:
-                h.add(tally.counted, complete=False)
+    def observe(self, tenant: str, tokens: int) -> None:
+        """A finished answer (one cut short by its client says nothing of its length)."""
+        if tokens < 1:
+            return
+        self._all.add(tokens)
+        if tenant:
+            h = self._tenants.get(tenant)
+            if h is None:
+                h = self._tenants[tenant] = Histogram()
+            h.add(tokens)
 
     def of(self, tenant: str) -> Histogram | None:
         """The distribution to read for `tenant`'s answers ("": none): its own once it has
@@ -190,14 +120,11 @@ class Lengths:
         return self._all if self._all.samples >= MIN_SAMPLES else None
 
     def describe(self) -> dict[str, int | bool | None]:
-        """The router's lengths for `/ready`: what was seen, and what a new stream is held
-        to (None until enough answers ended)."""
-        h = self._all
-        ready = h.samples >= MIN_SAMPLES
+        """The router's lengths for `/ready`: how many answers it has seen, and what a new
+        stream is held to (None until it has seen enough)."""
+        ready = self._all.samples >= MIN_SAMPLES
         return {
-            "ended": h.samples,
-            "cut": h.cut,
-            "streaming": h.streaming,
+            "ended": self._all.samples,
             "ready": ready,
-            "new_stream_tokens": h.at_least(2) if ready else None,
+            "new_stream_tokens": self._all.at_least(2) if ready else None,
         }

@@ -320,8 +320,6 @@ class PredictivePolicy:
         return {"lengths": self.lengths.describe(), "engines": engines}
 
     def _decoding(self, lease: Lease) -> None:
-        if lease.measured.tally is not None:
-            self.lengths.started(lease, lease.request.standing.tenant, lease.measured.tally)
         placed = self._entries.get(lease)
         if placed is None:
             return
@@ -332,13 +330,10 @@ class PredictivePolicy:
             ledger.decoding(entry, lease.measured.first_at, lease.measured.tally)
 
     def _finished(self, lease: Lease) -> None:
-        # An answer its max_tokens stopped counts as ended there: that is how long a stream
-        # of its kind runs, and a tenant whose every answer hits its cap is still read.
-        self.lengths.ended(lease, lease.request.standing.tenant, lease.measured.output_tokens)
+        self.lengths.observe(lease.request.standing.tenant, lease.measured.output_tokens)
         self._reported(lease)
 
     def _released(self, lease: Lease) -> None:
-        self.lengths.cut(lease, lease.request.standing.tenant)
         self._expected.pop(lease, None)
         placed = self._entries.pop(lease, None)
         if placed is None:
