@@ -25,6 +25,7 @@ from narwhal.router.ha.profiles import SharedProfiles
 from narwhal.router.ha.tenant_windows import SharedTenantWindows
 from narwhal.router.lease import Events
 from narwhal.router.metrics import RouterMetrics
+from narwhal.router.models import Catalog
 from narwhal.router.pipeline.flow import Flow
 from narwhal.router.pipeline.gate import Gate, not_taking
 from narwhal.router.pipeline.judge import Judge
@@ -49,6 +50,7 @@ class Router:
         self.config = config
         self.metrics = RouterMetrics()
         self.pool = pool_of(config, self.metrics)
+        self.catalog = Catalog(self.pool, lambda: self.config)
         engines = self.pool.engines
         self.managed = [e.managed for e in engines if e.managed is not None]
         # What happens to each lease reaches these three, subscribed here once.
@@ -82,7 +84,7 @@ class Router:
         keys, self.key_tenants = client_keys(config)
         self.client_keys = tuple(k.encode() for k in keys)
         self._ha(config)
-        self.gate = Gate(self.leadership, self.maintenance, self.pool, self.policy)
+        self.gate = Gate(self.leadership, self.maintenance, self.pool, self.policy, self.catalog)
         self.judge = Judge(self.policy, self.pool, self.metrics.paced_waits.inc)
         self.fleet = Fleet(
             config,

@@ -37,6 +37,12 @@ class EngineSpec:
     url: str | None = None
     launch: Launch | None = None
     api_key_env: str | None = None  # the variable holding the engine's own API key
+    # The models it serves, as the engine names them; None: the router's `model` alone.
+    models: tuple[str, ...] | None = None
+
+    def serves(self, default: str) -> tuple[str, ...]:
+        """The models it serves, `default` (the router's `model`) where none were listed."""
+        return self.models if self.models is not None else (default,)
 
     @property
     def token_ids(self) -> bool:
@@ -54,6 +60,7 @@ class TenantKey:
     tpm: int | None = None
     max_concurrent: int | None = None
     priority: str = "standard"  # its requests' class, the highest x-narwhal-priority may ask
+    models: tuple[str, ...] | None = None  # the public model names it may use (None: any)
 
 
 @dataclass(frozen=True)
@@ -166,6 +173,8 @@ class RouterConfig:
     api_keys: tuple[str, ...] = ()  # client keys (auth.api_keys); none: no client auth
     api_keys_env: str | None = None  # a variable holding more, comma-separated
     tenant_keys: tuple[TenantKey, ...] = ()  # auth.api_keys entries that name a tenant
+    # Public model names and the served model each stands for (`aliases`), sorted.
+    aliases: tuple[tuple[str, str], ...] = ()
 
     def to_json(self) -> bytes:
         """The validated config as JSON: its fields, by name (the worker hand-off)."""
@@ -178,11 +187,15 @@ class RouterConfig:
         for e in d.pop("engines"):
             la = e.pop("launch")
             launch = None if la is None else Launch(**{**la, "args": tuple(la["args"])})
-            engines.append(EngineSpec(**e, launch=launch))
+            models = e.pop("models")
+            engines.append(
+                EngineSpec(**e, launch=launch, models=None if models is None else tuple(models))
+            )
         if isinstance(d["cpu_affinity"], list):
             d["cpu_affinity"] = tuple(d["cpu_affinity"])
         d["api_keys"] = tuple(d["api_keys"])
-        d["tenant_keys"] = tuple(TenantKey(**t) for t in d["tenant_keys"])
+        d["tenant_keys"] = tuple(_tenant_key(t) for t in d["tenant_keys"])
+        d["aliases"] = tuple((a, m) for a, m in d["aliases"])
         if d["ha"] is not None:
             d["ha"] = HA(**{**d["ha"], "etcd": tuple(d["ha"]["etcd"])})
         if d["etcd_source"] is not None:
@@ -312,12 +325,19 @@ def parse(data: Any) -> RouterConfig:
         given["tenant_keys"] = _tenant_keys(keys)
     if "api_keys_env" in auth:
         given["api_keys_env"] = auth["api_keys_env"]
+    if "aliases" in data:
+        given["aliases"] = tuple(sorted(data["aliases"].items()))
     if given.get("otlp_endpoint") and not telemetry.installed():
         raise RouterConfigError(
             "telemetry: traces need the OpenTelemetry SDK, which is not installed: "
             "pip install 'narwhal-serve[telemetry]'"
         )
     return replace(_DEFAULTS, engines=engines, **given)
+
+
+def _tenant_key(k: dict[str, Any]) -> TenantKey:
+    models = k.get("models")
+    return TenantKey(**{**k, "models": None if models is None else tuple(models)})
 
 
 def _tenant_keys(listed: list[Any]) -> tuple[TenantKey, ...]:
@@ -329,14 +349,15 @@ def _tenant_keys(listed: list[Any]) -> tuple[TenantKey, ...]:
     for i, k in enumerate(listed):
         if not isinstance(k, dict):
             continue
-        t = TenantKey(**k)
+        t = _tenant_key(k)
         seen = first.setdefault(t.tenant, (i, t))
         j, other = seen
-        if (t.rpm, t.tpm, t.max_concurrent, t.priority) != (
+        if (t.rpm, t.tpm, t.max_concurrent, t.priority, t.models) != (
             other.rpm,
             other.tpm,
             other.max_concurrent,
             other.priority,
+            other.models,
         ):
             raise RouterConfigError(
                 f"auth.api_keys.{i}: tenant {t.tenant!r} is also given by auth.api_keys.{j} "
@@ -364,9 +385,15 @@ def _engines(listed: list[dict[str, Any]]) -> tuple[EngineSpec, ...]:
             launch = Launch(
                 la["model"], la.get("parallel", 4), la.get("port"), tuple(la.get("args", ()))
             )
+        models = tuple(e["models"]) if "models" in e else None
         engines.append(
             EngineSpec(
-                e["name"], e.get("dialect", "lexi"), e.get("url"), launch, e.get("api_key_env")
+                e["name"],
+                e.get("dialect", "lexi"),
+                e.get("url"),
+                launch,
+                e.get("api_key_env"),
+                models,
             )
         )
     return tuple(engines)

@@ -22,7 +22,11 @@ from narwhal.router.config_schema import SCHEMA
 # What each key means, by its dotted path (`[]` for a list's items). Every key of the schema
 # must be here: render() refuses to leave one out.
 MEANINGS = {
-    "model": "the public model name clients ask for (`model` in requests, `/v1/models`)",
+    "model": "the model clients ask for (`model` in requests, `/v1/models`), and the one a "
+    "request that names none gets; every engine without `models` serves it",
+    "aliases": "public model names and the served model each stands for, `{chat: "
+    "llama-3.1-8b}`: a request for `chat` goes to the engines serving `llama-3.1-8b`, and the "
+    "engine is asked for that name; both are listed on `/v1/models`",
     "listen": "where the router listens",
     "listen.host": "address or host name (a name resolves, IPv4 first)",
     "listen.port": "TCP port; a port another process listens on is refused at start",
@@ -94,10 +98,12 @@ MEANINGS = {
     "(401 otherwise); `/health`, `/ready` and `/metrics` stay open",
     "auth.api_keys": "accepted client keys: a key as a string, or a tenant's key with its "
     "limits, `{key_env: NAME (or key: ...), tenant: team-a, rpm: 600, tpm: 2000000, "
-    "max_concurrent: 32, priority: standard}` (requests a minute, prompt + output tokens a "
-    "minute, requests at once, each optional: past one, 429 `tenant_rate_limited` with "
-    "`Retry-After`; `priority`: `critical`, `standard` or `sheddable`, the highest class "
-    "its requests may ask for with `x-narwhal-priority`)",
+    "max_concurrent: 32, priority: standard, models: [chat]}` (requests a minute, prompt + "
+    "output tokens a minute, requests at once, each optional: past one, 429 "
+    "`tenant_rate_limited` with `Retry-After`; `priority`: `critical`, `standard` or "
+    "`sheddable`, the highest class its requests may ask for with `x-narwhal-priority`; "
+    "`models`: the model names (aliases included) its requests may ask for, 403 "
+    "`model_not_allowed` for another; none listed: any)",
     "auth.api_keys_env": "an environment variable holding more keys, comma-separated (keeps "
     "them out of the file)",
     "telemetry": "OpenTelemetry traces over OTLP/HTTP (protobuf); off without it. A request's "
@@ -149,6 +155,9 @@ MEANINGS = {
     "engines[].api_key_env": "an environment variable holding the engine's own API key, sent "
     "as `Authorization: Bearer` (an engine started with `--api-key`)",
     "engines[].dialect": "`lexi`, `vllm`, `sglang`, `llamacpp` or `openai` (below)",
+    "engines[].models": "the models it serves, as the engine names them (a vLLM engine's "
+    "served model and its LoRA adapters: `[llama-3.1-8b, sql-lora]`); a request goes only to "
+    "engines serving its model; none listed: the router's `model`",
     "engines[].launch": "a LexiEngine the router runs and supervises",
     "engines[].launch.model": "the GGUF file",
     "engines[].launch.parallel": "slots (`--parallel`)",

@@ -11,12 +11,20 @@ TOKEN_ID_DIALECTS = frozenset({"lexi", "vllm"})
 _pos_int = {"type": "integer", "minimum": 1}
 _pos_num = {"type": "number", "exclusiveMinimum": 0}
 _env_name = {"type": "string", "pattern": "^[A-Za-z_][A-Za-z0-9_]*$"}
+# A model's name as clients and engines write it (an adapter's too: `base:sql`, `org/name`).
+_model_name = {"type": "string", "pattern": "^[A-Za-z0-9][A-Za-z0-9_.:/@+-]{0,255}$"}
+_model_names = {"type": "array", "items": _model_name, "minItems": 1, "uniqueItems": True}
 
 SCHEMA: dict[str, Any] = {
     "type": "object",
     "additionalProperties": False,
     "properties": {
         "model": {"type": "string", "minLength": 1},
+        "aliases": {
+            "type": "object",
+            "propertyNames": _model_name,
+            "additionalProperties": _model_name,
+        },
         "listen": {
             "type": "object",
             "additionalProperties": False,
@@ -130,6 +138,7 @@ SCHEMA: dict[str, Any] = {
                                     "tpm": _pos_int,
                                     "max_concurrent": _pos_int,
                                     "priority": {"enum": ["critical", "standard", "sheddable"]},
+                                    "models": _model_names,
                                 },
                                 "oneOf": [{"required": ["key"]}, {"required": ["key_env"]}],
                             },
@@ -204,6 +213,7 @@ SCHEMA: dict[str, Any] = {
                     "url": {"type": "string", "pattern": "^https?://"},
                     "dialect": {"enum": list(DIALECTS)},
                     "api_key_env": _env_name,
+                    "models": _model_names,
                     "launch": {
                         "type": "object",
                         "additionalProperties": False,

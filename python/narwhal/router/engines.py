@@ -132,6 +132,7 @@ class Pool:
         self, engines: list[Engine], prefill_limit: int, decode_limit: int, eject_after: int = 3
     ) -> None:
         self.engines = engines
+        self.version = 0  # moves whenever an engine joins or leaves (what serves which model)
         self.eject_after = eject_after
         self.prefill_limit = prefill_limit
         self.decode_limit = decode_limit
@@ -155,9 +156,11 @@ class Pool:
     def add(self, e: Engine) -> None:
         # A new list, not an append: loops over the old one (a probe round) run on.
         self.engines = [*self.engines, e]
+        self.version += 1
 
     def remove(self, e: Engine) -> None:
         self.engines = [x for x in self.engines if x is not e]
+        self.version += 1
 
     def pick(
         self, prefer: Engine | None = None, exclude: frozenset[str] = frozenset()

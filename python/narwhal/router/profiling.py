@@ -100,7 +100,7 @@ class Profiler:
                 await asyncio.wait_for(self._woken.wait(), self.interval_s)
 
     async def measure(self, e: Engine, rebase: bool = False) -> None:
-        req = probe_request(self.model, e)
+        req = probe_request(e.spec.serves(self.model)[0], e)
         now = time.monotonic()
         proj = self.predictor.project(req.prompt_bytes, e)
         async with self.admission.place_on(

@@ -3,7 +3,8 @@
 Each part is the output of the stage that owns it and is never written after that stage:
 
 - `intake` (`pipeline/intake.py`): the route, the checked body and what was read from it
-  (stream, token IDs, usage, prompt size, session, `max_tokens`);
+  (stream, token IDs, usage, prompt size, session, `max_tokens`, the model asked for and
+  the served model it stands for, `router/models.py`);
 - `classify` (`pipeline/classify.py`): its `Standing` (whose it is, its class, the share of
   its budget it is judged against, its order among requests waiting for pace);
 - the flow, at arrival: its `trace` (handed to intake, which builds the record).
@@ -55,6 +56,10 @@ class Request:
     # The conversation's routing key (`x-session-id`, else the body's `user`), if any.
     session: str | None = None
     max_tokens: int | None = None  # the most output tokens asked for, if the body says
+    # The model as the client named it (the router's `model` where it named none), and the
+    # served model that stands for (an alias's target): what the engine is asked for.
+    model: str = ""
+    served: str = ""
     standing: Standing = Standing()
     trace: RequestTrace | None = None  # its spans' times, where it is traced (router.tracing)
 
@@ -97,9 +102,14 @@ class Request:
     def upstream_body(self, token_ids: bool) -> bytes:
         """The body sent to the engine: always a stream; token IDs asked for where
         supported. A Responses request goes as the client wrote it."""
+        renamed = self.served and self.body.get("model") != self.served
         if self.passthrough:
-            return orjson.dumps(self.body)
+            if not renamed:
+                return orjson.dumps(self.body)
+            return orjson.dumps({**self.body, "model": self.served})
         body = dict(self.body)
+        if renamed:
+            body["model"] = self.served
         body["stream"] = True
         if token_ids:
             body["return_token_ids"] = True

@@ -25,7 +25,8 @@ class Status:
         if path.startswith("/v1/models/"):
             if method != "GET":
                 raise asgi.method_not_allowed(method, path, "GET")
-            await asgi.send_json(send, 200, self._model(path[len("/v1/models/") :]))
+            model = self.router.catalog.entry(path[len("/v1/models/") :])
+            await asgi.send_json(send, 200, model)
             return
         if path not in ROUTES:
             raise ApiError(404, f"no route {method} {path}", code="not_found")
@@ -37,7 +38,9 @@ class Status:
         elif path == "/ready":
             await self._ready(send)
         elif path == "/v1/models":
-            await asgi.send_json(send, 200, {"object": "list", "data": [self._model()]})
+            await asgi.send_json(
+                send, 200, {"object": "list", "data": self.router.catalog.listed()}
+            )
         elif path == "/engines":
             await asgi.send_json(
                 send, 200, {"engines": [e.describe(False) for e in r.pool.engines]}
@@ -47,22 +50,6 @@ class Status:
             await asgi.send_bytes(
                 send, 200, generate_latest(r.metrics.registry), b"text/plain; version=0.0.4"
             )
-
-    def _model(self, model_id: str | None = None) -> dict[str, Any]:
-        """The one model the router serves (`GET /v1/models/{id}`: it, or 404)."""
-        if model_id is not None and model_id != self.router.config.model:
-            raise ApiError(
-                404,
-                f"The model '{model_id[:200]}' does not exist",
-                param="model",
-                code="model_not_found",
-            )
-        return {
-            "id": self.router.config.model,
-            "object": "model",
-            "created": 0,
-            "owned_by": "narwhal",
-        }
 
     async def _ready(self, send: Send) -> None:
         r = self.router

@@ -15,8 +15,10 @@ from narwhal.router.urls import credentials
 
 NAME = re.compile(r"[A-Za-z0-9_.-]{1,128}")
 _ENV = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,127}")
+MODEL = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:/@+-]{0,255}")  # as config_schema's
+MAX_MODELS = 256
 _URL = re.compile(r"https?://[^\s/?#]+(/[^\s?#]*)?")
-FIELDS = frozenset({"name", "url", "dialect", "api_key_env"})
+FIELDS = frozenset({"name", "url", "dialect", "api_key_env", "models"})
 
 
 class BadSpec(ValueError):
@@ -28,7 +30,7 @@ class BadSpec(ValueError):
 
 
 def parse(raw: bytes, name: str | None = None, rules: Rules | None = None) -> EngineSpec:
-    """`{"name", "url", "dialect", "api_key_env"}` as JSON; `name` given apart (an etcd
+    """`{"name", "url", "dialect", "api_key_env", "models"}` as JSON; `name` given apart (an etcd
     key's last segment) wins over one in the body, which must then agree."""
     try:
         body = orjson.loads(raw)
@@ -41,7 +43,9 @@ def of(body: Any, name: str | None = None, rules: Rules | None = None) -> Engine
     """The engine `body` describes; with `rules` (a runtime source's), only the key
     variables and destinations they allow."""
     if not isinstance(body, dict):
-        raise BadSpec('an engine is a JSON object: {"name", "url", "dialect", "api_key_env"}')
+        raise BadSpec(
+            'an engine is a JSON object: {"name", "url", "dialect", "api_key_env", "models"}'
+        )
     unknown = sorted(set(body) - FIELDS)
     if unknown:
         raise BadSpec(f"unknown field {unknown[0][:64]!r}", unknown[0][:64])
@@ -61,6 +65,14 @@ def of(body: Any, name: str | None = None, rules: Rules | None = None) -> Engine
         raise BadSpec("'api_key_env' must be an environment variable's name", "api_key_env")
     if key_env is not None and credentials(url) is not None:
         raise BadSpec("give the engine's key in 'api_key_env' or in the URL, not both", "url")
+    models = body.get("models")
+    if models is not None and (
+        not isinstance(models, list)
+        or not 0 < len(models) <= MAX_MODELS
+        or len(set(models)) != len(models)
+        or not all(isinstance(m, str) and MODEL.fullmatch(m) for m in models)
+    ):
+        raise BadSpec(f"'models' must be a list of 1-{MAX_MODELS} distinct model names", "models")
     if rules is not None:
         try:
             if key_env is not None:
@@ -68,11 +80,13 @@ def of(body: Any, name: str | None = None, rules: Rules | None = None) -> Engine
             rules.literal(url)
         except Refused as e:
             raise BadSpec(str(e), e.field) from None
-    return EngineSpec(given, dialect, url, None, key_env)
+    return EngineSpec(given, dialect, url, None, key_env, None if models is None else tuple(models))
 
 
 def dump(spec: EngineSpec) -> bytes:
-    out: dict[str, str] = {"name": spec.name, "url": spec.url or "", "dialect": spec.dialect}
+    out: dict[str, object] = {"name": spec.name, "url": spec.url or "", "dialect": spec.dialect}
     if spec.api_key_env:
         out["api_key_env"] = spec.api_key_env
+    if spec.models is not None:
+        out["models"] = list(spec.models)
     return orjson.dumps(out)

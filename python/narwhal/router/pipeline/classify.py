@@ -25,7 +25,9 @@ def classify(
     tenants: Tenants,
 ) -> tuple[Request, float]:
     """The request with its `Standing`, and the TTFT budget it is judged against; `tenant`:
-    the one its key is for, `asked`: the class its header asks for."""
+    the one its key is for, `asked`: the class its header asks for. A tenant whose keys list
+    the models they may use gets 403 `model_not_allowed` for another."""
+    tenants.may_use(tenant, req.model)
     rank = tenants.rank(tenant, asked)
     fair = tenants.fair_share(tenant)
     share = class_share(rank, config, tenants.reserve.share()) * fair

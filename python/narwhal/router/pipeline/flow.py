@@ -77,7 +77,7 @@ class Flow:
                 raise
             try:
                 req, deadline, budget = await read(
-                    path, scope, receive, self.config, m, arrived, trace
+                    path, scope, receive, self.config, m, arrived, trace, self.gate.catalog.resolve
                 )
                 req, budget = classify(
                     req,

@@ -11,17 +11,24 @@ from narwhal.errors import ApiError, unavailable
 from narwhal.router.engines import Pool
 from narwhal.router.ha.leadership import Leadership
 from narwhal.router.ha.maintenance import Maintenance
+from narwhal.router.models import Catalog
 from narwhal.router.policies import Policy
 from narwhal.router.request import RESPONSES, RESPONSES_DIALECTS, Request
 
 
 class Gate:
     def __init__(
-        self, leadership: Leadership, maintenance: Maintenance, pool: Pool, policy: Policy
+        self,
+        leadership: Leadership,
+        maintenance: Maintenance,
+        pool: Pool,
+        policy: Policy,
+        catalog: Catalog,
     ) -> None:
         self.leadership = leadership
         self.maintenance = maintenance
         self.pool = pool
+        self.catalog = catalog
         self.policy = policy
 
     def degraded(self) -> str | None:
@@ -53,12 +60,14 @@ class Gate:
             raise not_taking(self.leadership.role.value, why)
 
     def cannot_serve(self, req: Request) -> frozenset[str]:
-        """The engines whose dialect cannot serve the request's route (a 404 when none can)."""
+        """The engines that cannot serve the request: not its model, or not its route (a 404
+        when no engine's dialect serves the route)."""
+        names = self.catalog.not_serving(req.served)
         if req.route != RESPONSES:
-            return frozenset()
+            return names
         engines = self.pool.engines
-        names = frozenset(e.name for e in engines if e.spec.dialect not in RESPONSES_DIALECTS)
-        if engines and len(names) == len(engines):  # none yet (engines_from): a 503 later
+        route = frozenset(e.name for e in engines if e.spec.dialect not in RESPONSES_DIALECTS)
+        if engines and len(route) == len(engines):  # none yet (engines_from): a 503 later
             raise ApiError(
                 404,
                 f"no engine behind this router serves {req.route} (dialects that do: "
@@ -66,7 +75,7 @@ class Gate:
                 + ")",
                 code="unsupported",
             ).ended("invalid")
-        return names
+        return names | route
 
 
 def not_taking(code: str, reason: str) -> ApiError:

@@ -3,11 +3,13 @@ its output is the request record (`router/request.py`)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from narwhal.errors import ApiError, invalid, json_object
+from narwhal.errors import invalid, json_object
+from narwhal.router.models import not_found
 from narwhal.router.request import CHAT, RESPONSES, Request, input_parts, text_parts
 
 if TYPE_CHECKING:
@@ -73,22 +75,27 @@ def _refuse_too_deep(raw: bytes, body: dict[str, Any]) -> None:
 def check(
     route: str,
     raw: bytes,
-    model: str,
+    models: str | Callable[[str | None], str],
     session: str | None = None,
     trace: RequestTrace | None = None,
 ) -> Request:
-    """The checked request (or the client's error); `session`: the conversation's key from
-    the request's header, over the body's `user`; `trace`: its spans', where traced."""
+    """The checked request (or the client's error); `models`: the one model served (any
+    other name is 404) or what resolves a name to the served model (`Catalog.resolve`);
+    `session`: the conversation's key from the request's header, over the body's `user`;
+    `trace`: its spans', where traced."""
     body = json_object(raw)
     _refuse_too_deep(raw, body)
 
     name = body.get("model")
     if name is not None and not isinstance(name, str):
         raise invalid("'model' must be a string", "model")
-    if name is not None and name != model:
-        raise ApiError(
-            404, f"The model '{name}' does not exist", param="model", code="model_not_found"
-        )
+    if isinstance(models, str):
+        if name is not None and name != models:
+            raise not_found(name)
+        served = models
+    else:
+        served = models(name)
+    model = name if name is not None else served
 
     stream = bool(_type(body, "stream", bool, "a boolean"))
     for width in ("n", "best_of"):
@@ -117,7 +124,9 @@ def check(
         v = body.get("max_output_tokens")
         most = v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None
         size = _input_bytes(body) + _beside_bytes(body)
-        return Request(route, body, stream, False, False, size, session, most, trace=trace)
+        return Request(
+            route, body, stream, False, False, size, session, most, model, served, trace=trace
+        )
     if route == CHAT:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
@@ -143,7 +152,17 @@ def check(
         if not isinstance(t, dict) or t.get("type") != "function":
             raise invalid("only function tools are supported", f"tools[{i}].type")
     return Request(
-        route, body, stream, wants_ids, include_usage, prompt_bytes, session, most, trace=trace
+        route,
+        body,
+        stream,
+        wants_ids,
+        include_usage,
+        prompt_bytes,
+        session,
+        most,
+        model,
+        served,
+        trace=trace,
     )
 
 

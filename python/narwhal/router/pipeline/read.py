@@ -3,6 +3,7 @@ request's TTFT budget (`x-narwhal-ttft-target-ms`) and deadline (`x-narwhal-time
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from narwhal import asgi
@@ -27,6 +28,7 @@ async def read(
     metrics: RouterMetrics,
     arrived: float,
     trace: RequestTrace | None = None,
+    models: str | Callable[[str | None], str] | None = None,
 ) -> tuple[Request, float, float]:
     """The checked request, its deadline (monotonic) and its TTFT budget (seconds)."""
     try:
@@ -50,7 +52,13 @@ async def read(
         ms = ms_header(scope, b"x-narwhal-ttft-target-ms")
         budget = config.ttft_budget_s if ms is None else ms / 1000
         session = asgi.header(scope, b"x-session-id")
-        req = intake.check(path, raw, config.model, session[:256] if session else None, trace)
+        req = intake.check(
+            path,
+            raw,
+            config.model if models is None else models,
+            session[:256] if session else None,
+            trace,
+        )
     except ApiError as e:
         e.ended("invalid")
         raise

@@ -31,10 +31,13 @@ class Tenants:
     ) -> None:
         self.by_name: dict[str, Tenant] = {}
         self.ceiling: dict[str, int] = {}  # the highest class a tenant's requests may take
+        self.models: dict[str, frozenset[str]] = {}  # what a tenant may ask for, where limited
         for k in keys:
             if k.tenant not in self.by_name:
                 self.by_name[k.tenant] = Tenant(k.tenant, Limits(k.rpm, k.tpm, k.max_concurrent))
                 self.ceiling[k.tenant] = RANK[k.priority]
+                if k.models is not None:
+                    self.models[k.tenant] = frozenset(k.models)
         # Lower classes leave critical work room only where a key may send it.
         critical = RANK["critical"] in self.ceiling.values()
         self.reserve = CriticalReserve(critical_reserve, critical, budget_s)
@@ -45,6 +48,18 @@ class Tenants:
         self._queue_time = metrics.tenant_queue_time
         for name, rank in self.ceiling.items():
             self._requests.labels(name, CLASSES[rank], "admitted")
+
+    def may_use(self, name: str | None, model: str) -> None:
+        """403 `model_not_allowed` where tenant `name`'s keys list the models they may use
+        and `model` (as the request names it) is not one."""
+        allowed = self.models.get(name) if name is not None else None
+        if allowed is not None and model not in allowed:
+            raise ApiError(
+                403,
+                f"this key may not use the model '{model[:200]}'",
+                param="model",
+                code="model_not_allowed",
+            ).ended("invalid")
 
     def rank(self, name: str | None, asked: str | None) -> int:
         """A request's class: what `x-narwhal-priority` asks, never above its key's

@@ -1,0 +1,145 @@
+"""One router for several models: each engine serves the models its spec lists, a request
+goes only to engines serving its model, aliases stand for served names, `/v1/models` lists
+them all, a tenant's key may be limited to some. Real processes: the router in front of
+scripted engines that speak HTTP/SSE and say what they were asked for."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.support import Server, chat, start_router, start_test_engine, stats, wait_until
+
+pytestmark = pytest.mark.slow
+
+TOKEN = "models-admin-token"
+ADMIN = {"authorization": f"Bearer {TOKEN}"}
+SQL_KEY = {"authorization": "Bearer sql-team-key"}
+ANY_KEY = {"authorization": "Bearer any-team-key"}
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server, dict[str, Server]]]:
+    engines = {n: start_test_engine("tests.scripted_engine") for n in ("a1", "a2", "b", "c")}
+    mp = pytest.MonkeyPatch()
+    mp.setenv("NARWHAL_TEST_MODELS_ADMIN", TOKEN)
+    # a1 serves model A and its adapter A-sql, a2 model A alone, b model B; c joins later.
+    router = start_router(
+        tmp_path_factory.mktemp("models"),
+        f"""
+model: model-a
+listen: {{port: $PORT}}
+admission: open
+health: {{interval_s: 0.2, timeout_s: 1}}
+admin: {{token_env: NARWHAL_TEST_MODELS_ADMIN}}
+aliases: {{assistant: model-a}}
+auth:
+  api_keys:
+    - {{key: sql-team-key, tenant: sql-team, models: [model-a-sql, assistant]}}
+    - {{key: any-team-key, tenant: any-team}}
+engines:
+  - {{name: a1, url: '{engines["a1"].url}', models: [model-a, model-a-sql]}}
+  - {{name: a2, url: '{engines["a2"].url}', models: [model-a]}}
+  - {{name: b, url: '{engines["b"].url}', models: [model-b]}}
+""",
+    )
+    mp.undo()
+    yield router, engines
+    router.stop()
+    for e in engines.values():
+        e.stop()
+
+
+def ask(router: Server, model: str | None, key: dict[str, str] = ANY_KEY) -> httpx.Response:
+    body: dict[str, Any] = chat("hello")
+    if model is None:
+        body.pop("model", None)
+    else:
+        body["model"] = model
+    return httpx.post(router.url + "/v1/chat/completions", json=body, headers=key, timeout=30)
+
+
+def served(engines: dict[str, Server]) -> dict[str, int]:
+    return {n: int(stats(e)["requests"]) for n, e in engines.items()}
+
+
+def test_each_model_goes_only_to_the_engines_that_serve_it(
+    fleet: tuple[Server, dict[str, Server]],
+) -> None:
+    router, engines = fleet
+    for model, where, asked in (
+        ("model-a", {"a1", "a2"}, "model-a"),
+        ("assistant", {"a1", "a2"}, "model-a"),  # an alias: the engine gets what it stands for
+        (None, {"a1", "a2"}, "model-a"),  # no model: the router's `model`
+        ("model-a-sql", {"a1"}, "model-a-sql"),
+        ("model-b", {"b"}, "model-b"),
+    ):
+        before = served(engines)
+        for _ in range(4):
+            r = ask(router, model)
+            assert r.status_code == 200, r.text
+        after = served(engines)
+        took = {n for n in engines if after[n] > before[n]}
+        assert took and took <= where, (model, took)
+        assert sum(after.values()) - sum(before.values()) == 4
+        (one,) = took if len(took) == 1 else (next(iter(took)),)
+        assert stats(engines[one])["last"]["model"] == asked
+
+
+def test_models_are_listed_and_others_are_not_found(
+    fleet: tuple[Server, dict[str, Server]],
+) -> None:
+    router, _ = fleet
+    listed = httpx.get(router.url + "/v1/models", headers=ANY_KEY, timeout=10).json()["data"]
+    ids = [m["id"] for m in listed]
+    assert ids == ["model-a", "model-a-sql", "model-b", "assistant"]
+    assert next(m for m in listed if m["id"] == "assistant")["root"] == "model-a"
+    one = httpx.get(router.url + "/v1/models/model-a-sql", headers=ANY_KEY, timeout=10)
+    assert one.status_code == 200 and one.json()["id"] == "model-a-sql"
+    for r in (
+        httpx.get(router.url + "/v1/models/model-z", headers=ANY_KEY, timeout=10),
+        ask(router, "model-z"),
+    ):
+        assert r.status_code == 404
+        err = r.json()["error"]
+        assert err["code"] == "model_not_found" and "model-z" in err["message"]
+
+
+def test_a_key_limited_to_some_models_gets_403_for_others(
+    fleet: tuple[Server, dict[str, Server]],
+) -> None:
+    router, _ = fleet
+    for model in ("model-a-sql", "assistant"):
+        assert ask(router, model, SQL_KEY).status_code == 200
+    for model in ("model-b", "model-a", None):  # the router's `model` is not on its list
+        r = ask(router, model, SQL_KEY)
+        assert r.status_code == 403, r.text
+        assert r.json()["error"]["code"] == "model_not_allowed"
+    assert ask(router, "model-b", ANY_KEY).status_code == 200
+
+
+def test_an_engine_that_joins_brings_its_models(fleet: tuple[Server, dict[str, Server]]) -> None:
+    router, engines = fleet
+    assert ask(router, "model-c").status_code == 404
+    r = httpx.post(
+        router.url + "/admin/engines",
+        headers=ADMIN,
+        json={"name": "c", "url": engines["c"].url, "models": ["model-c"]},
+        timeout=5,
+    )
+    assert r.status_code == 201, r.text
+    wait_until(lambda: ask(router, "model-c").status_code == 200, 10)
+    assert stats(engines["c"])["last"]["model"] == "model-c"
+    ids = [m["id"] for m in httpx.get(router.url + "/v1/models", headers=ANY_KEY).json()["data"]]
+    assert "model-c" in ids
+    bad = httpx.post(
+        router.url + "/admin/engines",
+        headers=ADMIN,
+        json={"name": "d", "url": engines["c"].url, "models": "model-d"},
+        timeout=5,
+    )
+    assert bad.status_code == 400 and "models" in bad.text
