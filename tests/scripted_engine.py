@@ -264,6 +264,18 @@ async def release(request: web.Request) -> web.Response:
     return web.json_response({})
 
 
+async def models(request: web.Request) -> web.Response:
+    """What it serves, as vLLM lists its base model and loaded adapters."""
+    listed = [{"id": m, "object": "model", "owned_by": "scripted"} for m in STATS["models"]]
+    return web.json_response({"object": "list", "data": listed})
+
+
+async def set_models(request: web.Request) -> web.Response:
+    """Load or unload models (`["base", "base-lora"]`): what /v1/models lists from now on."""
+    STATS["models"] = list(await request.json())
+    return web.json_response({})
+
+
 async def stats(request: web.Request) -> web.Response:
     return web.json_response(STATS)
 
@@ -290,7 +302,9 @@ def main() -> None:
         action="store_true",
         help="answer every completion 429 inference_busy (with Retry-After)",
     )
+    p.add_argument("--models", default="scripted", help="what /v1/models lists, comma-separated")
     args = p.parse_args()
+    STATS["models"] = args.models.split(",")
     STATS["ms_per_token"] = args.prefill_ms_per_token
     STATS["busy"] = args.busy
     STATS["fixed_ms"] = args.prefill_fixed_ms
@@ -298,6 +312,8 @@ def main() -> None:
     app.router.add_post("/v1/chat/completions", completions)
     app.router.add_post("/v1/completions", completions)
     app.router.add_get("/health", health)
+    app.router.add_get("/v1/models", models)
+    app.router.add_post("/models", set_models)
     app.router.add_post("/health", set_health)
     app.router.add_get("/stats", stats)
     app.router.add_post("/release", release)

@@ -188,6 +188,28 @@ def test_router_intake_takes_any_bytes(raw: bytes, route: str) -> None:
     _refusal_or_nothing(lambda: intake.check(route, raw, "main"))
 
 
+@settings(max_examples=300, deadline=None)
+@given(
+    answer=st.one_of(
+        st.binary(max_size=200),
+        JSON.map(lambda v: json.dumps(v).encode()),
+        st.lists(st.one_of(JSON, st.fixed_dictionaries({"id": JSON})), max_size=8).map(
+            lambda items: json.dumps({"data": items}).encode()
+        ),
+    )
+)
+def test_an_engines_model_list_is_read_or_refused_never_anything_else(answer: bytes) -> None:
+    """`models: auto` reads what an engine's /v1/models says: model names it could be
+    configured with, or a ValueError (the last list kept), whatever the engine sends."""
+    from narwhal.router.engines import MODEL, listed_models
+
+    try:
+        names = listed_models(answer)
+    except ValueError:
+        return
+    assert all(MODEL.fullmatch(n) for n in names) and len(set(names)) == len(names)
+
+
 @settings(max_examples=200, deadline=None)
 @given(value=st.one_of(st.none(), st.text(max_size=200), st.binary(max_size=200)))
 def test_any_request_id_is_kept_or_replaced_by_a_safe_one(value: Any) -> None:

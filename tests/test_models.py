@@ -6,7 +6,6 @@ scripted engines that speak HTTP/SSE and say what they were asked for."""
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -25,9 +24,11 @@ ANY_KEY = {"authorization": "Bearer any-team-key"}
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server, dict[str, Server]]]:
     engines = {n: start_test_engine("tests.scripted_engine") for n in ("a1", "a2", "b", "c")}
+    engines["d"] = start_test_engine("tests.scripted_engine", "--models", "model-d")
     mp = pytest.MonkeyPatch()
     mp.setenv("NARWHAL_TEST_MODELS_ADMIN", TOKEN)
-    # a1 serves model A and its adapter A-sql, a2 model A alone, b model B; c joins later.
+    # a1 serves model A and its adapter A-sql, a2 model A alone, b model B; c joins later; d
+    # serves what its own /v1/models lists.
     router = start_router(
         tmp_path_factory.mktemp("models"),
         f"""
@@ -45,6 +46,7 @@ engines:
   - {{name: a1, url: '{engines["a1"].url}', models: [model-a, model-a-sql]}}
   - {{name: a2, url: '{engines["a2"].url}', models: [model-a]}}
   - {{name: b, url: '{engines["b"].url}', models: [model-b]}}
+  - {{name: d, url: '{engines["d"].url}', models: auto}}
 """,
     )
     mp.undo()
@@ -61,6 +63,11 @@ def ask(router: Server, model: str | None, key: dict[str, str] = ANY_KEY) -> htt
     else:
         body["model"] = model
     return httpx.post(router.url + "/v1/chat/completions", json=body, headers=key, timeout=30)
+
+
+def listed(router: Server) -> list[str]:
+    r = httpx.get(router.url + "/v1/models", headers=ANY_KEY, timeout=10)
+    return [m["id"] for m in r.json()["data"]]
 
 
 def served(engines: dict[str, Server]) -> dict[str, int]:
@@ -96,7 +103,7 @@ def test_models_are_listed_and_others_are_not_found(
     router, _ = fleet
     listed = httpx.get(router.url + "/v1/models", headers=ANY_KEY, timeout=10).json()["data"]
     ids = [m["id"] for m in listed]
-    assert ids == ["model-a", "model-a-sql", "model-b", "assistant"]
+    assert ids == ["model-a", "model-a-sql", "model-b", "model-d", "assistant"]
     assert next(m for m in listed if m["id"] == "assistant")["root"] == "model-a"
     one = httpx.get(router.url + "/v1/models/model-a-sql", headers=ANY_KEY, timeout=10)
     assert one.status_code == 200 and one.json()["id"] == "model-a-sql"
@@ -143,3 +150,21 @@ def test_an_engine_that_joins_brings_its_models(fleet: tuple[Server, dict[str, S
         timeout=5,
     )
     assert bad.status_code == 400 and "models" in bad.text
+
+
+def test_an_engine_that_loads_an_adapter_is_followed(
+    fleet: tuple[Server, dict[str, Server]],
+) -> None:
+    """`models: auto`: what the engine's own /v1/models lists, read at every health probe."""
+    router, engines = fleet
+    d = engines["d"]
+    wait_until(lambda: "model-d" in listed(router), 10)
+    assert ask(router, "model-d-lora").status_code == 404
+    httpx.post(d.url + "/models", json=["model-d", "model-d-lora"], timeout=5)
+    wait_until(lambda: "model-d-lora" in listed(router), 10)  # within a probe (0.2 s here)
+    r = ask(router, "model-d-lora")
+    assert r.status_code == 200, r.text
+    assert stats(d)["last"]["model"] == "model-d-lora"
+    httpx.post(d.url + "/models", json=["model-d"], timeout=5)  # unloaded
+    wait_until(lambda: "model-d-lora" not in listed(router), 10)
+    assert ask(router, "model-d-lora").status_code == 404

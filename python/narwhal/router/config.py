@@ -39,6 +39,7 @@ class EngineSpec:
     api_key_env: str | None = None  # the variable holding the engine's own API key
     # The models it serves, as the engine names them; None: the router's `model` alone.
     models: tuple[str, ...] | None = None
+    discover: bool = False  # `models: auto`: what its own /v1/models lists, probe by probe
 
     def serves(self, default: str) -> tuple[str, ...]:
         """The models it serves, `default` (the router's `model`) where none were listed."""
@@ -385,7 +386,8 @@ def _engines(listed: list[dict[str, Any]]) -> tuple[EngineSpec, ...]:
             launch = Launch(
                 la["model"], la.get("parallel", 4), la.get("port"), tuple(la.get("args", ()))
             )
-        models = tuple(e["models"]) if "models" in e else None
+        said = e.get("models")
+        models = tuple(said) if isinstance(said, list) else None
         engines.append(
             EngineSpec(
                 e["name"],
@@ -394,6 +396,7 @@ def _engines(listed: list[dict[str, Any]]) -> tuple[EngineSpec, ...]:
                 launch,
                 e.get("api_key_env"),
                 models,
+                said == "auto",
             )
         )
     return tuple(engines)

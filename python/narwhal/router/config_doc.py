@@ -156,8 +156,10 @@ MEANINGS = {
     "as `Authorization: Bearer` (an engine started with `--api-key`)",
     "engines[].dialect": "`lexi`, `vllm`, `sglang`, `llamacpp` or `openai` (below)",
     "engines[].models": "the models it serves, as the engine names them (a vLLM engine's "
-    "served model and its LoRA adapters: `[llama-3.1-8b, sql-lora]`); a request goes only to "
-    "engines serving its model; none listed: the router's `model`",
+    "served model and its LoRA adapters: `[llama-3.1-8b, sql-lora]`), or `auto`: what the "
+    "engine's own `/v1/models` lists, read at every health probe (an adapter loaded or "
+    "unloaded is followed within one); a request goes only to engines serving its model; "
+    "none listed: the router's `model`",
     "engines[].launch": "a LexiEngine the router runs and supervises",
     "engines[].launch.model": "the GGUF file",
     "engines[].launch.parallel": "slots (`--parallel`)",

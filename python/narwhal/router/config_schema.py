@@ -213,7 +213,7 @@ SCHEMA: dict[str, Any] = {
                     "url": {"type": "string", "pattern": "^https?://"},
                     "dialect": {"enum": list(DIALECTS)},
                     "api_key_env": _env_name,
-                    "models": _model_names,
+                    "models": {"anyOf": [_model_names, {"const": "auto"}]},
                     "launch": {
                         "type": "object",
                         "additionalProperties": False,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -17,10 +18,11 @@ from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 import aiohttp
+import orjson
 
 from narwhal.router.config import EngineSpec
 from narwhal.router.fleet.rules import Refused
-from narwhal.router.urls import redact
+from narwhal.router.urls import authorization, redact
 
 if TYPE_CHECKING:
     from narwhal.router.fleet.rules import Rules
@@ -61,6 +63,13 @@ class Engine:
     source: str = "config"  # where it came from: config, admin, etcd, dns
     # What a runtime source's engine may be connected to (None: the config file's own).
     rules: Rules | None = field(default=None, repr=False)
+    # `models: auto`: what its /v1/models listed at the last probe that read it (the pool's
+    # probes write it, and move `Pool.version` when it changes).
+    discovered: tuple[str, ...] = ()
+
+    def serves(self, default: str) -> tuple[str, ...]:
+        """The models it serves now (`default`: the router's `model`, where none are said)."""
+        return self.discovered if self.spec.discover else self.spec.serves(default)
 
     @property
     def state(self) -> str:
@@ -117,6 +126,8 @@ class Engine:
             "decode": self.decode,
             "behind_s": round(self.behind_s(time.monotonic()), 3),
         }
+        if self.spec.models is not None or self.spec.discover:
+            out["models"] = list(self.serves(""))
         if self.managed is not None:
             out["process"] = self.managed.describe()
             if reason is not None and self.managed.last_exit is not None:
@@ -125,6 +136,25 @@ class Engine:
                     f"(restarts: {self.managed.restarts})"
                 )
         return out
+
+
+MODELS_MAX_BYTES = 1 << 20  # an engine's /v1/models answer, read at most
+MODELS_MAX = 256  # models one engine may serve
+MODEL = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:/@+-]{0,255}")  # a name the config could hold
+
+
+def listed_models(raw: bytes) -> tuple[str, ...]:
+    """The model IDs an OpenAI-shaped `/v1/models` answer lists (`{"data": [{"id"}]}`),
+    each a model name the config could hold, at most MODELS_MAX; ValueError otherwise."""
+    body = orjson.loads(raw)  # JSONDecodeError is a ValueError
+    data = body.get("data") if isinstance(body, dict) else None
+    if not isinstance(data, list):
+        raise ValueError("no 'data' list")
+    ids = [m.get("id") for m in data[: MODELS_MAX + 1] if isinstance(m, dict)]
+    names = tuple(dict.fromkeys(i for i in ids if isinstance(i, str) and MODEL.fullmatch(i)))
+    if len(names) > MODELS_MAX:
+        raise ValueError(f"more than {MODELS_MAX} models")
+    return names
 
 
 class Pool:
@@ -216,6 +246,8 @@ class Pool:
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
             ok = False
             e.reason = f"/health failed: {type(exc).__name__}"
+        if ok and e.spec.discover:
+            await self._discover(session, e, timeout)
         e.healthy = ok
         if ok and not was:
             e.strikes = 0  # back in: a new streak starts
@@ -225,6 +257,32 @@ class Pool:
             if ok:
                 for hook in self.on_healthy:
                     hook(e)
+
+    async def _discover(self, session: aiohttp.ClientSession, e: Engine, timeout: float) -> None:
+        """`models: auto`: the models the engine's /v1/models lists now (vLLM lists its LoRA
+        adapters there as they load). An answer that cannot be read keeps the last list."""
+        auth = authorization(e.url, e.api_key)
+        try:
+            async with session.get(
+                e.url + "/v1/models",
+                timeout=aiohttp.ClientTimeout(total=timeout),
+                headers={"authorization": auth} if auth else None,
+            ) as r:
+                if r.status != 200:
+                    raise ValueError(f"/v1/models answered {r.status}")
+                raw = b""
+                async for chunk in r.content.iter_chunked(1 << 16):
+                    raw += chunk
+                    if len(raw) > MODELS_MAX_BYTES:
+                        raise ValueError(f"/v1/models answered more than {MODELS_MAX_BYTES} bytes")
+            found = listed_models(raw)
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError) as exc:
+            log.warning("engine %s: its models could not be read: %s", e.name, exc)
+            return
+        if found != e.discovered:
+            log.info("engine %s serves %s", e.name, ", ".join(found) or "no model")
+            e.discovered = found
+            self.version += 1
 
     def process_exited(self, e: Engine) -> None:
         """The engine's process is gone; a probe brings it back once the restart answers."""

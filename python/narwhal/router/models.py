@@ -1,6 +1,7 @@
 """The models this router serves: what a request's `model` names, and which engines serve it.
 
-Every engine serves the models its spec lists (`engines[].models`), or the router's `model`
+Every engine serves the models its spec lists (`engines[].models`; `auto`: what its own
+`/v1/models` listed at the last probe, `Pool._discover`), or the router's `model`
 where it lists none, so a config of one model works as it always has (that model is the
 router's even while no engine is in the pool: its requests get the 503 they always got).
 `aliases` map public names to served ones. A request that names no model gets the router's
@@ -42,12 +43,12 @@ class Catalog:
         if key == self._key:
             return
         serving: dict[str, set[str]] = {}
-        if not any(e.spec.models is not None for e in self._pool.engines):
+        if not any(e.spec.models is not None or e.spec.discover for e in self._pool.engines):
             # One model, as configs without `engines[].models` say: it is the router's even
             # while no engine is in the pool (a request then waits for one, or is 503).
             serving[config.model] = set()
         for e in self._pool.engines:
-            for m in e.spec.serves(config.model):
+            for m in e.serves(config.model):
                 serving.setdefault(m, set()).add(e.name)
         self._serving = {m: frozenset(names) for m, names in serving.items()}
         self._aliases = dict(config.aliases)

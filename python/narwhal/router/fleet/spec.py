@@ -10,13 +10,12 @@ import orjson
 
 from narwhal.router.config import EngineSpec
 from narwhal.router.config_schema import DIALECTS
+from narwhal.router.engines import MODEL, MODELS_MAX
 from narwhal.router.fleet.rules import Refused, Rules
 from narwhal.router.urls import credentials
 
 NAME = re.compile(r"[A-Za-z0-9_.-]{1,128}")
 _ENV = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,127}")
-MODEL = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:/@+-]{0,255}")  # as config_schema's
-MAX_MODELS = 256
 _URL = re.compile(r"https?://[^\s/?#]+(/[^\s?#]*)?")
 FIELDS = frozenset({"name", "url", "dialect", "api_key_env", "models"})
 
@@ -66,13 +65,19 @@ def of(body: Any, name: str | None = None, rules: Rules | None = None) -> Engine
     if key_env is not None and credentials(url) is not None:
         raise BadSpec("give the engine's key in 'api_key_env' or in the URL, not both", "url")
     models = body.get("models")
+    discover = models == "auto"
+    if discover:
+        models = None
     if models is not None and (
         not isinstance(models, list)
-        or not 0 < len(models) <= MAX_MODELS
+        or not 0 < len(models) <= MODELS_MAX
         or len(set(models)) != len(models)
         or not all(isinstance(m, str) and MODEL.fullmatch(m) for m in models)
     ):
-        raise BadSpec(f"'models' must be a list of 1-{MAX_MODELS} distinct model names", "models")
+        raise BadSpec(
+            f"'models' must be \"auto\" or a list of 1-{MODELS_MAX} distinct model names",
+            "models",
+        )
     if rules is not None:
         try:
             if key_env is not None:
@@ -80,7 +85,9 @@ def of(body: Any, name: str | None = None, rules: Rules | None = None) -> Engine
             rules.literal(url)
         except Refused as e:
             raise BadSpec(str(e), e.field) from None
-    return EngineSpec(given, dialect, url, None, key_env, None if models is None else tuple(models))
+    return EngineSpec(
+        given, dialect, url, None, key_env, None if models is None else tuple(models), discover
+    )
 
 
 def dump(spec: EngineSpec) -> bytes:
@@ -89,4 +96,6 @@ def dump(spec: EngineSpec) -> bytes:
         out["api_key_env"] = spec.api_key_env
     if spec.models is not None:
         out["models"] = list(spec.models)
+    elif spec.discover:
+        out["models"] = "auto"
     return orjson.dumps(out)
