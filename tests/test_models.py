@@ -95,6 +95,14 @@ def test_each_model_goes_only_to_the_engines_that_serve_it(
         assert sum(after.values()) - sum(before.values()) == 4
         (one,) = took if len(took) == 1 else (next(iter(took)),)
         assert stats(engines[one])["last"]["model"] == asked
+    # Each model's requests are its own series: the name the client used, never an unknown.
+    text = httpx.get(router.url + "/metrics", timeout=10).text
+    for model in ("model-a", "assistant", "model-a-sql", "model-b"):
+        assert (
+            f'narwhal_responses_total{{code="200",model="{model}",route="/v1/chat/completions"}}'
+            in text
+        )
+    assert 'model="model-z"' not in text
 
 
 def test_models_are_listed_and_others_are_not_found(

@@ -145,7 +145,7 @@ class Router:
             self.gate,
             self.policy,
             self.relayer,
-            self.metrics.queue_time.labels(config.model),
+            self.metrics.queue_time,
             self.tenants,
         )
         return Flow(
@@ -270,8 +270,14 @@ class Router:
             )
         finally:
             if path in COMPLETION_ROUTES:
+                # The model the request named, once intake resolved it (a name the catalog
+                # holds, never one a client chose): else the router's own.
+                model = rec.fields.get("model")
                 self.metrics.answered(
-                    self.config.model, path, rec.status, time.monotonic() - started
+                    model if isinstance(model, str) else self.config.model,
+                    path,
+                    rec.status,
+                    time.monotonic() - started,
                 )
             if path in COMPLETION_ROUTES or rec.status >= 400 or path.startswith("/admin/"):
                 logs.access(access_log, method, path, rec, started)

@@ -55,7 +55,7 @@ class RouterMetrics:
         self._latencies(r)
         self._server(r)
         self._per_engine: dict[str, EngineMetrics] = {}
-        self._answered: dict[tuple[str, int], tuple[Any, Any]] = {}
+        self._answered: dict[tuple[str, str, int], tuple[Any, Any]] = {}
 
     def _outcomes(self, r: CollectorRegistry) -> None:
         """Arrivals, refusals and how each request ended."""
@@ -339,7 +339,7 @@ class RouterMetrics:
     def answered(self, model: str, route: str, code: int, seconds: float) -> None:
         """One completion response: its code and how long it took (children looked up once,
         as in `engine`)."""
-        key = (route, code)
+        key = (model, route, code)
         pair = self._answered.get(key)
         if pair is None:
             pair = self._answered[key] = (

@@ -88,6 +88,9 @@ class Flow:
                     self.tenants,
                 )
                 rank = req.standing.rank
+                rec = asgi.current.get()
+                if rec is not None:
+                    rec.fields["model"] = req.model  # resolved: one the catalog holds
                 if trace is not None:
                     trace.read(req)
                 ticket = self.tenants.admit(tenant, req.estimated_prompt_tokens(), rank)

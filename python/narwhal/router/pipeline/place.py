@@ -42,7 +42,8 @@ class Placer:
         self.leadership = gate.leadership
         self.policy = policy
         self.relayer = relayer
-        self.queue_time = queue_time  # the model's queue-time histogram child
+        self.queue_time = queue_time  # the queue-time histogram, by model
+        self._queue_time: dict[str, Any] = {}  # its children, looked up once a model
         self.tenants = tenants
 
     async def serve(
@@ -113,7 +114,10 @@ class Placer:
                 if req.trace is not None:
                     req.trace.placed_at = now
                 waited = now - arrived
-                self.queue_time.observe(waited)
+                child = self._queue_time.get(req.model)
+                if child is None:
+                    child = self._queue_time[req.model] = self.queue_time.labels(req.model)
+                child.observe(waited)
                 if req.standing.tenant:
                     self.tenants.queued(req.standing.tenant, req.standing.rank, waited)
                 return await self._relay(lease, send, end)
