@@ -26,6 +26,8 @@ from bench.fleet.replay import (
     Result,
     doors,
     duration_s,
+    model_of,
+    models,
     one,
     peer_command,
     request_body,
@@ -339,6 +341,45 @@ def test_a_router_change_is_ab_tested_against_an_older_tree_in_the_same_run(
     a.baseline_tree = None  # an A/B with nothing to compare against is refused
     with pytest.raises(SystemExit):
         doors(a, ["http://127.0.0.1:1"], tmp_path)
+
+
+def test_several_models_are_served_by_their_engines_and_only_narwhal_places_by_model(
+    tmp_path: Path,
+) -> None:
+    import argparse
+
+    from narwhal.router.config import load
+
+    a = argparse.Namespace(
+        doors="narwhal-predictive",
+        baseline_tree=None,
+        tpot=False,
+        tpot_target_ms=100.0,
+        time_scale=2.0,
+        predictive_extra="",
+        classes=None,
+        ttft_budget_s=5.0,
+        models="chat:0.7:0-2,coder:0.3:2-3",
+    )
+    urls = [f"http://127.0.0.1:{9000 + i}" for i in range(4)]
+    (door,) = doors(a, urls, tmp_path)
+    assert door.cmd is not None
+    config = load(door.cmd[3])
+    assert [e.models for e in config.engines] == [
+        ("chat",),
+        ("chat",),
+        ("chat", "coder"),  # shared: one engine, two models
+        ("coder",),
+    ]
+    assert config.model == "chat"
+    # The shares hold over the trace, and the same requests ask for the same model each run.
+    asked = [model_of(i, models(a)) for i in range(2000)]
+    assert 0.65 < asked.count("chat") / 2000 < 0.75
+    assert asked == [model_of(i, models(a)) for i in range(2000)]
+    a.doors = "sglang-cache_aware@64"  # a peer that cannot place by model is not compared
+    a.sglang = "sglang-router"
+    with pytest.raises(SystemExit):
+        doors(a, urls, tmp_path)
 
 
 def test_kv_taken_as_output_grows_preempts_the_last_admitted_and_both_finish() -> None:

@@ -78,6 +78,7 @@ class Outcome:
     cached: int | None = None  # as the engine's usage said
     failed: bool = False
     klass: str = ""  # its class or tenant (--classes), sent as its tenant's key
+    model: str = ""  # the model it asks for (--models; "": the router's one)
     prompt: int = 0  # its prompt tokens, as the trace says
     abandoned: bool = False  # the client gave up before a first token (a miss)
 
@@ -149,6 +150,16 @@ class Result:
                 for k in dict.fromkeys(x.klass for x in o)
                 if k
             },
+            "by_model": {
+                k: {
+                    "offered": sum(1 for x in o if x.model == k),
+                    "refused": sum(1 for x in refused if x.model == k),
+                    "within_slo": sum(1 for x in met if x.model == k),
+                    "served_tokens": sum(x.prompt + x.tokens for x in served if x.model == k),
+                }
+                for k in dict.fromkeys(x.model for x in o)
+                if k
+            },
         }
 
 
@@ -170,14 +181,14 @@ class Client:
 EXACT = Client(hidden_lengths=False)
 
 
-def request_body(r: Request, client: Client) -> dict[str, Any]:
+def request_body(r: Request, client: Client, model: str = "") -> dict[str, Any]:
     """What a client sends for `r`: under the fair protocol no door can tell the answer's
     length (only the engine reads the prompt's last word)."""
     text = prompt_text(r)
     if client.hidden_lengths:
         text += f" {STOP_MARK}{r.output_length}"
     return {
-        "model": "main",
+        "model": model or "main",
         "messages": [{"role": "user", "content": text}],
         "max_tokens": max(client.max_tokens, 1) if client.hidden_lengths else r.output_length,
         "stream": True,
@@ -227,7 +238,7 @@ async def _one(
     client: Client,
     first_seen: list[float],
 ) -> None:
-    body = request_body(r, client)
+    body = request_body(r, client, out.model)
     headers = {"content-type": "application/json"}
     if out.klass:
         headers["authorization"] = f"Bearer key-{out.klass}"
@@ -282,12 +293,16 @@ async def offer(
     classes: list[tuple[str, float]] | None = None,
     only: str | None = None,
     client: Client = EXACT,
+    served: list[Served] | None = None,
 ) -> tuple[list[Outcome], float]:
     """Every request at its time (open loop): the trace's pace times `load`, spread over
     `urls` in turn (a door's one URL, or the engines themselves for `direct`); with
     `classes`, each request of a class (in those shares, the same requests every run), and
     with `only` that class's requests alone (the rest are not sent, nor returned)."""
-    outs = [Outcome(klass=klass_of(i, classes), prompt=r.input_length) for i, r in enumerate(trace)]
+    outs = [
+        Outcome(klass=klass_of(i, classes), model=model_of(i, served), prompt=r.input_length)
+        for i, r in enumerate(trace)
+    ]
     # A pooled connection is let go after 5 s idle (httpx's default; aiohttp's is 15 s): a
     # door that closes idle connections sooner than its client (Narwhal after its
     # `header_timeout_s`, 10 s) races the client's reuse of one and the request is lost
@@ -311,6 +326,28 @@ async def offer(
     return [o for o in outs if only is None or o.klass == only], span
 
 
+@dataclass(frozen=True)
+class Served:
+    """A model of `--models`: its share of the requests and the engines serving it."""
+
+    name: str
+    share: float
+    engines: range
+
+
+def model_of(i: int, served: list[Served] | None) -> str:
+    """Request `i`'s model: a fixed scramble of the index (not the classes') against the
+    shares."""
+    if not served:
+        return ""
+    u = ((i * 2246822519 + 374761393) % 2**32) / 2**32
+    for m in served:
+        if u < m.share:
+            return m.name
+        u -= m.share
+    return served[-1].name
+
+
 def klass_of(i: int, classes: list[tuple[str, float]] | None) -> str:
     """Request `i`'s class: a fixed scramble of the index against the shares."""
     if not classes:
@@ -323,13 +360,17 @@ def klass_of(i: int, classes: list[tuple[str, float]] | None) -> str:
     return classes[-1][0]
 
 
-async def warm(url: str, n: int, scale: float, keyed: bool = False) -> None:
-    """Unique prompts a learning door measures its engines on (not counted, not cached)."""
+async def warm(
+    url: str, n: int, scale: float, keyed: bool = False, served: list[Served] | None = None
+) -> None:
+    """Unique prompts a learning door measures its engines on (not counted, not cached),
+    spread over the models where there are several."""
     warmup = [
         Request(i * 150.0, 600 + 400 * (i % 4), 24, [10**9 + i * 100 + k for k in range(3)])
         for i in range(n)
     ]
-    await offer([url], warmup, 1.0, scale, [("critical", 1.0)] if keyed else None)
+    critical = [("critical", 1.0)] if keyed else None
+    await offer([url], warmup, 1.0, scale, critical, None, EXACT, served)
 
 
 async def engine_stats(urls: list[str]) -> tuple[int, int]:
@@ -380,7 +421,8 @@ def doors(a: argparse.Namespace, engines: list[str], tmp: Path) -> list[Door]:
                 raise SystemExit(f"{name}: the only variant of Narwhal's door is @base")
             cfg = tmp / f"{name}.yaml"
             lines = "\n".join(
-                f'  - {{name: e{i}, url: "{u}", dialect: vllm}}' for i, u in enumerate(engines)
+                f'  - {{name: e{i}, url: "{u}", dialect: vllm{engine_models(i, a)}}}'
+                for i, u in enumerate(engines)
             )
             tpot = f", tpot_target_s: {a.tpot_target_ms / 1000 * a.time_scale}" if a.tpot else ""
             if a.predictive_extra:
@@ -392,8 +434,10 @@ def doors(a: argparse.Namespace, engines: list[str], tmp: Path) -> list[Door]:
                     for k, _ in classes(a)
                 )
                 auth = f"auth: {{api_keys: [{keys}]}}\n"
+            served = models(a)
             cfg.write_text(
-                auth + f"model: main\nlisten: {{port: {port}}}\nadmission: {mode}\n"
+                auth + f"model: {served[0].name if served else 'main'}\n"
+                f"listen: {{port: {port}}}\nadmission: {mode}\n"
                 f"predictive: {{ttft_budget_s: {a.ttft_budget_s * a.time_scale}{tpot}}}\n"
                 "serving: {http_retention_limit: 8192, request_timeout_s: 3600}\n"
                 "queue: {size: 4096, wait_s: 600}\n"
@@ -402,6 +446,8 @@ def doors(a: argparse.Namespace, engines: list[str], tmp: Path) -> list[Door]:
             )
             cmd = [str(BIN / "narwhal"), "serve", "--config", str(cfg)]
             out.append(Door(name, cmd, "/ready", port, env))
+        elif models(a):
+            raise SystemExit(f"{name}: --models is for Narwhal's doors (placement by model)")
         elif (name.startswith("sglang-") and a.sglang) or (name.startswith("vllm-") and a.vllm):
             exe = [a.sglang, "launch"] if name.startswith("sglang-") else [a.vllm]
             cmd = peer_command(name, exe, port, engines, a.ttft_budget_s * a.time_scale)
@@ -470,12 +516,21 @@ def run_door(
             )
             url = f"http://127.0.0.1:{door.port}"
             wait_http(url + door.health, proc, 60)
-            asyncio.run(warm(url, a.warmup, a.time_scale, bool(a.classes)))
+            asyncio.run(warm(url, a.warmup, a.time_scale, bool(a.classes), models(a) or None))
         asyncio.run(reset_counters_only(engines))
         cpu0 = tree_cpu(proc.pid) if proc else 0.0
         urls = engines if door.cmd is None else [f"http://127.0.0.1:{door.port}"]
         res.outcomes, res.span_s = asyncio.run(
-            offer(urls, trace, load, a.time_scale, classes(a) or None, a.only, client_of(a))
+            offer(
+                urls,
+                trace,
+                load,
+                a.time_scale,
+                classes(a) or None,
+                a.only,
+                client_of(a),
+                models(a) or None,
+            )
         )
         res.cpu_s = (tree_cpu(proc.pid) - cpu0) if proc else 0.0
         res.prompt_tokens, res.cached_tokens = asyncio.run(engine_stats(engines))
@@ -517,6 +572,7 @@ def dump(folder: Path, res: Result, trace: list[Request]) -> None:
                 "cached": o.cached,
                 "failed": o.failed,
                 "klass": o.klass,
+                "model": o.model,
             }
         )
         for i, (r, o) in enumerate(zip(trace, res.outcomes, strict=True))
@@ -606,6 +662,24 @@ def _priority(tenant: str) -> str:
     return tenant if tenant in PRIORITIES else "standard"
 
 
+def models(a: argparse.Namespace) -> list[Served]:
+    """`--models chat:0.7:0-5,coder:0.3:4-7`: each model's share of the requests and the
+    engines (by index, inclusive) that serve it; engines in two ranges serve both."""
+    out = []
+    for part in (getattr(a, "models", None) or "").split(","):
+        if part:
+            name, share, span = part.split(":")
+            lo, _, hi = span.partition("-")
+            out.append(Served(name, float(share), range(int(lo), int(hi or lo) + 1)))
+    return out
+
+
+def engine_models(i: int, a: argparse.Namespace) -> str:
+    """Engine `i`'s `models` in Narwhal's config, where `--models` says."""
+    served = [m.name for m in models(a) if i in m.engines]
+    return f", models: [{', '.join(served)}]" if served else ""
+
+
 def classes(a: argparse.Namespace) -> list[tuple[str, float]]:
     """`--classes critical:0.2,standard:0.5,sheddable:0.3` as (class, share) pairs."""
     out = []
@@ -614,6 +688,23 @@ def classes(a: argparse.Namespace) -> list[tuple[str, float]]:
             name, _, share = part.partition(":")
             out.append((name, float(share)))
     return out
+
+
+def model_table(rows: list[dict[str, Any]]) -> str:
+    out = [
+        "| load | door | run | model | offered | refused | within SLO (of the model's offered) "
+        "| served tokens |"
+    ]
+    out.append("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        for k, c in r.get("by_model", {}).items():
+            o = c["offered"] or 1
+            out.append(
+                f"| {r['load']:g}x | {r['door']} | {r['run']} | {k} | {c['offered']} | "
+                f"{100 * c['refused'] / o:.1f} % | {100 * c['within_slo'] / o:.1f} % | "
+                f"{c['served_tokens']:,} |"
+            )
+    return "\n".join(out)
 
 
 def class_table(rows: list[dict[str, Any]]) -> str:
@@ -713,6 +804,11 @@ def main() -> None:
     ap.add_argument(
         "--dump", type=Path, help="a folder: one JSONL per door and load, a line a request"
     )
+    ap.add_argument(
+        "--models",
+        help="several models on one fleet, Narwhal's doors only: NAME:SHARE:FIRST-LAST engine "
+        "indexes serving it, e.g. chat:0.7:0-5,coder:0.3:4-7 (engines 4 and 5 serve both)",
+    )
     a = ap.parse_args()
     trace = read(a.trace)
     if a.requests:
@@ -751,6 +847,8 @@ def main() -> None:
     print(spread(rows))
     if a.classes:
         print(class_table(rows))
+    if a.models:
+        print(model_table(rows))
     if a.json:
         a.json.write_bytes(orjson.dumps(rows, option=orjson.OPT_INDENT_2))
     if a.plot:
