@@ -134,7 +134,7 @@ class Admission:
             predicted_s=predicted_s,
             prefer=e,
         )
-        if self.queued or self.pool.pick(e) is not e:
+        if self.queued or self._pick(e) is not e:
             yield None
             return
         self._take(lease, e)
@@ -147,7 +147,7 @@ class Admission:
         if not any(e.name not in lease.exclude for e in self.pool.eligible()):
             raise unavailable("no engine can take work now", "backend_unavailable")
         if not self.queued:
-            e = self.pool.pick(lease.prefer, lease.exclude)
+            e = self._pick(lease.prefer, lease.exclude)
             if e is not None:
                 self._take(lease, e)
                 return
@@ -180,6 +180,26 @@ class Admission:
             raise
         finally:
             self._unqueue(lease)
+
+    def _pick(
+        self, prefer: Engine | None = None, exclude: frozenset[str] = frozenset()
+    ) -> Engine | None:
+        """Where a seat is taken now: `prefer` (the policy's choice) if it has phase room,
+        else the least-loaded eligible engine that has (none named in `exclude`); None when
+        none has. The seat counters it reads are this module's."""
+        pool = self.pool
+        room = [
+            e
+            for e in pool.eligible()
+            if e.prefill < pool.prefill_limit
+            and e.decode < pool.decode_limit
+            and e.name not in exclude
+        ]
+        if not room:
+            return None
+        if prefer is not None and prefer in room:
+            return prefer
+        return min(room, key=lambda e: (e.prefill, e.inflight))
 
     def _enqueue(self, lease: Lease) -> None:
         """A waiting lease's prompt counts as prefill ahead on the engine it was judged
@@ -253,7 +273,7 @@ class Admission:
             if fut.done():
                 q.pop(served=False)
                 continue
-            e = self.pool.pick(lease.prefer, lease.exclude)
+            e = self._pick(lease.prefer, lease.exclude)
             if e is None:
                 return  # the next in turn waits for room it may take, and the rest behind it
             self._unqueue(lease)

@@ -192,24 +192,6 @@ class Pool:
         self.engines = [x for x in self.engines if x is not e]
         self.version += 1
 
-    def pick(
-        self, prefer: Engine | None = None, exclude: frozenset[str] = frozenset()
-    ) -> Engine | None:
-        """`prefer` if it has phase room, else the least-loaded healthy engine that has
-        (none named in `exclude`)."""
-        room = [
-            e
-            for e in self.eligible()
-            if e.prefill < self.prefill_limit
-            and e.decode < self.decode_limit
-            and e.name not in exclude
-        ]
-        if not room:
-            return None
-        if prefer is not None and prefer in room:
-            return prefer
-        return min(room, key=lambda e: (e.prefill, e.inflight))
-
     def notify(self) -> None:
         self.changed.set()
 

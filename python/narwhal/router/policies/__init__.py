@@ -4,7 +4,7 @@ A policy judges a request before it is placed (refusing it, or saying which engi
 prefers and what it expects there: a `Plan`), hears where it was placed, and learns from
 how it ended through the lease events it subscribed to at start.
 
-- `open`: every request is admitted; placement is the pool's least-loaded pick.
+- `open`: every request is admitted; placement is admission's least-loaded pick.
 - `predictive`: TTFT projected per engine from learned profiles, counting only the prompt
   tokens each engine is expected to prefill (its prefix cache, `prefix_cache`), and the
   spec's 429s when no engine is projected to fit; conversations stay on their engine
