@@ -1,0 +1,101 @@
+"""The gate on its own, in process: whether this router takes a request now (the spec's last
+refusal row: a retryable 503 for standby, fenced, whole-wave maintenance and
+monitoring-degraded), and which engines cannot serve a request (its route's dialect, its
+model). No sockets: the stages around it have tests of their own, and end-to-end tests
+drive the whole router."""
+
+from __future__ import annotations
+
+import orjson
+import pytest
+
+from narwhal.errors import ApiError
+from narwhal.router.config import EngineSpec, RouterConfig
+from narwhal.router.engines import Engine, Pool
+from narwhal.router.ha.leadership import Leadership, Role
+from narwhal.router.ha.maintenance import Maintenance
+from narwhal.router.models import Catalog
+from narwhal.router.pipeline import intake
+from narwhal.router.pipeline.gate import Gate
+from narwhal.router.policies.open import OpenPolicy
+from narwhal.router.request import CHAT, RESPONSES, Request
+
+
+class Degraded(OpenPolicy):
+    """A policy whose predictions cannot be trusted now (the predictor says why)."""
+
+    def __init__(self) -> None:
+        self.why: str | None = None
+
+    def degraded(self, engines: list[Engine]) -> str | None:
+        return self.why
+
+
+def gate(*specs: EngineSpec, model: str = "main") -> tuple[Gate, Degraded]:
+    engines = [Engine(s, f"http://{s.name}", healthy=True) for s in specs]
+    pool = Pool(engines, 4, 4)
+    config = RouterConfig(engines=tuple(specs), model=model)
+    policy = Degraded()
+    catalog = Catalog(pool, lambda: config)
+    return Gate(Leadership(None), Maintenance(pool), pool, policy, catalog), policy
+
+
+def request(route: str, g: Gate, model: str | None = None) -> Request:
+    body: dict[str, object] = (
+        {"input": "hi"} if route == RESPONSES else {"messages": [{"role": "user", "content": "hi"}]}
+    )
+    if model is not None:
+        body["model"] = model
+    return intake.check(route, orjson.dumps(body), g.catalog.resolve)
+
+
+def refused(g: Gate) -> ApiError:
+    with pytest.raises(ApiError) as e:
+        g.check()
+    return e.value
+
+
+def test_a_router_that_leads_with_engines_to_place_on_takes_work() -> None:
+    g, _ = gate(EngineSpec("a"), EngineSpec("b"))
+    g.check()
+    assert g.unavailable() is None
+
+
+def test_standby_fenced_maintenance_and_degraded_are_each_a_retryable_503() -> None:
+    g, policy = gate(EngineSpec("a"), EngineSpec("b"))
+    for role, reason in ((Role.STANDBY, "standby: campaigning"), (Role.FENCED, "fenced: x")):
+        g.leadership.role, g.leadership.reason = role, reason
+        e = refused(g)
+        assert (e.status, e.code, e.outcome) == (503, role.value, "rejected")
+        assert e.headers == {"retry-after": "1"}
+    g.leadership.role = Role.LEADER
+    g.pool.maintenance = frozenset({"a"})
+    g.check()  # part of the fleet in the wave: the rest serves
+    g.pool.maintenance = frozenset({"a", "b"})
+    e = refused(g)
+    assert (e.status, e.code, e.label) == (503, "maintenance", "maintenance")
+    g.pool.maintenance = frozenset()
+    policy.why = "projections 3x off"
+    e = refused(g)
+    assert (e.status, e.code) == (503, "monitoring_degraded")
+    assert "projections 3x off" in e.message
+
+
+def test_engines_that_cannot_serve_a_request_are_named_once_for_judge_and_placement() -> None:
+    g, _ = gate(
+        EngineSpec("old", dialect="sglang", models=("chat",)),
+        EngineSpec("new", dialect="lexi", models=("chat",)),
+        EngineSpec("coder", dialect="vllm", models=("code",)),
+        model="chat",
+    )
+    assert g.cannot_serve(request(CHAT, g)) == {"coder"}
+    assert g.cannot_serve(request(CHAT, g, "code")) == {"old", "new"}
+    # The Responses route: the dialect that cannot serve it, and the model's other engines.
+    assert g.cannot_serve(request(RESPONSES, g)) == {"old", "coder"}
+
+
+def test_a_route_no_engine_s_dialect_serves_is_404_not_a_wait() -> None:
+    g, _ = gate(EngineSpec("s", dialect="sglang"))
+    with pytest.raises(ApiError) as e:
+        g.cannot_serve(request(RESPONSES, g))
+    assert (e.value.status, e.value.code, e.value.outcome) == (404, "unsupported", "invalid")
