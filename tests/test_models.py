@@ -6,12 +6,21 @@ scripted engines that speak HTTP/SSE and say what they were asked for."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from tests.support import Server, chat, start_router, start_test_engine, stats, wait_until
+from tests.support import (
+    Server,
+    chat,
+    start_engine,
+    start_router,
+    start_test_engine,
+    stats,
+    wait_until,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -43,8 +52,8 @@ auth:
     - {{key: sql-team-key, tenant: sql-team, models: [model-a-sql, assistant]}}
     - {{key: any-team-key, tenant: any-team}}
 engines:
-  - {{name: a1, url: '{engines["a1"].url}', models: [model-a, model-a-sql]}}
-  - {{name: a2, url: '{engines["a2"].url}', models: [model-a]}}
+  - {{name: a1, url: '{engines["a1"].url}', dialect: vllm, models: [model-a, model-a-sql]}}
+  - {{name: a2, url: '{engines["a2"].url}', dialect: vllm, models: [model-a]}}
   - {{name: b, url: '{engines["b"].url}', models: [model-b]}}
   - {{name: d, url: '{engines["d"].url}', models: auto}}
 """,
@@ -176,3 +185,25 @@ def test_an_engine_that_loads_an_adapter_is_followed(
     httpx.post(d.url + "/models", json=["model-d"], timeout=5)  # unloaded
     wait_until(lambda: "model-d-lora" not in listed(router), 10)
     assert ask(router, "model-d-lora").status_code == 404
+
+
+def test_lexi_engine_s_names_are_followed_with_models_auto(model_path: str, tmp_path: Path) -> None:
+    """LexiEngine lists its model and its aliases on /v1/models: with `models: auto` the
+    router serves each of them there."""
+    engine = start_engine(model_path, "--alias", "smol", "--alias", "tiny")
+    router = start_router(
+        tmp_path,
+        "model: smol\nlisten: {port: $PORT}\nadmission: open\n"
+        f"engines:\n  - {{name: lexi, url: '{engine.url}', models: auto}}\n",
+    )
+    try:
+        ids = listed(router)
+        assert {"smol", "tiny"} <= set(ids)
+        body = chat("Say hi.", max_tokens=4)
+        body["model"] = "tiny"
+        r = httpx.post(router.url + "/v1/chat/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        assert ask(router, "gpt-4").status_code == 404
+    finally:
+        router.stop()
+        engine.stop()
