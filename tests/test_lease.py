@@ -35,7 +35,7 @@ def setup(
         fault=lambda lease, kind, why: heard.append((kind, lease.on.name)),
         released=lambda lease: heard.append(("released", lease.on.name)),
     )
-    pool.watch(events)
+    events.subscribe(finished=pool.answered, fault=pool.faulted)
     return Admission(pool, 100, queue, wait_s, events), engines, heard
 
 

@@ -69,7 +69,7 @@ class Router:
         self.policy = choose(config, engines, self.predictor, self.tenants.reserve)
         if self.predictor is not None:
             self.admission.overrun = self.policy.overrun  # the queue holds the TTFT budget
-        self.pool.watch(events)
+        events.subscribe(finished=self.pool.answered, fault=self.pool.faulted)
         self.metrics.watch(events)
         self.policy.watch(events)
         paths = {p: self.metrics.relayed_streams.labels(p) for p in ("native", "awaited")}

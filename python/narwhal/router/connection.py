@@ -11,14 +11,13 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Protocol, cast
 
 from narwhal._native import HttpError, ResponseDecoder, UpstreamReader
 
 if TYPE_CHECKING:
     from narwhal._native import RelayChunk, StreamRelay
     from narwhal.asgi import Send
-    from narwhal.router.upstream import Upstream
 
 # One socket read's buffer, per connection.
 _READ_BYTES = 64 * 1024
@@ -33,6 +32,15 @@ class UpstreamError(ConnectionError):
     """The engine could not be reached, broke the connection, or answered malformed HTTP."""
 
 
+class Owner(Protocol):
+    """Where a connection goes back to (`upstream.Upstream`): declared here, so the
+    connection sits below the pool that holds it."""
+
+    def idle(self, conn: Connection) -> None: ...
+
+    def forget(self, conn: Connection) -> None: ...
+
+
 class Connection(asyncio.BufferedProtocol):
     """One keep-alive connection; carries one exchange at a time.
 
@@ -43,7 +51,7 @@ class Connection(asyncio.BufferedProtocol):
     does not relay itself to `_read`.
     """
 
-    def __init__(self, pool: Upstream) -> None:
+    def __init__(self, pool: Owner) -> None:
         self.pool = pool
         self.reader = UpstreamReader(_READ_BYTES, self._read, self._fault)
         # The event loop looks these up once per connection and then calls them per read:

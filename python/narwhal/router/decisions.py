@@ -16,10 +16,34 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from typing import Any, Protocol
 
-if TYPE_CHECKING:
-    from narwhal.router.predict import Projection
+
+class _Named(Protocol):
+    @property
+    def name(self) -> str: ...
+
+
+class Projection(Protocol):
+    """What a record reads of a projection (`predict.Projection`): declared here, so the
+    record sits below the predictor that fills it."""
+
+    @property
+    def engine(self) -> _Named: ...
+    @property
+    def tokens(self) -> int: ...
+    @property
+    def own_s(self) -> float | None: ...
+    @property
+    def total_s(self) -> float | None: ...
+    @property
+    def guarded_s(self) -> float | None: ...
+    @property
+    def waiting_s(self) -> float: ...
+    @property
+    def sure(self) -> bool: ...
+
 
 # What each way the judge can choose says of it (`Decision.why`).
 UNPROFILED = "an engine with no profile yet (learned so): the fewest prompts in prefill"
@@ -73,7 +97,7 @@ class Decision:
         self.priority = priority
         self.prompt_bytes = prompt_bytes
         self.budget_s = 0.0  # what the last judgement was against (after any wait)
-        self.candidates: list[Projection] = []
+        self.candidates: Sequence[Projection] = ()
         self.expected: dict[str, int] = {}  # engine -> prompt tokens its cache should serve
         self.session: str | None = None  # the conversation's routing key, where it has one
         self.paced: dict[str, bool] = {}  # engine -> its streams keep pace (where asked)
@@ -85,7 +109,7 @@ class Decision:
         self.reason: str | None = None
         self.measured: dict[str, Any] = {}
 
-    def judged(self, budget_s: float, candidates: list[Projection]) -> None:
+    def judged(self, budget_s: float, candidates: Sequence[Projection]) -> None:
         """A judgement began against `budget_s` over these projections (a later one, after
         a wait, replaces it)."""
         self.budget_s = budget_s

@@ -14,7 +14,7 @@ import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -26,10 +26,17 @@ from narwhal.router.urls import authorization, redact
 
 if TYPE_CHECKING:
     from narwhal.router.fleet.rules import Rules
-    from narwhal.router.lease import Events, Lease
     from narwhal.router.supervisor import ManagedEngine
 
 log = logging.getLogger("narwhal.engines")
+
+
+class Seated(Protocol):
+    """A request seated on an engine (`lease.Lease`), as the pool sees it: declared here,
+    so the pool sits below the lease that names its engines."""
+
+    @property
+    def on(self) -> Engine: ...
 
 
 @dataclass
@@ -49,7 +56,7 @@ class Engine:
     first_at: float = 0.0
     # When each projected request in prefill here was due to have its first token (placed
     # at + projected TTFT). Written by Admission alone, as the seats are.
-    prefill_due: dict[Lease, float] = field(default_factory=dict, repr=False)
+    prefill_due: dict[Seated, float] = field(default_factory=dict, repr=False)
     # Sized prompt tokens of requests waiting in the router's queue for a seat here, by
     # class (critical, standard, sheddable): the prefill ahead of a new request of that
     # class or a lower one. Written by Admission alone, as the seats are.
@@ -274,15 +281,12 @@ class Pool:
             e.healthy = False
             self.notify()
 
-    def watch(self, events: Events) -> None:
-        """Health from what requests see: a full answer ends a fault streak, a fault held
-        against the engine adds to it."""
-        events.subscribe(finished=self._answered, fault=self._faulted)
-
-    def _answered(self, lease: Lease) -> None:
+    # Health from what requests see (subscribed to the leases' events at start): a full
+    # answer ends a fault streak, a fault held against the engine adds to it.
+    def answered(self, lease: Seated) -> None:
         self.succeeded(lease.on)
 
-    def _faulted(self, lease: Lease, kind: str, against_engine: str | None) -> None:
+    def faulted(self, lease: Seated, kind: str, against_engine: str | None) -> None:
         if against_engine is not None:
             self.mark_failed(lease.on, against_engine)
 

@@ -6,8 +6,10 @@ Each part is the output of the stage that owns it and is never written after tha
   (stream, token IDs, usage, prompt size, session, `max_tokens`, the model asked for and
   the served model it stands for, `router/models.py`);
 - `classify` (`pipeline/classify.py`): its `Standing` (whose it is, its class, the share of
-  its budget it is judged against, its order among requests waiting for pace);
-- the flow, at arrival: its `trace` (handed to intake, which builds the record).
+  its budget it is judged against, its order among requests waiting for pace).
+
+Its trace, where it is traced, is the flow's (`router/tracing.py`), handed to the stages
+that record into it.
 
 A record is frozen: a stage that adds its output makes the next record (`classified`).
 """
@@ -16,12 +18,9 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 import orjson
-
-if TYPE_CHECKING:
-    from narwhal.router.tracing import RequestTrace
 
 CHAT = "/v1/chat/completions"
 COMPLETION = "/v1/completions"
@@ -61,7 +60,6 @@ class Request:
     model: str = ""
     served: str = ""
     standing: Standing = Standing()
-    trace: RequestTrace | None = None  # its spans' times, where it is traced (router.tracing)
 
     def classified(self, standing: Standing) -> Request:
         """This request with classify's output."""

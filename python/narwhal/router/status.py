@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from prometheus_client import generate_latest
 
@@ -11,9 +11,38 @@ from narwhal.asgi import Send
 from narwhal.errors import ApiError
 
 if TYPE_CHECKING:
-    from narwhal.router.app import Router
+    from narwhal.background import Background
+    from narwhal.router.admission import Admission
+    from narwhal.router.config import RouterConfig
+    from narwhal.router.engines import Pool
+    from narwhal.router.fleet.wiring import Fleet
+    from narwhal.router.ha.leadership import Leadership
+    from narwhal.router.ha.maintenance import Maintenance
+    from narwhal.router.metrics import RouterMetrics
+    from narwhal.router.models import Catalog
+    from narwhal.router.pipeline.gate import Gate
+    from narwhal.router.policies import Policy
+    from narwhal.router.predict import Predictor
 
 ROUTES = frozenset({"/health", "/ready", "/v1/models", "/engines", "/metrics"})
+
+
+class Router(Protocol):
+    """What the routes read of the router (`app.Router`): declared here, so they sit below
+    the app that serves them."""
+
+    config: RouterConfig
+    admission: Admission
+    background: Background
+    catalog: Catalog
+    fleet: Fleet
+    gate: Gate
+    leadership: Leadership
+    maintenance: Maintenance
+    metrics: RouterMetrics
+    policy: Policy
+    pool: Pool
+    predictor: Predictor | None
 
 
 class Status:

@@ -77,7 +77,7 @@ class Flow:
                 raise
             try:
                 req, deadline, budget = await read(
-                    path, scope, receive, self.config, m, arrived, trace, self.gate.catalog.resolve
+                    path, scope, receive, self.config, m, arrived, self.gate.catalog.resolve
                 )
                 req, budget = classify(
                     req,
@@ -96,7 +96,9 @@ class Flow:
                 ticket = self.tenants.admit(tenant, req.estimated_prompt_tokens(), rank)
                 record = self._record(req, trace)
                 try:
-                    await self._serve(req, receive, send, arrived, deadline, budget, end, record)
+                    await self._serve(
+                        req, receive, send, arrived, deadline, budget, end, record, trace
+                    )
                 finally:
                     self.tenants.end(ticket, end.tokens)
             finally:
@@ -166,6 +168,7 @@ class Flow:
         budget: float,
         end: Ending,
         record: Decision | None = None,
+        trace: RequestTrace | None = None,
     ) -> None:
         task = asyncio.current_task()
         assert task is not None
@@ -178,8 +181,8 @@ class Flow:
             try:
                 plan = await self.judge.plan(req, arrived, budget, record, cannot)
                 judged = time.monotonic()
-                if req.trace is not None:
-                    req.trace.judged_at = judged
+                if trace is not None:
+                    trace.judged_at = judged
                 rec = asgi.current.get()
                 if rec is not None:
                     rec.fields["judged_ms"] = round((judged - arrived) * 1000, 1)
@@ -190,7 +193,9 @@ class Flow:
                 # Where a projection judged it, its whole TTFT is held: the wait for a seat
                 # counts, and a request whose budget a wait spent is refused, not placed.
                 ttft_by = arrived + budget if plan.predicted_s is not None else None
-                await self.placer.serve(req, send, arrived, deadline, plan, cannot, end, ttft_by)
+                await self.placer.serve(
+                    req, send, arrived, deadline, plan, cannot, end, ttft_by, trace
+                )
             finally:
                 plan.settle()
         except asyncio.CancelledError:

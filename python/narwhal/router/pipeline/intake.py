@@ -4,16 +4,13 @@ its output is the request record (`router/request.py`)."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import orjson
 
 from narwhal.errors import invalid, json_object
 from narwhal.router.models import not_found
 from narwhal.router.request import CHAT, RESPONSES, Request, input_parts, text_parts
-
-if TYPE_CHECKING:
-    from narwhal.router.tracing import RequestTrace
 
 
 def _type(body: dict[str, Any], name: str, kind: type | tuple[type, ...], label: str) -> Any:
@@ -77,12 +74,10 @@ def check(
     raw: bytes,
     models: str | Callable[[str | None], str],
     session: str | None = None,
-    trace: RequestTrace | None = None,
 ) -> Request:
     """The checked request (or the client's error); `models`: the one model served (any
     other name is 404) or what resolves a name to the served model (`Catalog.resolve`);
-    `session`: the conversation's key from the request's header, over the body's `user`;
-    `trace`: its spans', where traced."""
+    `session`: the conversation's key from the request's header, over the body's `user`."""
     body = json_object(raw)
     _refuse_too_deep(raw, body)
 
@@ -124,9 +119,7 @@ def check(
         v = body.get("max_output_tokens")
         most = v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None
         size = _input_bytes(body) + _beside_bytes(body)
-        return Request(
-            route, body, stream, False, False, size, session, most, model, served, trace=trace
-        )
+        return Request(route, body, stream, False, False, size, session, most, model, served)
     if route == CHAT:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
@@ -162,7 +155,6 @@ def check(
         most,
         model,
         served,
-        trace=trace,
     )
 
 

@@ -23,6 +23,7 @@ from narwhal.router.relay.errors import EngineBusy, EngineFailed, EngineFenced
 from narwhal.router.relay.relayer import Relayer
 from narwhal.router.request import Request
 from narwhal.router.tenants.registry import Tenants
+from narwhal.router.tracing import RequestTrace
 
 
 class Placer:
@@ -56,13 +57,15 @@ class Placer:
         busy: frozenset[str],
         end: Ending,
         ttft_by: float | None = None,
+        trace: RequestTrace | None = None,
     ) -> None:
         """Placed and relayed; `busy` names the engines not to place on; `ttft_by`: when
-        its first token is due, held while it waits for a seat (None: not held)."""
+        its first token is due, held while it waits for a seat (None: not held); `trace`:
+        its spans' times, where it is traced."""
         while True:
             try:
                 end.outcome = await self._once(
-                    req, send, arrived, deadline, plan, busy, end, ttft_by
+                    req, send, arrived, deadline, plan, busy, end, ttft_by, trace
                 )
                 return
             except EngineBusy as e:
@@ -87,6 +90,7 @@ class Placer:
         busy: frozenset[str],
         end: Ending,
         ttft_by: float | None,
+        trace: RequestTrace | None,
     ) -> str:
         placed = False
         try:
@@ -111,8 +115,8 @@ class Placer:
                 self.policy.placed(lease, plan)
                 placed = True
                 now = time.monotonic()
-                if req.trace is not None:
-                    req.trace.placed_at = now
+                if trace is not None:
+                    trace.placed_at = now
                 waited = now - arrived
                 child = self._queue_time.get(req.model)
                 if child is None:
@@ -120,7 +124,7 @@ class Placer:
                 child.observe(waited)
                 if req.standing.tenant:
                     self.tenants.queued(req.standing.tenant, req.standing.rank, waited)
-                return await self._relay(lease, send, end)
+                return await self._relay(lease, send, end, trace)
         except EngineFenced as e:
             self.leadership.fence(str(e))
             raise unavailable(f"this router was fenced ({e}); retry shortly", "fenced").ended(
@@ -150,12 +154,14 @@ class Placer:
                 e.ended("rejected", e.code or "capacity")
             raise
 
-    async def _relay(self, lease: Lease, send: Send, end: Ending) -> str:
+    async def _relay(
+        self, lease: Lease, send: Send, end: Ending, trace: RequestTrace | None
+    ) -> str:
         try:
             # Checked again once a connection is ready, just before the bytes go:
             # connecting (a fresh connection, or a retried one) may take longer than
             # what is left of this router's leadership.
-            return await self.relayer.run(lease, send, self.gate.check_leading)
+            return await self.relayer.run(lease, send, self.gate.check_leading, trace)
         except EngineFailed as e:
             raise ApiError(
                 502,

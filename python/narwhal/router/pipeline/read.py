@@ -4,7 +4,6 @@ request's TTFT budget (`x-narwhal-ttft-target-ms`) and deadline (`x-narwhal-time
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 from narwhal import asgi
 from narwhal.asgi import Receive, Scope
@@ -13,9 +12,6 @@ from narwhal.router.config import RouterConfig
 from narwhal.router.metrics import RouterMetrics
 from narwhal.router.pipeline import intake
 from narwhal.router.request import Request
-
-if TYPE_CHECKING:
-    from narwhal.router.tracing import RequestTrace
 
 _MAX_MS = 10**9  # 11.6 days: more than any timeout, and a float without overflow
 
@@ -27,7 +23,6 @@ async def read(
     config: RouterConfig,
     metrics: RouterMetrics,
     arrived: float,
-    trace: RequestTrace | None = None,
     models: str | Callable[[str | None], str] | None = None,
 ) -> tuple[Request, float, float]:
     """The checked request, its deadline (monotonic) and its TTFT budget (seconds)."""
@@ -57,7 +52,6 @@ async def read(
             raw,
             config.model if models is None else models,
             session[:256] if session else None,
-            trace,
         )
     except ApiError as e:
         e.ended("invalid")

@@ -13,10 +13,10 @@ from narwhal.router.lease import Lease
 from narwhal.router.relay.errors import EngineFailed, engine_refusal
 
 if TYPE_CHECKING:
-    from narwhal.router.relay.relayer import Relayer
+    from narwhal.router.relay.reading import Reading
 
 
-async def assemble(rl: Relayer, lease: Lease, resp: Exchange, send: Send) -> str:
+async def assemble(rl: Reading, lease: Lease, resp: Exchange, send: Send) -> str:
     """A non-streaming answer: the engine's stream assembled into one response (Rust)."""
     e = lease.on
     asm = Assembler(

@@ -12,10 +12,10 @@ from narwhal.router.lease import Lease
 from narwhal.router.relay.errors import EngineFailed, past
 
 if TYPE_CHECKING:
-    from narwhal.router.relay.relayer import Relayer
+    from narwhal.router.relay.reading import Reading
 
 
-async def passthrough(rl: Relayer, lease: Lease, resp: Exchange, send: Send) -> bool:
+async def passthrough(rl: Reading, lease: Lease, resp: Exchange, send: Send) -> bool:
     """An answer relayed as the engine sends it (the Responses API: its events are the
     engine's, neither validated nor assembled here). The deadline and the idle gap
     bound it as any other; whether it ended well is the engine's HTTP framing's word."""

@@ -20,8 +20,8 @@ from narwhal.router.connection import Exchange
 from narwhal.router.relay.errors import past
 
 if TYPE_CHECKING:
-    from narwhal.router.relay.relayer import Relayer
-    from narwhal.router.relay.stream import Stream
+    from narwhal.router.relay.accounting import Stream
+    from narwhal.router.relay.reading import Reading
 
 
 def done_at_call(sent: Awaitable[None]) -> tuple[type | None, Awaitable[None] | None]:
@@ -132,7 +132,7 @@ class Outbox:
             await asyncio.shield(self.task)
 
 
-async def push(rl: Relayer, st: Stream, resp: Exchange, send: Send, sent_type: type) -> bool:
+async def push(rl: Reading, st: Stream, resp: Exchange, send: Send, sent_type: type) -> bool:
     """Relay the rest of the stream from the connection's read callback.
 
     Only for a server whose `send` finishes its work when called (Granian's does): a
@@ -160,7 +160,7 @@ class _Pushed:
     __slots__ = ("ended", "loop", "out", "relay", "resp", "rl", "st", "timer")
 
     def __init__(
-        self, rl: Relayer, st: Stream, resp: Exchange, send: Send, sent_type: type
+        self, rl: Reading, st: Stream, resp: Exchange, send: Send, sent_type: type
     ) -> None:
         self.rl, self.st, self.resp = rl, st, resp
         self.loop = asyncio.get_running_loop()

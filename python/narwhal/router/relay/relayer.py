@@ -30,6 +30,7 @@ from narwhal.router.relay.errors import (
 )
 from narwhal.router.relay.passthrough import passthrough
 from narwhal.router.relay.stream import stream
+from narwhal.router.tracing import RequestTrace
 from narwhal.router.upstream import Upstream
 
 log = logging.getLogger("narwhal.relay")
@@ -85,6 +86,7 @@ class Relayer:
         lease: Lease,
         send: Send,
         before_send: Callable[[], None] | None = None,
+        trace: RequestTrace | None = None,
     ) -> str:
         """Relay the lease's answer to `send`; how it ended: "completed", "stream_fault"
         (the stream ended with an error event) or "engine_error" (the engine's own non-200
@@ -106,7 +108,6 @@ class Relayer:
         rec = asgi.current.get()
         if rec is not None:  # the ID is printable ASCII without spaces (asgi.begin)
             headers += f"x-request-id: {rec.id}\r\n"
-        trace = lease.request.trace
         if trace is not None:  # the engine's spans join the request's trace
             headers += trace.call(lease)
         try:
