@@ -819,3 +819,47 @@ def test_a_fresh_router_places_what_pace_would_hold_until_it_has_seen_answers() 
     f.seen_answers(1000)
     with pytest.raises(NoEngineKeepsPace):
         f.judge(long)
+
+
+def test_an_engine_serving_two_models_learns_each_ones_prefill_rate() -> None:
+    """A second model on an engine (an adapter, say) prefills at a rate of its own: its
+    prompts are projected at what its own prompts measured there, begun from the engine's
+    profile; the engine's profile goes on learning from every prompt, and an engine that
+    serves one model keeps no profile per model."""
+    specs = [EngineSpec("two", models=("base", "slow")), EngineSpec("one")]
+    engines = [Engine(s, f"http://{s.name}", healthy=True) for s in specs]
+    predictor = Predictor(engines)
+    for p in predictor.profiles.values():
+        measured(p, RATE, 5.0)
+    events = Events()
+    predictor.watch(events)
+    admission = Admission(Pool(engines, 64, 64), 100, 10, 5.0, events)
+
+    def served(e: Engine, model: str, words_: int, rate: float) -> None:
+        body = {"model": model, "messages": [{"role": "user", "content": words("w", words_)}]}
+        req = intake.check(CHAT, orjson.dumps(body), lambda name: name or "base")
+
+        async def run() -> None:
+            now = time.monotonic()
+            tokens = predictor.size(req.prompt_bytes, e)
+            async with admission.place(req, now, now + 60, prefer=e, tokens=tokens) as lease:
+                lease.measured.prompt_tokens = tokens
+                lease.measured.sent_at = time.monotonic() - tokens / rate  # its prefill took
+                lease.first_output()
+                lease.finished(5)
+
+        asyncio.run(run())
+
+    two, one = engines
+    for i in range(12):
+        served(two, "slow", 400 + 200 * (i % 4), RATE / 2)  # half the engine's rate
+        served(two, "base", 400 + 200 * (i % 4), RATE)
+        served(one, "base", 400 + 200 * (i % 4), RATE)
+    prompt = request(words("q", 1000)).prompt_bytes
+    slow = predictor.project(prompt, two, model="slow").own_s
+    base = predictor.project(prompt, two, model="base").own_s
+    unseen = predictor.project(prompt, two, model="other").own_s  # the engine's own
+    assert slow is not None and base is not None and unseen is not None
+    assert slow > 1.5 * base
+    assert base < slow and unseen < slow
+    assert set(predictor.models) == {"two"} and set(predictor.models["two"]) == {"slow", "base"}

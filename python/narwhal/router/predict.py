@@ -19,6 +19,7 @@ times the real prefill and refused prompts a fleet served in a fraction of the b
 
 from __future__ import annotations
 
+import copy
 import math
 import statistics
 import time
@@ -50,6 +51,8 @@ MARGIN_SPREAD = statistics.NormalDist().inv_cdf(0.99) / math.sqrt(2 / math.pi)
 # Beyond doubling, the projection is too unreliable to gate on; drift past its bound makes
 # the router monitoring-degraded instead.
 MAX_MARGIN = 2.0
+# Models one engine keeps a profile of its own for (adapters come and go: a bound).
+MODEL_PROFILES = 64
 # The edge: every projection is widened by a factor learned from outcomes, so that of the
 # requests placed within their budget about EDGE_TARGET start late. A late first token
 # widens it by about EDGE_GAIN, an on-time one narrows it by EDGE_TARGET of that (a
@@ -327,6 +330,10 @@ class Predictor:
         stale_after_s: float = 120.0,
     ) -> None:
         self.profiles = {e.name: Profile() for e in engines}
+        # Per engine that serves several models, a profile per model it has served (its
+        # prompts' own prefill: an adapter, or a second model on one engine, runs at a rate
+        # of its own), begun as a copy of the engine's and learned as it is.
+        self.models: dict[str, dict[str, Profile]] = {}
         self.edge = 1.0  # the learned widening of every projection (EDGE_TARGET)
         # The fleet's typical miss (every engine's scored projections): an engine's margin
         # until it has enough of its own.
@@ -362,6 +369,14 @@ class Predictor:
 
     def remove(self, e: Engine) -> None:
         self.profiles.pop(e.name, None)
+        self.models.pop(e.name, None)
+
+    def of_model(self, e: Engine, model: str) -> Profile:
+        """The profile a prompt for `model` is projected with on `e`: the model's own where
+        the engine serves several and has served this one, else the engine's."""
+        own = self.models.get(e.name)
+        prof = own.get(model) if own is not None else None
+        return prof if prof is not None else self.profiles[e.name]
 
     # What a new leader takes over (router HA): the learned rates, not the drift state.
     _SHARED = (
@@ -443,26 +458,41 @@ class Predictor:
             self._score(True)
 
     def _learn(self, lease: Lease) -> None:
-        prof = self.profiles.get(lease.on.name)
+        e = lease.on
+        prof = self.profiles.get(e.name)
         if prof is None:
             return  # its engine left the fleet while it ran
-        ttft = lease.measured.first_at - lease.measured.sent_at if lease.measured.first_at else None
-        miss = prof.observe(
+        mprof = None
+        if e.spec.discover or (e.spec.models is not None and len(e.spec.models) > 1):
+            own = self.models.setdefault(e.name, {})
+            mprof = own.get(lease.request.served)
+            if mprof is None and len(own) < MODEL_PROFILES:
+                # Begun from what the engine has learned so far: the model's own
+                # measurements take over as they come.
+                mprof = own[lease.request.served] = copy.deepcopy(prof)
+        miss = self._observe(prof, lease, lease.predicted_s)
+        if miss is not None:
+            self.drift = _ewma(self.drift, abs(miss))
+            self.drift_samples += 1
+        if mprof is not None:
+            self._observe(mprof, lease, None)  # the engine's profile scores the miss
+
+    @staticmethod
+    def _observe(prof: Profile, lease: Lease, predicted_s: float | None) -> float | None:
+        m = lease.measured
+        return prof.observe(
             lease.request.prompt_bytes,
-            lease.measured.prompt_tokens,
-            ttft,
+            m.prompt_tokens,
+            m.first_at - m.sent_at if m.first_at else None,
             lease.prefill_s,
-            lease.measured.output_tokens,
-            lease.measured.decode_s,
-            lease.predicted_s,
-            cached_tokens=lease.measured.cached_tokens or 0,
+            m.output_tokens,
+            m.decode_s,
+            predicted_s,
+            cached_tokens=m.cached_tokens or 0,
             expected_cached=lease.cached_expected or 0,
             probe=lease.probe,
             queued=lease.queued,
         )
-        if miss is not None:
-            self.drift = _ewma(self.drift, abs(miss))
-            self.drift_samples += 1
 
     def _discard(self, lease: Lease, kind: str, against_engine: str | None) -> None:
         prof = self.profiles.get(lease.on.name)
@@ -509,22 +539,26 @@ class Predictor:
         bpt = self.profiles[e.name].bytes_per_token or 4.0
         return max(1, math.ceil(prompt_bytes / bpt))
 
-    def project(self, prompt_bytes: int, e: Engine, cached: int = 0, rank: int = 2) -> Projection:
+    def project(
+        self, prompt_bytes: int, e: Engine, cached: int = 0, rank: int = 2, model: str = ""
+    ) -> Projection:
         """TTFT on `e` for a prompt of `prompt_bytes` of which `cached` tokens are expected
         to come from its prefix cache: the prefill ahead of it there (placed on the engine,
         and waiting in the router's queue for a seat there in its class `rank` or a higher
         one, which go first), how far the engine is behind its projections now, then what
-        is left of this prompt (at least its last token: an engine always computes that)."""
+        is left of this prompt (at least its last token: an engine always computes that),
+        at the rate of its `model` there where it has one of its own."""
         tokens = self.size(prompt_bytes, e)
         fresh = tokens - min(cached, tokens - 1)
         prof = self.profiles[e.name]
         if prof.prefill_tps is None:
             return Projection(e, fresh, None, None)
-        own = prof.prefill_s(fresh, tokens)
+        mine = self.of_model(e, model) if model else prof
+        own = mine.prefill_s(fresh, tokens) if mine.prefill_tps is not None else 0.0
         waiting = prof.ahead_s(sum(e.queued_tokens[: rank + 1]), sum(e.queued_sq[: rank + 1]))
         ahead = prof.ahead_s(e.prefill_tokens, e.prefill_sq) + e.behind_s(time.monotonic())
         total = own + ahead + waiting
-        sure = prof.vouches(fresh)
+        sure = mine.vouches(fresh)
         guarded = total * self.margin(prof) * self.edge
         return Projection(e, fresh, own, total, guarded, waiting, sure)
 
@@ -541,6 +575,7 @@ class Predictor:
         share: float = 1.0,
         record: Decision | None = None,
         pace_sure: bool = True,
+        model: str = "",
     ) -> Projection:
         """The best projection within budget, or the spec's 429 refusals. `cached` says
         per engine name how many of the prompt's tokens its cache is expected to serve;
@@ -557,9 +592,10 @@ class Predictor:
         fits its own budget but not the share is refused for load, not for its length.
         `record`, where given, is told what was weighed and chosen, and why. Without
         `pace_sure` (what holds the engines' streams is not measured yet) pace only ranks:
-        no request waits or is refused for it."""
+        no request waits or is refused for it. `model`: the served model the prompt is for
+        (its own prefill projected at that model's rate on an engine that serves several)."""
         cached = cached or {}
-        ps = [self.project(prompt_bytes, e, cached.get(e.name, 0), klass) for e in engines]
+        ps = [self.project(prompt_bytes, e, cached.get(e.name, 0), klass, model) for e in engines]
         if record is not None:
             record.judged(budget_s, ps)
             if keeps_pace is not None:

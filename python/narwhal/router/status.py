@@ -97,6 +97,9 @@ class Status:
         if r.predictor is not None:
             for e in engines:
                 e["profile"] = r.predictor.profiles[str(e["name"])].describe()
+                own = r.predictor.models.get(str(e["name"]))
+                if own:
+                    e["model_profiles"] = {m: p.describe() for m, p in own.items()}
         pace = r.policy.describe()
         if pace is not None:
             body["lengths"] = pace["lengths"]

@@ -145,6 +145,7 @@ class PredictivePolicy:
             req.standing.share,
             record,
             not paced or self._pace_sure(req.standing.tenant, engines),
+            req.served,
         )
         if paced and any(self._waiting[: req.standing.order]):
             # A request of a higher class (or of a tenant within its fair share, where
@@ -227,7 +228,9 @@ class PredictivePolicy:
         prof = self.predictor.profiles.get(engine.name)
         if prof is None or prof.prefill_tps is None:
             return None
-        due = prof.ahead_s(engine.prefill_tokens, engine.prefill_sq) + prof.prefill_s(lease.tokens)
+        mine = self.predictor.of_model(engine, lease.request.served)
+        own = mine.prefill_s(lease.tokens) if mine.prefill_tps is not None else 0.0
+        due = prof.ahead_s(engine.prefill_tokens, engine.prefill_sq) + own
         due += engine.behind_s(now)
         due *= self.predictor.margin(prof) * self.predictor.edge
         late = now + due - lease.ttft_by
@@ -257,7 +260,10 @@ class PredictivePolicy:
         if charge is None or charge.ledger is not ledger:
             if charge is not None:
                 charge.settle()
-            charge = ledger.charge(prof.prefill_s(lease.tokens) - prof.overhead_s)
+            mine = self.predictor.of_model(lease.on, lease.request.served)
+            if mine.prefill_tps is None:
+                mine = prof
+            charge = ledger.charge(mine.prefill_s(lease.tokens) - mine.overhead_s)
         # What the stream is held to run to: a low quantile of how long its tenant's answers
         # run (`lengths`), its max_tokens at most; before the router has seen enough
         # answers, what this engine's typically ran to. With nothing known, two tokens: its
