@@ -467,6 +467,9 @@ def test_template_file_thinking_switch_and_raw_format(busy_engine: Server) -> No
         # A floor any client could raise: fencing needs etcd or the routers' secret.
         (["--fence"], "--fence-etcd (tokens checked against etcd) or --fence-secret"),
         (["--fence-secret", "s"], "--fence-secret: needs --fence"),
+        (["--lora", "sql"], "--lora: give NAME=PATH"),
+        (["--lora", "sql=/nonexistent.gguf"], "--lora: sql: no such file"),
+        (["--alias", "a", "--lora", "a=/etc/hostname"], "--lora: the name 'a' is taken"),
     ],
 )
 def test_bad_launch_options_are_refused_before_listening(

@@ -259,7 +259,11 @@ class LexiEngine:
         try:
             prompt = job.prompt_ids
             try:
-                slot = await self.slots.acquire(lambda s: self.decoder.prefix_with(s, prompt))
+                name = job.body.get("model")
+                adapter = name if isinstance(name, str) and name in self.model.adapters else None
+                slot = await self.slots.acquire(
+                    lambda s: self.decoder.prefix_with(s, prompt, adapter)
+                )
             except Busy:
                 status = 429
                 raise ApiError(
@@ -274,7 +278,7 @@ class LexiEngine:
             except ApiError:
                 self.slots.release(slot)
                 raise
-            gen = Request(prompt, job.sampling, job.cache_prompt)
+            gen = Request(prompt, job.sampling, job.cache_prompt, adapter)
             if trace is not None:
                 trace.seated_at, trace.gen = gen.started_at, gen
             # The slot goes back when the decode loop has let go of the request, not when

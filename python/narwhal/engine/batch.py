@@ -141,8 +141,12 @@ class DecodeLoop:
         self.mem = llama_cpp.llama_get_memory(ctx)
         self.n_ctx_seq = int(llama_cpp.llama_n_ctx_seq(ctx))
         self.batch = llama_cpp.llama_batch_init(self.capacity, 0, 1)
-        # What each sequence's KV holds, token for token: the prefix index for reuse.
+        # What each sequence's KV holds, token for token: the prefix index for reuse; and
+        # the adapter it was computed with (KV from another adapter is not this one's).
         self.cached: list[list[int]] = [[] for _ in range(n_slots)]
+        self.cached_adapter: list[str | None] = [None] * n_slots
+        self._applied: str | None = None  # the adapter set on the context now
+        self._turn = 0  # whose step it is, where requests of several adapters decode
         self.on_step: Callable[[int], None] | None = None  # batch size per step (metrics)
         self._cv = threading.Condition()
         self._incoming: list[tuple[int, Request]] = []
@@ -158,8 +162,11 @@ class DecodeLoop:
             self._incoming.append((slot, req))
             self._cv.notify()
 
-    def prefix_with(self, slot: int, prompt: list[int]) -> int:
-        """Prompt tokens a free slot already holds in KV (read only while the slot is free)."""
+    def prefix_with(self, slot: int, prompt: list[int], adapter: str | None = None) -> int:
+        """Prompt tokens a free slot already holds in KV for `adapter` (read only while the
+        slot is free)."""
+        if self.cached_adapter[slot] != adapter:
+            return 0
         return shared_prefix(self.cached[slot], prompt)
 
     def stop(self) -> None:
@@ -214,9 +221,12 @@ class DecodeLoop:
     def _admit(self, slot: int, req: Request, out: list[tuple[Request, Piece | Finish]]) -> None:
         if slot in self._active:  # the event loop hands a slot on only once it is let go
             raise RuntimeError(f"slot {slot} is still decoding")
-        if not req.cache_prompt:  # llama-server's switch: this prompt is evaluated in full
+        if not req.cache_prompt or self.cached_adapter[slot] != req.adapter:
+            # llama-server's switch (this prompt is evaluated in full), or KV computed with
+            # another adapter.
             llama_cpp.llama_memory_seq_rm(self.mem, slot, -1, -1)
             self.cached[slot] = []
+            self.cached_adapter[slot] = req.adapter
         prompt = req.prompt
         n = min(shared_prefix(self.cached[slot], prompt), len(prompt) - 1)
         if n < len(self.cached[slot]) and not llama_cpp.llama_memory_seq_rm(self.mem, slot, n, -1):
@@ -241,6 +251,7 @@ class DecodeLoop:
             self._end(a, Finish("cancelled", a.stream.produced), out, keep_kv=False)
         if not self._active:
             return
+        step = self._adapter_turn()
         b = self.batch
         n = 0
         outputs: list[tuple[_Active, int]] = []
@@ -262,13 +273,13 @@ class DecodeLoop:
         room = self.prefill_chunk
         chunks: dict[int, list[int]] = {}
         for a in sorted(self._active.values(), key=lambda x: x.order):
-            if a.todo and room > 0:
+            if a.slot in step and a.todo and room > 0:
                 chunks[a.slot], a.todo = a.todo[:room], a.todo[room:]
                 room -= len(chunks[a.slot])
         # ...but the batch lists its sequences in slot order: llama.cpp decodes a batch whose
         # sequence IDs come out of order (slots are handed out as requests arrive) ~25%
         # slower (measured, bench/README.md).
-        for slot in sorted(self._active):
+        for slot in sorted(step):
             a = self._active[slot]
             take = chunks.get(slot)
             if take is not None:
@@ -284,6 +295,35 @@ class DecodeLoop:
             self.on_step(n)
         for a, i in outputs:
             self._sample(a, i, out)
+
+    def _adapter_turn(self) -> set[int]:
+        """The slots this step decodes: all of them where they share one adapter (or none);
+        else those of one adapter a step, in turn. llama.cpp applies adapters to a whole
+        context, never per sequence in a batch, so requests of two adapters cannot share a
+        step; each gets its turn rather than being refused (docs/DECISIONS.md)."""
+        groups = sorted({a.req.adapter or "" for a in self._active.values()})
+        if len(groups) == 1:
+            chosen = groups[0]
+            step = set(self._active)
+        else:
+            self._turn = (self._turn + 1) % len(groups)
+            chosen = groups[self._turn]
+            step = {s for s, a in self._active.items() if (a.req.adapter or "") == chosen}
+        adapter = chosen or None
+        if adapter != self._applied:
+            self._apply(adapter)
+        return step
+
+    def _apply(self, adapter: str | None) -> None:
+        if adapter is None:
+            rc = llama_cpp.llama_set_adapters_lora(self.ctx, None, 0, None)
+        else:
+            ptrs = (llama_cpp.llama_adapter_lora_p_ctypes * 1)(self.model.adapters[adapter])
+            scales = (ctypes.c_float * 1)(1.0)
+            rc = llama_cpp.llama_set_adapters_lora(self.ctx, ptrs, 1, scales)
+        if rc != 0:
+            raise RuntimeError(f"llama.cpp could not apply adapter {adapter!r} ({rc})")
+        self._applied = adapter
 
     def _sample(self, a: _Active, i: int, out: list[tuple[Request, Piece | Finish]]) -> None:
         m, req = self.model, a.req

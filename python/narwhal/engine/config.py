@@ -36,6 +36,8 @@ class EngineConfigError(ValueError):
 class EngineConfig:
     model: str
     aliases: tuple[str, ...] = ()
+    # LoRA adapters served as models of their own: (name, path of its GGUF).
+    loras: tuple[tuple[str, str], ...] = ()
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     reasoning_format: str = "auto"
@@ -74,6 +76,7 @@ class EngineConfig:
     def from_json(cls, raw: bytes | str) -> EngineConfig:
         d = orjson.loads(raw)
         d["aliases"] = tuple(d["aliases"])
+        d["loras"] = tuple((n, p) for n, p in d["loras"])
         d["api_keys"] = tuple(d["api_keys"])
         return cls(**d)
 
@@ -130,10 +133,12 @@ def from_args(ns: argparse.Namespace) -> EngineConfig:
     for a in aliases:
         if not a.strip():
             raise EngineConfigError("--alias", "empty name")
+    loras = _loras(ns.lora, aliases)
 
     return EngineConfig(
         model=str(model.resolve()),
         aliases=aliases,
+        loras=loras,
         chat_template=template,
         chat_template_kwargs=kwargs,
         reasoning_format=ns.reasoning_format,
@@ -337,3 +342,20 @@ def _check_fence_state(path: str) -> None:
         raise EngineConfigError(
             "--fence-state", f"cannot be written: {p.parent} is not a writable folder"
         )
+
+
+def _loras(given: list[str], aliases: tuple[str, ...]) -> tuple[tuple[str, str], ...]:
+    """`--lora NAME=PATH` flags: each a name no alias or other adapter has, and a file."""
+    out: list[tuple[str, str]] = []
+    for raw in given:
+        name, eq, path = raw.partition("=")
+        name = name.strip()
+        if not eq or not name or not path:
+            raise EngineConfigError("--lora", "give NAME=PATH (the adapter's model name, its GGUF)")
+        if name in aliases or any(name == n for n, _ in out):
+            raise EngineConfigError("--lora", f"the name {name[:64]!r} is taken")
+        file = Path(path).expanduser()
+        if not file.is_file():
+            raise EngineConfigError("--lora", f"{name[:64]}: no such file")
+        out.append((name, str(file.resolve())))
+    return tuple(out)

@@ -35,6 +35,14 @@ def _model_arguments(p: argparse.ArgumentParser) -> None:
         help="public model name (repeatable; the first is the model's ID)",
     )
     p.add_argument(
+        "--lora",
+        action="append",
+        default=[],
+        metavar="NAME=PATH",
+        help="a LoRA adapter (GGUF) served as model NAME beside the base (repeatable); "
+        "one adapter, or the base, a decode step, in turn",
+    )
+    p.add_argument(
         "--chat-template-file", metavar="PATH", help="Jinja chat template overriding the GGUF's"
     )
     p.add_argument(

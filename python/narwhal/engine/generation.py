@@ -63,10 +63,17 @@ class Request:
     once the request has left the decode loop (its slot can then be handed on).
     """
 
-    def __init__(self, prompt: list[int], sampling: Sampling, cache_prompt: bool = True) -> None:
+    def __init__(
+        self,
+        prompt: list[int],
+        sampling: Sampling,
+        cache_prompt: bool = True,
+        adapter: str | None = None,
+    ) -> None:
         self.prompt = prompt
         self.sampling = sampling
         self.cache_prompt = cache_prompt  # reuse a slot's KV for a shared prefix
+        self.adapter = adapter  # the LoRA adapter it is generated with (None: the base)
         self.loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue[Piece | Finish] = asyncio.Queue()
         self.done: asyncio.Future[None] = self.loop.create_future()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import re
 from pathlib import Path
+from typing import Any
 
 import llama_cpp
 from llama_cpp import Llama
@@ -79,8 +80,16 @@ class Model:
         )
         meta = self.llama.metadata
         identity = meta.get("general.name") or Path(config.model).name
-        self.names: tuple[str, ...] = config.aliases or (identity,)
-        self.id = self.names[0]
+        names: tuple[str, ...] = config.aliases or (identity,)
+        self.id = names[0]
+        # LoRA adapters served as models of their own (their names after the base's).
+        self.adapters: dict[str, Any] = {}
+        for name, path in config.loras:
+            adapter = llama_cpp.llama_adapter_lora_init(self.llama._model.model, path.encode())
+            if not adapter:
+                raise ModelLoadError(f"--lora {name}: llama.cpp could not load {path}")
+            self.adapters[name] = adapter
+        self.names = (*names, *self.adapters)
         # Each slot's share of --ctx-size: a request's prompt plus output must fit in it.
         self.n_ctx = config.ctx_size // config.parallel
         self.vocab = self.llama._model.vocab
