@@ -117,7 +117,7 @@ def test_metrics_users_chart(json_router: Server) -> None:
     assert 'narwhal_queue_time_seconds_count{model="main"}' in m
     assert 'narwhal_engine_healthy{engine="s"} 1.0' in m
     assert 'narwhal_info{model="main",version="' in m
-    assert 'narwhal_time_to_first_byte_seconds_bucket{engine="s",le="600.0"}' in m
+    assert 'narwhal_time_to_first_byte_seconds_bucket{engine="s",le="600.0",model="main"}' in m
 
 
 def test_a_json_line_stays_one_object_whatever_the_client_put_in_its_path(

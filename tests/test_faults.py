@@ -275,7 +275,7 @@ engines: [{{name: s, url: "{scripted.url}", dialect: openai}}]
         busy = httpx.post(r.url + "/v1/completions", json={"prompt": "script:status:429"})
         assert busy.status_code == 429 and busy.headers["retry-after"] == "1"
         m = httpx.get(r.url + "/metrics").text
-        assert 'narwhal_rejected_total{reason="engine_busy"} 1.0' in m
+        assert 'narwhal_rejected_total{model="main",reason="engine_busy"} 1.0' in m
     finally:
         r.stop()
 
@@ -310,7 +310,7 @@ engines:
         # The busy engine (listed first, as idle as the other) was asked first: 429.
         assert asked() == [before[0] + 1, before[1]]
         m = httpx.get(routers[0].url + "/metrics").text
-        assert 'narwhal_rejected_total{reason="engine_busy"} 0.0' in m
+        assert 'narwhal_rejected_total{model="main",reason="engine_busy"} 0.0' in m
         assert 'narwhal_finished_total{outcome="completed"} 1.0' in m
 
         # Every engine busy: each is asked once, then the last 429 goes to the client.
@@ -320,7 +320,7 @@ engines:
         assert resp.json()["error"]["message"] == "engine says no"
         assert asked() == [before[0] + 2, before[1] + 1]
         m = httpx.get(routers[1].url + "/metrics").text
-        assert 'narwhal_rejected_total{reason="engine_busy"} 1.0' in m
+        assert 'narwhal_rejected_total{model="main",reason="engine_busy"} 1.0' in m
     finally:
         for s in (*routers, *busy):
             s.stop()

@@ -112,6 +112,9 @@ def test_each_model_goes_only_to_the_engines_that_serve_it(
             in text
         )
     assert 'model="model-z"' not in text
+    # ...and so are what each engine relayed for it.
+    assert 'narwhal_completed_total{engine="b",model="model-b"}' in text
+    assert 'narwhal_completed_total{engine="b",model="model-a"}' not in text
 
 
 def test_models_are_listed_and_others_are_not_found(

@@ -152,7 +152,7 @@ def test_prompt_alone_over_budget_is_refused_without_reaching_the_engine(
     assert "shorten the prompt or raise the target" in r.json()["error"]["message"]
     assert httpx.get(scripted.url + "/stats").json()["requests"] == before
     assert (
-        'narwhal_refused_total{reason="prompt_exceeds_ttft_budget"}'
+        'narwhal_refused_total{model="main",reason="prompt_exceeds_ttft_budget"}'
         in httpx.get(router.url + "/metrics").text
     )
 

@@ -120,6 +120,6 @@ engines: [{{name: s, url: '{engine.url}', dialect: lexi}}]
         assert any(a.klass == "critical" for a in served)
         if seats == 1:
             # Here requests wait in the router for the one seat, and refusals say so.
-            assert metric(router, 'narwhal_refused_total{reason="queue_wait"}') >= 1
+            assert metric(router, 'narwhal_refused_total{model="main",reason="queue_wait"}') >= 1
     finally:
         router.stop()

@@ -132,10 +132,10 @@ engines: [{{name: s, url: "{scripted.url}", dialect: openai}}]
     finally:
         r.stop()
     for series in (
-        'narwhal_refused_total{reason="ttft_budget_exceeded"} 0.0',
-        'narwhal_refused_total{reason="prompt_exceeds_ttft_budget"} 0.0',
-        'narwhal_rejected_total{reason="queue_full"} 0.0',
-        'narwhal_rejected_total{reason="retention"} 0.0',
+        'narwhal_refused_total{model="main",reason="ttft_budget_exceeded"} 0.0',
+        'narwhal_refused_total{model="main",reason="prompt_exceeds_ttft_budget"} 0.0',
+        'narwhal_rejected_total{model="main",reason="queue_full"} 0.0',
+        'narwhal_rejected_total{model="main",reason="retention"} 0.0',
     ):
         assert series in m
 

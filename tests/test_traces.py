@@ -95,8 +95,8 @@ def test_a_streamed_request_is_one_trace_through_router_and_engine(
         # What the dashboard draws beside them: the prompt tokens the engine's cache served
         # (the warm-ups repeat one prompt) and the budget the TTFT is held to.
         scrape = httpx.get(router.url + "/metrics", timeout=10).text
-        assert series(scrape, 'narwhal_prompt_tokens_total{engine="e0"}') > 0
-        assert series(scrape, 'narwhal_cached_prompt_tokens_total{engine="e0"}') > 0
+        assert series(scrape, 'narwhal_prompt_tokens_total{engine="e0",model="main"}') > 0
+        assert series(scrape, 'narwhal_cached_prompt_tokens_total{engine="e0",model="main"}') > 0
         assert series(scrape, 'narwhal_target_seconds{target="ttft"}') == 30
     finally:
         router.stop()

@@ -110,6 +110,7 @@ class Router:
 
         self.metrics.info.labels(config.model, __version__).set(1)
         self.metrics.targets(config.ttft_budget_s, config.tpot_target_s)
+        self.metrics.serving(config.model)
         c = config
         self.tracing = tracing_of(
             c.otlp_endpoint, c.otel_service_name, c.otel_sample_ratio, "narwhal.router"
@@ -168,6 +169,7 @@ class Router:
         """A reloaded config's settings, for requests from now on."""
         self.config = self.flow.config = new
         self.metrics.targets(new.ttft_budget_s, new.tpot_target_s)
+        self.metrics.serving(new.model)
         settle(
             new,
             self.admission,

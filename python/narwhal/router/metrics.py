@@ -54,7 +54,7 @@ class RouterMetrics:
         self._tenants(r)
         self._latencies(r)
         self._server(r)
-        self._per_engine: dict[str, EngineMetrics] = {}
+        self._per_engine: dict[tuple[str, str], EngineMetrics] = {}
         self._answered: dict[tuple[str, str, int], tuple[Any, Any]] = {}
 
     def _outcomes(self, r: CollectorRegistry) -> None:
@@ -63,28 +63,15 @@ class RouterMetrics:
         self.unsized_offered = Counter(
             "narwhal_unsized_offered", "Arrivals whose body ended before sizing", registry=r
         )
-        self.rejected = Counter("narwhal_rejected", "Capacity rejections", ["reason"], registry=r)
-        self.refused = Counter("narwhal_refused", "Predictive refusals", ["reason"], registry=r)
+        self.rejected = Counter(
+            "narwhal_rejected", "Capacity rejections", ["reason", "model"], registry=r
+        )
+        self.refused = Counter(
+            "narwhal_refused", "Predictive refusals", ["reason", "model"], registry=r
+        )
         self.invalid_requests = Counter(
             "narwhal_invalid_requests", "Malformed request bodies", registry=r
         )
-        # Every reason exported at 0 from the start: a dashboard's rate() needs the series
-        # before the first event.
-        for reason in (
-            "retention",
-            "monitoring_degraded",
-            "wait_expired",
-            "backend_unavailable",
-            "queue_full",
-            "engine_busy",
-        ):
-            self.rejected.labels(reason)
-        for reason in (
-            "prompt_exceeds_ttft_budget",
-            "ttft_budget_exceeded",
-            "tpot_target_exceeded",
-        ):
-            self.refused.labels(reason)
         self.background_errors = Counter(
             "narwhal_background_errors",
             "Failures of a background loop (each logged with its stack and started again)",
@@ -110,7 +97,7 @@ class RouterMetrics:
     def _engines(self, r: CollectorRegistry) -> None:
         """What each engine answered, holds and relayed."""
         self.completed = Counter(
-            "narwhal_completed", "Requests answered in full", ["engine"], registry=r
+            "narwhal_completed", "Requests answered in full", ["engine", "model"], registry=r
         )
         self.stream_faults = Counter(
             "narwhal_stream_faults",
@@ -121,19 +108,19 @@ class RouterMetrics:
             registry=r,
         )
         self.output_tokens = Counter(
-            "narwhal_output_tokens", "Relayed output tokens", ["engine"], registry=r
+            "narwhal_output_tokens", "Relayed output tokens", ["engine", "model"], registry=r
         )
         self.prompt_tokens = Counter(
             "narwhal_prompt_tokens",
             "Prompt tokens of answered requests, as the engine counted them",
-            ["engine"],
+            ["engine", "model"],
             registry=r,
         )
         self.cached_tokens = Counter(
             "narwhal_cached_prompt_tokens",
             "Of those, the tokens the engine's prefix cache served (where it says: the "
             "llama-server dialect does not); over narwhal_prompt_tokens_total, its hit rate",
-            ["engine"],
+            ["engine", "model"],
             registry=r,
         )
         # The targets requests are held to (predictive.ttft_budget_s, tpot_target_s), for
@@ -211,7 +198,7 @@ class RouterMetrics:
         self.ttfb = Histogram(
             "narwhal_time_to_first_byte_seconds",
             "Arrival to first relayed byte",
-            ["engine"],
+            ["engine", "model"],
             buckets=_LATENCY,
             registry=r,
         )
@@ -258,7 +245,7 @@ class RouterMetrics:
         self.tpot = Histogram(
             "narwhal_time_per_output_token_seconds",
             "Mean time per output token after the first",
-            ["engine"],
+            ["engine", "model"],
             buckets=_TPOT,
             registry=r,
         )
@@ -307,11 +294,12 @@ class RouterMetrics:
         events.subscribe(first_byte=self._first_byte, finished=self._finished, fault=self._fault)
 
     def _first_byte(self, lease: Lease) -> None:
-        self.engine(lease.on.name).ttfb.observe(time.monotonic() - lease.arrived)
+        m = self.engine(lease.on.name, lease.request.model)
+        m.ttfb.observe(time.monotonic() - lease.arrived)
 
     def _finished(self, lease: Lease) -> None:
         name = lease.on.name
-        m = self.engine(name)
+        m = self.engine(name, lease.request.model)
         m.completed.inc()
         tokens = lease.measured.output_tokens
         m.output_tokens.inc(tokens)
@@ -356,6 +344,25 @@ class RouterMetrics:
             child = self._finished_as[outcome] = self.finished.labels(outcome)
         return child
 
+    def serving(self, model: str) -> None:
+        """Every refusal and rejection reason exported at 0 for the router's `model` from
+        the start: a dashboard's rate() needs the series before the first event."""
+        for reason in (
+            "retention",
+            "monitoring_degraded",
+            "wait_expired",
+            "backend_unavailable",
+            "queue_full",
+            "engine_busy",
+        ):
+            self.rejected.labels(reason, model)
+        for reason in (
+            "prompt_exceeds_ttft_budget",
+            "ttft_budget_exceeded",
+            "tpot_target_exceeded",
+        ):
+            self.refused.labels(reason, model)
+
     def targets(self, ttft_budget_s: float, tpot_target_s: float | None) -> None:
         self.target.labels("ttft").set(ttft_budget_s)
         if tpot_target_s is not None:
@@ -364,12 +371,12 @@ class RouterMetrics:
             with contextlib.suppress(KeyError):
                 self.target.remove("tpot")
 
-    def engine(self, name: str) -> EngineMetrics:
-        """The per-request series of one engine, looked up once: `labels()` validates and
-        locks on every call (~2.5 µs), and a streamed request touches four of them."""
-        em = self._per_engine.get(name)
+    def engine(self, name: str, model: str) -> EngineMetrics:
+        """The per-request series of one engine and model, looked up once: `labels()`
+        validates and locks on every call (~2.5 µs), and a streamed request touches four."""
+        em = self._per_engine.get((name, model))
         if em is None:
-            em = self._per_engine[name] = EngineMetrics(self, name)
+            em = self._per_engine[(name, model)] = EngineMetrics(self, name, model)
         return em
 
     def refresh(self, pool: Pool, admission: Admission, predictor: Predictor | None) -> None:
@@ -407,10 +414,10 @@ class RouterMetrics:
 class EngineMetrics:
     __slots__ = ("cached_tokens", "completed", "output_tokens", "prompt_tokens", "tpot", "ttfb")
 
-    def __init__(self, m: RouterMetrics, name: str) -> None:
-        self.ttfb: Any = m.ttfb.labels(name)
-        self.prompt_tokens: Any = m.prompt_tokens.labels(name)
-        self.cached_tokens: Any = m.cached_tokens.labels(name)
-        self.completed: Any = m.completed.labels(name)
-        self.output_tokens: Any = m.output_tokens.labels(name)
-        self.tpot: Any = m.tpot.labels(name)
+    def __init__(self, m: RouterMetrics, name: str, model: str) -> None:
+        self.ttfb: Any = m.ttfb.labels(name, model)
+        self.prompt_tokens: Any = m.prompt_tokens.labels(name, model)
+        self.cached_tokens: Any = m.cached_tokens.labels(name, model)
+        self.completed: Any = m.completed.labels(name, model)
+        self.output_tokens: Any = m.output_tokens.labels(name, model)
+        self.tpot: Any = m.tpot.labels(name, model)

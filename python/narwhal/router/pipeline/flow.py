@@ -116,10 +116,11 @@ class Flow:
                 if rank == CRITICAL and end.label != "prompt_exceeds_ttft_budget":
                     self.tenants.reserve.refused()  # lower classes leave it more room
             m.finished_as(end.outcome).inc()
-            self._count(end)
+            rec = asgi.current.get()
+            named = rec.fields.get("model") if rec is not None else None
+            self._count(end, named if isinstance(named, str) else self.config.model)
             if tenant:
                 self.tenants.finished(tenant, rank, end.outcome, end.label)
-            rec = asgi.current.get()
             if rec is not None:
                 rec.fields["outcome"] = end.outcome
                 if end.outcome in ("refused", "rejected"):
@@ -205,11 +206,13 @@ class Flow:
         finally:
             watcher.cancel()
 
-    def _count(self, end: Ending) -> None:
+    def _count(self, end: Ending, model: str) -> None:
+        """The refusal's counter, by the model the request named (once the catalog resolved
+        it; else the router's: never a name a client chose)."""
         m = self.metrics
         if end.outcome == "rejected":
-            m.rejected.labels(end.label or "capacity").inc()
+            m.rejected.labels(end.label or "capacity", model).inc()
         elif end.outcome == "refused":
-            m.refused.labels(end.label or "predictive").inc()
+            m.refused.labels(end.label or "predictive", model).inc()
         elif end.outcome == "invalid" and end.status in (400, 413):
             m.invalid_requests.inc()
