@@ -326,7 +326,7 @@ def test_dns_answers_add_and_drain_engines_and_a_failed_lookup_keeps_the_last_se
     text = (
         "listen: {port: $PORT}\nadmission: open\nhealth: {interval_s: 0.2, timeout_s: 1}\n"
         f"engines_from: {{dns: {{name: engines.test, port: {port}, every_s: 0.2, "
-        f"nameserver: '127.0.0.1:{dns.port}'}}}}\n"
+        f"nameserver: '127.0.0.1:{dns.port}', models: [main, main-sql]}}}}\n"
     )
     router = start_router(tmp_path, text, wait_ready=False)
 
@@ -341,12 +341,15 @@ def test_dns_answers_add_and_drain_engines_and_a_failed_lookup_keeps_the_last_se
         wait_until(lambda: names() == {"engines-127.0.0.1", "engines-127.0.0.2"}, 15)
         dns.addresses = ["127.0.0.2"]
         wait_until(lambda: names() == {"engines-127.0.0.2"}, 15)
-        r = httpx.post(
-            router.url + "/v1/chat/completions",
-            json={"model": "main", "messages": [{"role": "user", "content": "hi"}]},
-            timeout=30,
-        )
-        assert r.status_code == 200
+        for model in ("main", "main-sql"):  # each engine the name brings serves its models
+            r = httpx.post(
+                router.url + "/v1/chat/completions",
+                json={"model": model, "messages": [{"role": "user", "content": "hi"}]},
+                timeout=30,
+            )
+            assert r.status_code == 200
+        (engine,) = httpx.get(router.url + "/engines").json()["engines"]
+        assert engine["models"] == ["main", "main-sql"]
         dns.failing = True
         wait_until(
             lambda: "dns" in httpx.get(router.url + "/ready").json().get("engines_from_stale", {}),

@@ -82,6 +82,8 @@ class DnsSourceSpec:
     every_s: float = 5.0
     nameserver: str | None = None  # host[:port]; None: the system's resolver
     api_key_env: str | None = None
+    models: tuple[str, ...] | None = None  # what each serves, as `engines[].models`
+    discover: bool = False  # `models: auto`
 
 
 @dataclass(frozen=True)
@@ -203,7 +205,9 @@ class RouterConfig:
             src = d["etcd_source"]
             d["etcd_source"] = EtcdSourceSpec(tuple(src["endpoints"]), src["prefix"])
         if d["dns_source"] is not None:
-            d["dns_source"] = DnsSourceSpec(**d["dns_source"])
+            src = d["dns_source"]
+            models = src.pop("models")
+            d["dns_source"] = DnsSourceSpec(**src, models=None if models is None else tuple(models))
         d["runtime_allow"] = tuple(d["runtime_allow"])
         d["runtime_key_envs"] = tuple(d["runtime_key_envs"])
         return cls(engines=tuple(engines), **d)
@@ -428,6 +432,8 @@ def _sources(sources: dict[str, Any]) -> dict[str, Any]:
             float(src.get("every_s", DnsSourceSpec.every_s)),
             src.get("nameserver"),
             src.get("api_key_env"),
+            tuple(src["models"]) if isinstance(src.get("models"), list) else None,
+            src.get("models") == "auto",
         )
     return given
 

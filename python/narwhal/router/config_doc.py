@@ -155,6 +155,8 @@ MEANINGS = {
     "engines[].api_key_env": "an environment variable holding the engine's own API key, sent "
     "as `Authorization: Bearer` (an engine started with `--api-key`)",
     "engines[].dialect": "`lexi`, `vllm`, `sglang`, `llamacpp` or `openai` (below)",
+    "engines_from.dns.models": "what each engine the name resolves to serves, as "
+    "`engines[].models` says (a list, or `auto`)",
     "engines[].models": "the models it serves, as the engine names them (a vLLM engine's "
     "served model and its LoRA adapters: `[llama-3.1-8b, sql-lora]`), or `auto`: what the "
     "engine's own `/v1/models` lists, read at every health probe (an adapter loaded or "

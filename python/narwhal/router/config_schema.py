@@ -198,6 +198,7 @@ SCHEMA: dict[str, Any] = {
                         "every_s": _pos_num,
                         "nameserver": {"type": "string", "minLength": 1},
                         "api_key_env": _env_name,
+                        "models": {"anyOf": [_model_names, {"const": "auto"}]},
                     },
                 },
             },

@@ -96,7 +96,13 @@ class DnsSource:
             host = f"[{addr}]" if ":" in addr else addr
             name = f"{self.label}-{addr.replace(':', '_')}"
             wanted[name] = EngineSpec(
-                name, c.dialect, f"http://{host}:{c.port}", None, c.api_key_env
+                name,
+                c.dialect,
+                f"http://{host}:{c.port}",
+                None,
+                c.api_key_env,
+                c.models,
+                c.discover,
             )
         for spec in wanted.values():
             try:
