@@ -69,8 +69,9 @@ def test_a_router_following_the_engine_serves_its_adapter(engine: Server, tmp_pa
         f"engines:\n  - {{name: lexi, url: '{engine.url}', models: auto}}\n",
     )
     try:
-        ids = [m["id"] for m in httpx.get(router.url + "/v1/models", timeout=10).json()["data"]]
-        assert ids == ["smol", "smol-sql"]
+        listed = httpx.get(router.url + "/v1/models", timeout=10).json()["data"]
+        assert [m["id"] for m in listed] == ["smol", "smol-sql"]
+        assert listed[1]["root"] == "smol"  # what the engine says of it, passed on
         assert answer(router.url, "smol-sql") == answer(engine.url, "smol-sql")
     finally:
         router.stop()

@@ -182,6 +182,8 @@ def test_an_engine_that_loads_an_adapter_is_followed(
     assert ask(router, "model-d-lora").status_code == 404
     httpx.post(d.url + "/models", json=["model-d", "model-d-lora"], timeout=5)
     wait_until(lambda: "model-d-lora" in listed(router), 10)  # within a probe (0.2 s here)
+    said = httpx.get(router.url + "/v1/models/model-d-lora", headers=ANY_KEY, timeout=10).json()
+    assert said["owned_by"] == "scripted"  # the engine's own word on it
     r = ask(router, "model-d-lora")
     assert r.status_code == 200, r.text
     assert stats(d)["last"]["model"] == "model-d-lora"

@@ -73,6 +73,7 @@ class Engine:
     # `models: auto`: what its /v1/models listed at the last probe that read it (the pool's
     # probes write it, and move `Pool.version` when it changes).
     discovered: tuple[str, ...] = ()
+    about: dict[str, dict[str, object]] = field(default_factory=dict)  # what it said of each
 
     def serves(self, default: str) -> tuple[str, ...]:
         """The models it serves now (`default`: the router's `model`, where none are said)."""
@@ -150,18 +151,33 @@ MODELS_MAX = 256  # models one engine may serve
 MODEL = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:/@+-]{0,255}")  # a name the config could hold
 
 
-def listed_models(raw: bytes) -> tuple[str, ...]:
-    """The model IDs an OpenAI-shaped `/v1/models` answer lists (`{"data": [{"id"}]}`),
-    each a model name the config could hold, at most MODELS_MAX; ValueError otherwise."""
+# What of an engine's model entry `/v1/models` passes on: vLLM's and LexiEngine's fields
+# saying what a model is (an adapter's base, its context), scalars only.
+MODEL_META = ("root", "parent", "max_model_len", "owned_by")
+
+
+def listed_models(raw: bytes) -> dict[str, dict[str, object]]:
+    """The models an OpenAI-shaped `/v1/models` answer lists (`{"data": [{"id", ...}]}`),
+    each a model name the config could hold, at most MODELS_MAX, with what it says of each
+    (`MODEL_META`, short scalars); ValueError otherwise."""
     body = orjson.loads(raw)  # JSONDecodeError is a ValueError
     data = body.get("data") if isinstance(body, dict) else None
     if not isinstance(data, list):
         raise ValueError("no 'data' list")
-    ids = [m.get("id") for m in data[: MODELS_MAX + 1] if isinstance(m, dict)]
-    names = tuple(dict.fromkeys(i for i in ids if isinstance(i, str) and MODEL.fullmatch(i)))
-    if len(names) > MODELS_MAX:
+    out: dict[str, dict[str, object]] = {}
+    for m in data[: MODELS_MAX + 1]:
+        name = m.get("id") if isinstance(m, dict) else None
+        if isinstance(name, str) and MODEL.fullmatch(name) and name not in out:
+            out[name] = {
+                k: v
+                for k in MODEL_META
+                if isinstance(v := m.get(k), (str, int, float))
+                and not isinstance(v, bool)
+                and (not isinstance(v, str) or len(v) <= 256)
+            }
+    if len(out) > MODELS_MAX:
         raise ValueError(f"more than {MODELS_MAX} models")
-    return names
+    return out
 
 
 class Pool:
@@ -264,13 +280,15 @@ class Pool:
                     raw += chunk
                     if len(raw) > MODELS_MAX_BYTES:
                         raise ValueError(f"/v1/models answered more than {MODELS_MAX_BYTES} bytes")
-            found = listed_models(raw)
+            listed = listed_models(raw)
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError) as exc:
             log.warning("engine %s: its models could not be read: %s", e.name, exc)
             return
-        if found != e.discovered:
-            log.info("engine %s serves %s", e.name, ", ".join(found) or "no model")
-            e.discovered = found
+        found = tuple(listed)
+        if found != e.discovered or listed != e.about:
+            if found != e.discovered:
+                log.info("engine %s serves %s", e.name, ", ".join(found) or "no model")
+            e.discovered, e.about = found, listed
             self.version += 1
 
     def process_exited(self, e: Engine) -> None:

@@ -35,6 +35,7 @@ class Catalog:
         self._key: tuple[object, ...] | None = None
         self._serving: dict[str, frozenset[str]] = {}  # served model -> engine names
         self._aliases: dict[str, str] = {}
+        self._about: dict[str, dict[str, object]] = {}  # what an engine said of a model
         self._default = ""
 
     def _fresh(self) -> None:
@@ -47,9 +48,13 @@ class Catalog:
             # One model, as configs without `engines[].models` say: it is the router's even
             # while no engine is in the pool (a request then waits for one, or is 503).
             serving[config.model] = set()
+        about: dict[str, dict[str, object]] = {}
         for e in self._pool.engines:
             for m in e.serves(config.model):
                 serving.setdefault(m, set()).add(e.name)
+            for m, said in e.about.items():
+                about.setdefault(m, said)
+        self._about = about
         self._serving = {m: frozenset(names) for m, names in serving.items()}
         self._aliases = dict(config.aliases)
         self._default = config.model
@@ -89,6 +94,7 @@ class Catalog:
 
     def _entry(self, name: str) -> dict[str, Any]:
         out: dict[str, Any] = {"id": name, "object": "model", "created": 0, "owned_by": "narwhal"}
+        out.update(self._about.get(name, {}))  # what an engine serving it said of it
         if name in self._aliases and name not in self._serving:
             out["root"] = self._aliases[name]  # what it stands for (vLLM's field for it)
         return out
