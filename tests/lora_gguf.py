@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import struct
 from pathlib import Path
-
-import numpy as np
+from typing import Any
 
 _ALIGN = 32
 _U32, _F32, _STRING = 4, 6, 8
@@ -25,8 +24,10 @@ def write_lora(
     path: Path, n_embd: int = 576, blocks: int = 30, rank: int = 8, seed: int = 0
 ) -> Path:
     """A rank-`rank` LoRA over every block's `attn_q` (SmolLM2-135M: 576 x 576, 30 blocks)."""
+    import numpy as np  # llama-cpp-python's dependency: only where the engine is
+
     rng = np.random.default_rng(seed)
-    tensors: list[tuple[str, np.ndarray]] = []
+    tensors: list[tuple[str, Any]] = []
     for i in range(blocks):
         # ggml's dims are numpy's reversed: lora_a is ne [n_in, rank], lora_b ne [rank, n_out].
         a = rng.standard_normal((rank, n_embd)).astype(np.float32) * 0.15
