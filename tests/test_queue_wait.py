@@ -106,7 +106,10 @@ engines: [{{name: s, url: '{engine.url}', dialect: lexi}}]
         served = [a for a in asked if a.status == 200]
         refused = [a for a in asked if a.status != 200]
         assert served and refused, [a.status for a in asked]  # 15 s of work in 1.2 s
-        late = [round(a.ttft or -1, 2) for a in served if a.ttft is None or a.ttft > 1.2 * BUDGET_S]
+        # Within the budget and the projection's error, as sixty client threads on two cores
+        # beside the router and the engine measure it (a first token 1.3 s in came once on a
+        # fresh clone's Python 3.13 run): the bug this holds out put it 11 s in.
+        late = [round(a.ttft or -1, 2) for a in served if a.ttft is None or a.ttft > 1.5 * BUDGET_S]
         assert not late, late
         for a in refused:
             assert a.status == 429, a.status
