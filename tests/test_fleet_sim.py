@@ -3,6 +3,7 @@ HTTP side, and the trace generator (bench/fleet)."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import dataclasses
 import itertools
@@ -12,6 +13,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import httpx
@@ -317,20 +319,26 @@ def test_a_slower_engine_takes_longer_for_everything() -> None:
     assert slow.step_s(3, 100) == pytest.approx(2 * MODEL.step_s(3, 100))
 
 
+def door_args(**given: Any) -> argparse.Namespace:
+    """The replayer's arguments that shape its doors, as its command line sets them."""
+    base: dict[str, Any] = {
+        "doors": "narwhal-predictive",
+        "baseline_tree": None,
+        "tpot": False,
+        "tpot_target_ms": 100.0,
+        "time_scale": 2.0,
+        "predictive_extra": "",
+        "classes": None,
+        "ttft_budget_s": 5.0,
+    }
+    return argparse.Namespace(**{**base, **given})
+
+
 def test_a_router_change_is_ab_tested_against_an_older_tree_in_the_same_run(
     tmp_path: Path,
 ) -> None:
-    import argparse
-
-    a = argparse.Namespace(
-        doors="narwhal-predictive,narwhal-predictive@base",
-        baseline_tree=tmp_path / "old",
-        tpot=False,
-        tpot_target_ms=100.0,
-        time_scale=2.0,
-        predictive_extra="",
-        classes=None,
-        ttft_budget_s=5.0,
+    a = door_args(
+        doors="narwhal-predictive,narwhal-predictive@base", baseline_tree=tmp_path / "old"
     )
     current, base = doors(a, ["http://127.0.0.1:1"], tmp_path)
     assert current.env is None  # this tree's Narwhal
@@ -346,21 +354,9 @@ def test_a_router_change_is_ab_tested_against_an_older_tree_in_the_same_run(
 def test_several_models_are_served_by_their_engines_and_only_narwhal_places_by_model(
     tmp_path: Path,
 ) -> None:
-    import argparse
-
     from narwhal.router.config import load
 
-    a = argparse.Namespace(
-        doors="narwhal-predictive",
-        baseline_tree=None,
-        tpot=False,
-        tpot_target_ms=100.0,
-        time_scale=2.0,
-        predictive_extra="",
-        classes=None,
-        ttft_budget_s=5.0,
-        models="chat:0.7:0-2,coder:0.3:2-3",
-    )
+    a = door_args(models="chat:0.7:0-2,coder:0.3:2-3")
     urls = [f"http://127.0.0.1:{9000 + i}" for i in range(4)]
     (door,) = doors(a, urls, tmp_path)
     assert door.cmd is not None

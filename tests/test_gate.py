@@ -6,6 +6,8 @@ drive the whole router."""
 
 from __future__ import annotations
 
+import time
+
 import orjson
 import pytest
 
@@ -17,27 +19,23 @@ from narwhal.router.ha.maintenance import Maintenance
 from narwhal.router.models import Catalog
 from narwhal.router.pipeline import intake
 from narwhal.router.pipeline.gate import Gate
-from narwhal.router.policies.open import OpenPolicy
+from narwhal.router.policies.predictive import PredictivePolicy
+from narwhal.router.predict import Predictor
 from narwhal.router.request import CHAT, RESPONSES, Request
+from tests.support import measured
 
 
-class Degraded(OpenPolicy):
-    """A policy whose predictions cannot be trusted now (the predictor says why)."""
-
-    def __init__(self) -> None:
-        self.why: str | None = None
-
-    def degraded(self, engines: list[Engine]) -> str | None:
-        return self.why
-
-
-def gate(*specs: EngineSpec, model: str = "main") -> tuple[Gate, Degraded]:
+def gate(*specs: EngineSpec, model: str = "main") -> tuple[Gate, Predictor]:
     engines = [Engine(s, f"http://{s.name}", healthy=True) for s in specs]
     pool = Pool(engines, 4, 4)
     config = RouterConfig(engines=tuple(specs), model=model)
-    policy = Degraded()
+    predictor = Predictor(engines)
+    for p in predictor.profiles.values():
+        measured(p, 1000.0, 4.0)
+        p.measured_at = time.monotonic()
+    policy = PredictivePolicy(predictor, engines, None, None, None, 5.0)
     catalog = Catalog(pool, lambda: config)
-    return Gate(Leadership(None), Maintenance(pool), pool, policy, catalog), policy
+    return Gate(Leadership(None), Maintenance(pool), pool, policy, catalog), predictor
 
 
 def request(route: str, g: Gate, model: str | None = None) -> Request:
@@ -62,7 +60,7 @@ def test_a_router_that_leads_with_engines_to_place_on_takes_work() -> None:
 
 
 def test_standby_fenced_maintenance_and_degraded_are_each_a_retryable_503() -> None:
-    g, policy = gate(EngineSpec("a"), EngineSpec("b"))
+    g, predictor = gate(EngineSpec("a"), EngineSpec("b"))
     for role, reason in ((Role.STANDBY, "standby: campaigning"), (Role.FENCED, "fenced: x")):
         g.leadership.role, g.leadership.reason = role, reason
         e = refused(g)
@@ -75,10 +73,11 @@ def test_standby_fenced_maintenance_and_degraded_are_each_a_retryable_503() -> N
     e = refused(g)
     assert (e.status, e.code, e.label) == (503, "maintenance", "maintenance")
     g.pool.maintenance = frozenset()
-    policy.why = "projections 3x off"
+    for p in predictor.profiles.values():  # every engine's projections 3x off, many times
+        p.drift, p.drift_samples = 1.2, 10
     e = refused(g)
     assert (e.status, e.code) == (503, "monitoring_degraded")
-    assert "projections 3x off" in e.message
+    assert "prediction drift 1.20" in e.message
 
 
 def test_engines_that_cannot_serve_a_request_are_named_once_for_judge_and_placement() -> None:

@@ -52,6 +52,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -140,27 +141,29 @@ class Result:
             "missed_tpot": sum(1 for x in served if (x.tpot_s or 0.0) > tpot_s),
             "prefix_hit": self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0,
             "cpu_ms_per_request": 1000 * self.cpu_s / len(o) if o else 0.0,
-            "by_class": {
-                k: {
-                    "offered": sum(1 for x in o if x.klass == k),
-                    "refused": sum(1 for x in refused if x.klass == k),
-                    "within_slo": sum(1 for x in met if x.klass == k),
-                    "served_tokens": sum(x.prompt + x.tokens for x in served if x.klass == k),
-                }
-                for k in dict.fromkeys(x.klass for x in o)
-                if k
-            },
-            "by_model": {
-                k: {
-                    "offered": sum(1 for x in o if x.model == k),
-                    "refused": sum(1 for x in refused if x.model == k),
-                    "within_slo": sum(1 for x in met if x.model == k),
-                    "served_tokens": sum(x.prompt + x.tokens for x in served if x.model == k),
-                }
-                for k in dict.fromkeys(x.model for x in o)
-                if k
-            },
+            "by_class": _breakdown(o, refused, met, served, lambda x: x.klass),
+            "by_model": _breakdown(o, refused, met, served, lambda x: x.model),
         }
+
+
+def _breakdown(
+    o: list[Outcome],
+    refused: list[Outcome],
+    met: list[Outcome],
+    served: list[Outcome],
+    key: Callable[[Outcome], str],
+) -> dict[str, dict[str, int]]:
+    """The figures per class (`--classes`) or per model (`--models`): `key` of a request."""
+    return {
+        k: {
+            "offered": sum(1 for x in o if key(x) == k),
+            "refused": sum(1 for x in refused if key(x) == k),
+            "within_slo": sum(1 for x in met if key(x) == k),
+            "served_tokens": sum(x.prompt + x.tokens for x in served if key(x) == k),
+        }
+        for k in dict.fromkeys(key(x) for x in o)
+        if k
+    }
 
 
 def _pct(xs: list[float], p: float) -> float | None:
@@ -690,34 +693,18 @@ def classes(a: argparse.Namespace) -> list[tuple[str, float]]:
     return out
 
 
-def model_table(rows: list[dict[str, Any]]) -> str:
+def share_table(rows: list[dict[str, Any]], by: str, what: str) -> str:
+    """Each row's figures per class or model (`by`: "by_class" or "by_model")."""
     out = [
-        "| load | door | run | model | offered | refused | within SLO (of the model's offered) "
-        "| served tokens |"
+        f"| load | door | run | {what} | offered | refused | within SLO (of the {what}'s "
+        "offered) | served tokens |"
     ]
     out.append("|---|---|---|---|---|---|---|---|")
     for r in rows:
-        for k, c in r.get("by_model", {}).items():
+        for k, c in r.get(by, {}).items():
             o = c["offered"] or 1
             out.append(
                 f"| {r['load']:g}x | {r['door']} | {r['run']} | {k} | {c['offered']} | "
-                f"{100 * c['refused'] / o:.1f} % | {100 * c['within_slo'] / o:.1f} % | "
-                f"{c['served_tokens']:,} |"
-            )
-    return "\n".join(out)
-
-
-def class_table(rows: list[dict[str, Any]]) -> str:
-    out = [
-        "| load | door | class | offered | refused | within SLO (of the class's offered) "
-        "| served tokens |"
-    ]
-    out.append("|---|---|---|---|---|---|---|")
-    for r in rows:
-        for k, c in r.get("by_class", {}).items():
-            o = c["offered"] or 1
-            out.append(
-                f"| {r['load']:g}x | {r['door']} | {k} | {c['offered']} | "
                 f"{100 * c['refused'] / o:.1f} % | {100 * c['within_slo'] / o:.1f} % | "
                 f"{c['served_tokens']:,} |"
             )
@@ -846,9 +833,9 @@ def main() -> None:
     print(table(rows))
     print(spread(rows))
     if a.classes:
-        print(class_table(rows))
+        print(share_table(rows, "by_class", "class"))
     if a.models:
-        print(model_table(rows))
+        print(share_table(rows, "by_model", "model"))
     if a.json:
         a.json.write_bytes(orjson.dumps(rows, option=orjson.OPT_INDENT_2))
     if a.plot:

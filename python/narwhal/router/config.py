@@ -41,6 +41,11 @@ class EngineSpec:
     models: tuple[str, ...] | None = None
     discover: bool = False  # `models: auto`: what its own /v1/models lists, probe by probe
 
+    @property
+    def several_models(self) -> bool:
+        """It serves (or may serve, `auto`) more than one model."""
+        return self.discover or (self.models is not None and len(self.models) > 1)
+
     def serves(self, default: str) -> tuple[str, ...]:
         """The models it serves, `default` (the router's `model`) where none were listed."""
         return self.models if self.models is not None else (default,)

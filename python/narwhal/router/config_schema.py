@@ -12,7 +12,8 @@ _pos_int = {"type": "integer", "minimum": 1}
 _pos_num = {"type": "number", "exclusiveMinimum": 0}
 _env_name = {"type": "string", "pattern": "^[A-Za-z_][A-Za-z0-9_]*$"}
 # A model's name as clients and engines write it (an adapter's too: `base:sql`, `org/name`).
-_model_name = {"type": "string", "pattern": "^[A-Za-z0-9][A-Za-z0-9_.:/@+-]{0,255}$"}
+MODEL_NAME = "[A-Za-z0-9][A-Za-z0-9_.:/@+-]{0,255}"
+_model_name = {"type": "string", "pattern": f"^{MODEL_NAME}$"}
 _model_names = {"type": "array", "items": _model_name, "minItems": 1, "uniqueItems": True}
 
 SCHEMA: dict[str, Any] = {

@@ -21,6 +21,7 @@ import aiohttp
 import orjson
 
 from narwhal.router.config import EngineSpec
+from narwhal.router.config_schema import MODEL_NAME
 from narwhal.router.fleet.rules import Refused
 from narwhal.router.urls import authorization, redact
 
@@ -148,7 +149,7 @@ class Engine:
 
 MODELS_MAX_BYTES = 1 << 20  # an engine's /v1/models answer, read at most
 MODELS_MAX = 256  # models one engine may serve
-MODEL = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:/@+-]{0,255}")  # a name the config could hold
+MODEL = re.compile(MODEL_NAME)  # a name the config could hold
 
 
 # What of an engine's model entry `/v1/models` passes on: vLLM's and LexiEngine's fields

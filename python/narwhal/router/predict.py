@@ -463,7 +463,7 @@ class Predictor:
         if prof is None:
             return  # its engine left the fleet while it ran
         mprof = None
-        if e.spec.discover or (e.spec.models is not None and len(e.spec.models) > 1):
+        if e.spec.several_models:
             own = self.models.setdefault(e.name, {})
             mprof = own.get(lease.request.served)
             if mprof is None and len(own) < MODEL_PROFILES:

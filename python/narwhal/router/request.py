@@ -97,10 +97,13 @@ class Request:
         # ~4 bytes a token for English BPE vocabularies; used only when an engine omits usage.
         return max(1, self.prompt_bytes // 4)
 
-    def upstream_body(self, token_ids: bool) -> bytes:
+    def upstream_body(self, token_ids: bool, several: bool = False) -> bytes:
         """The body sent to the engine: always a stream; token IDs asked for where
-        supported. A Responses request goes as the client wrote it."""
-        renamed = self.served and self.body.get("model") != self.served
+        supported; the served model named where the client named an alias, or named none
+        and the engine serves `several` (one that serves one answers with it anyway). A
+        Responses request goes as the client wrote it, its model renamed likewise."""
+        named = self.body.get("model")
+        renamed = self.served and (named != self.served if named is not None else several)
         if self.passthrough:
             if not renamed:
                 return orjson.dumps(self.body)

@@ -68,7 +68,8 @@ class Flow:
         end = Ending()
         rank: int | None = None
         record: Decision | None = None
-        trace = self._trace(path, scope, arrived) if self.tracing is not None else None
+        rec = asgi.current.get()  # the access line's record: its ID, its fields
+        trace = self._trace(path, scope, arrived, rec) if self.tracing is not None else None
         try:
             try:
                 self.admission.retain()
@@ -88,13 +89,12 @@ class Flow:
                     self.tenants,
                 )
                 rank = req.standing.rank
-                rec = asgi.current.get()
                 if rec is not None:
                     rec.fields["model"] = req.model  # resolved: one the catalog holds
                 if trace is not None:
                     trace.read(req)
                 ticket = self.tenants.admit(tenant, req.estimated_prompt_tokens(), rank)
-                record = self._record(req, trace)
+                record = self._record(req, trace, rec)
                 try:
                     await self._serve(
                         req, receive, send, arrived, deadline, budget, end, record, trace
@@ -116,7 +116,6 @@ class Flow:
                 if rank == CRITICAL and end.label != "prompt_exceeds_ttft_budget":
                     self.tenants.reserve.refused()  # lower classes leave it more room
             m.finished_as(end.outcome).inc()
-            rec = asgi.current.get()
             named = rec.fields.get("model") if rec is not None else None
             self._count(end, named if isinstance(named, str) else self.config.model)
             if tenant:
@@ -130,20 +129,22 @@ class Flow:
             if trace is not None:
                 trace.finish(end, record, rec.fields if rec is not None else {}, time.monotonic())
 
-    def _trace(self, path: str, scope: Scope, arrived: float) -> RequestTrace:
+    def _trace(
+        self, path: str, scope: Scope, arrived: float, rec: asgi.Record | None
+    ) -> RequestTrace:
         assert self.tracing is not None
         trace = RequestTrace(
             self.tracing, asgi.header(scope, b"traceparent"), f"POST {path}", arrived
         )
-        rec = asgi.current.get()
         if trace.recording and rec is not None:
             trace.attributes["narwhal.request_id"] = rec.id
         return trace
 
-    def _record(self, req: Request, trace: RequestTrace | None) -> Decision | None:
+    def _record(
+        self, req: Request, trace: RequestTrace | None, rec: asgi.Record | None
+    ) -> Decision | None:
         """A decision record for this request, where they are kept or it is traced (the
         record is its placement span)."""
-        rec = asgi.current.get()
         if rec is None or (self.decisions is None and (trace is None or not trace.recording)):
             return None
         st = req.standing

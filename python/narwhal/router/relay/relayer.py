@@ -94,7 +94,7 @@ class Relayer:
         504 before anything was sent, or what `before_send` raises (run once the connection
         is ready, before any byte goes)."""
         e = lease.on
-        body = lease.request.upstream_body(e.spec.token_ids)
+        body = lease.request.upstream_body(e.spec.token_ids, e.spec.several_models)
         lease.measured.sent_at = time.monotonic()
         headers = ""
         if lease.fence is not None:
