@@ -40,7 +40,9 @@ for _ in range(n + 1):
 
 
 def instructions(workload: str, side: str, runs: int) -> int:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    # This checkout's narwhal (its _native built in place), not whichever is installed: the
+    # same script then measures another checkout, e.g. the commit before a change.
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join((str(ROOT / "python"), str(ROOT)))}
     out = subprocess.run(
         [
             "valgrind",

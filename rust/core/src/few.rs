@@ -38,6 +38,14 @@ impl<T> Few<T> {
         &mut self.rest[last]
     }
 
+    /// The last element pushed.
+    pub fn last_mut(&mut self) -> Option<&mut T> {
+        match self.rest.last_mut() {
+            Some(last) => Some(last),
+            None => self.first.as_mut(),
+        }
+    }
+
     pub fn iter(&self) -> impl Iterator<Item = &T> {
         self.first.iter().chain(self.rest.iter())
     }

@@ -7,6 +7,7 @@ use serde_json::value::RawValue;
 
 use crate::json_read::{once, Bail, Reader, R};
 use crate::json_scan::{scan_id_list, IdListError};
+use crate::walk::{walk, Visit};
 
 /// Bit flags for what a frame carries (across all its choices).
 pub mod kind {
@@ -209,43 +210,129 @@ pub fn inspect_fast(
 
 type Spans<'s> = Option<&'s mut Vec<(usize, usize)>>;
 
-fn read_frame(
-    data: &str,
+fn read_frame(data: &str, require_ids: bool, ids_sink: Option<&mut Vec<u64>>, spans: Spans<'_>) -> R<FrameInfo> {
+    let mut c = Classify {
+        data,
+        require_ids,
+        info: FrameInfo::default(),
+        ids_sink,
+        spans,
+        seen: 0,
+        choice: ChoiceSeen::default(),
+    };
+    walk(data, &mut c)?;
+    Ok(c.info)
+}
+
+/// The classification's reading of a frame ([`walk`]'s visitor).
+struct Classify<'d, 'x, 's> {
+    data: &'d str,
     require_ids: bool,
-    mut ids_sink: Option<&mut Vec<u64>>,
-    mut spans: Spans<'_>,
-) -> R<FrameInfo> {
-    let mut r = Reader::new(data);
-    let mut info = FrameInfo::default();
-    let mut seen = 0u32;
-    r.object(|r, key| match key {
-        b"choices" => {
-            once(&mut seen, 1)?;
-            if r.null()? {
+    info: FrameInfo,
+    ids_sink: Option<&'x mut Vec<u64>>,
+    spans: Spans<'s>,
+    seen: u32,
+    choice: ChoiceSeen<'d>,
+}
+
+/// What the current choice carried so far.
+#[derive(Default)]
+struct ChoiceSeen<'d> {
+    kinds: u16,
+    ids: Option<&'d str>,
+    seen: u32,
+    delta_seen: u32,
+}
+
+impl<'d> Visit<'d> for Classify<'d, '_, '_> {
+    fn frame(&mut self, r: &mut Reader<'d>, key: &'d [u8]) -> R<()> {
+        match key {
+            b"usage" => {
+                once(&mut self.seen, 2)?;
+                read_usage(r, &mut self.info)
+            }
+            b"prompt_token_ids" => {
+                once(&mut self.seen, 4)?;
+                read_prompt_ids(r, self.data, &mut self.info, self.spans.as_deref_mut())
+            }
+            b"error" => {
+                once(&mut self.seen, 8)?;
+                if !r.null()? {
+                    r.skip()?;
+                    self.info.kinds |= kind::ERROR;
+                }
+                Ok(())
+            }
+            _ => r.skip().map(drop),
+        }
+    }
+
+    fn choice_begins(&mut self) {
+        self.choice = ChoiceSeen::default();
+    }
+
+    fn choice(&mut self, r: &mut Reader<'d>, key: &'d [u8]) -> R<()> {
+        let c = &mut self.choice;
+        let (bit, flag) = match key {
+            b"index" => {
+                once(&mut c.seen, 1)?;
+                return match r.opt_u64()? {
+                    Some(i) if i > u64::from(u32::MAX) => Err(Bail),
+                    _ => Ok(()),
+                };
+            }
+            b"token_ids" => {
+                once(&mut c.seen, 4)?;
+                c.ids = id_value(r, self.data, self.spans.as_deref_mut())?;
                 return Ok(());
             }
-            r.array(|r| read_choice(r, data, require_ids, &mut info, ids_sink.as_deref_mut(), spans.as_deref_mut()))
-        }
-        b"usage" => {
-            once(&mut seen, 2)?;
-            read_usage(r, &mut info)
-        }
-        b"prompt_token_ids" => {
-            once(&mut seen, 4)?;
-            read_prompt_ids(r, data, &mut info, spans.as_deref_mut())
-        }
-        b"error" => {
-            once(&mut seen, 8)?;
-            if !r.null()? {
-                r.skip()?;
-                info.kinds |= kind::ERROR;
+            b"prompt_token_ids" => {
+                once(&mut c.seen, 8)?;
+                return read_prompt_ids(r, self.data, &mut self.info, self.spans.as_deref_mut());
             }
-            Ok(())
+            b"text" => (16, kind::TEXT),
+            b"finish_reason" => (32, kind::FINISH),
+            _ => return r.skip().map(drop),
+        };
+        once(&mut c.seen, bit)?;
+        if carries_raw(r.opt_raw()?) {
+            c.kinds |= flag;
         }
-        _ => r.skip().map(drop),
-    })?;
-    r.end()?;
-    Ok(info)
+        Ok(())
+    }
+
+    fn delta(&mut self, r: &mut Reader<'d>, key: &'d [u8]) -> R<()> {
+        let c = &mut self.choice;
+        let (bit, flag) = match key {
+            b"role" => (1, kind::ROLE),
+            b"content" => (2, kind::TEXT),
+            b"reasoning" => (4, kind::REASONING),
+            b"reasoning_content" => (8, kind::REASONING_CONTENT),
+            b"refusal" => (16, kind::REFUSAL),
+            b"tool_calls" => (32, kind::TOOL_CALLS),
+            b"function_call" => (64, kind::TOOL_CALLS),
+            _ => return r.skip().map(drop),
+        };
+        once(&mut c.delta_seen, bit)?;
+        if carries_raw(r.opt_raw()?) {
+            c.kinds |= flag;
+        }
+        Ok(())
+    }
+
+    fn choice_ends(&mut self) -> R<()> {
+        let c = &self.choice;
+        match c.ids {
+            Some(raw) => {
+                let sink = self.ids_sink.as_deref_mut();
+                self.info.output_ids += scan_id_list(raw.as_bytes(), sink).map_err(|_| Bail)? as u64;
+            }
+            None if self.require_ids && c.kinds & kind::GENERATED != 0 => return Err(Bail),
+            None => {}
+        }
+        self.info.kinds |= c.kinds;
+        Ok(())
+    }
 }
 
 /// A token-ID member's value, its span recorded (null ones too: stripping removes the
@@ -263,86 +350,6 @@ fn read_prompt_ids(r: &mut Reader<'_>, data: &str, info: &mut FrameInfo, spans: 
         info.prompt_ids = Some(scan_id_list(raw.as_bytes(), None).map_err(|_| Bail)? as u64);
     }
     Ok(())
-}
-
-fn read_choice(
-    r: &mut Reader<'_>,
-    data: &str,
-    require_ids: bool,
-    info: &mut FrameInfo,
-    ids_sink: Option<&mut Vec<u64>>,
-    mut spans: Spans<'_>,
-) -> R<()> {
-    let mut k = 0u16;
-    let mut ids: Option<&str> = None;
-    let mut seen = 0u32;
-    r.object(|r, key| {
-        let (bit, flag) = match key {
-            b"index" => {
-                once(&mut seen, 1)?;
-                return match r.opt_u64()? {
-                    Some(i) if i > u64::from(u32::MAX) => Err(Bail),
-                    _ => Ok(()),
-                };
-            }
-            b"delta" => {
-                once(&mut seen, 2)?;
-                k |= read_delta(r)?;
-                return Ok(());
-            }
-            b"token_ids" => {
-                once(&mut seen, 4)?;
-                ids = id_value(r, data, spans.as_deref_mut())?;
-                return Ok(());
-            }
-            b"prompt_token_ids" => {
-                once(&mut seen, 8)?;
-                return read_prompt_ids(r, data, info, spans.as_deref_mut());
-            }
-            b"text" => (16, kind::TEXT),
-            b"finish_reason" => (32, kind::FINISH),
-            _ => return r.skip().map(drop),
-        };
-        once(&mut seen, bit)?;
-        if carries_raw(r.opt_raw()?) {
-            k |= flag;
-        }
-        Ok(())
-    })?;
-    match ids {
-        Some(raw) => info.output_ids += scan_id_list(raw.as_bytes(), ids_sink).map_err(|_| Bail)? as u64,
-        None if require_ids && k & kind::GENERATED != 0 => return Err(Bail),
-        None => {}
-    }
-    info.kinds |= k;
-    Ok(())
-}
-
-/// The kinds a delta carries.
-fn read_delta(r: &mut Reader<'_>) -> R<u16> {
-    let mut k = 0u16;
-    if r.null()? {
-        return Ok(k);
-    }
-    let mut seen = 0u32;
-    r.object(|r, key| {
-        let (bit, flag) = match key {
-            b"role" => (1, kind::ROLE),
-            b"content" => (2, kind::TEXT),
-            b"reasoning" => (4, kind::REASONING),
-            b"reasoning_content" => (8, kind::REASONING_CONTENT),
-            b"refusal" => (16, kind::REFUSAL),
-            b"tool_calls" => (32, kind::TOOL_CALLS),
-            b"function_call" => (64, kind::TOOL_CALLS),
-            _ => return r.skip().map(drop),
-        };
-        once(&mut seen, bit)?;
-        if carries_raw(r.opt_raw()?) {
-            k |= flag;
-        }
-        Ok(())
-    })?;
-    Ok(k)
 }
 
 fn read_usage(r: &mut Reader<'_>, info: &mut FrameInfo) -> R<()> {

@@ -8,7 +8,9 @@
 //! - [`http1`]: incremental HTTP/1.1 response de-framing for upstream connections;
 //! - [`prefix`]: chained block hashes of prompts, and per engine the blocks placed there;
 //! - [`think`]: streaming reasoning/content separation with delimiter holdback;
-//! - [`relay`]: per-chunk pipelines combining the above for the router.
+//! - [`relay`]: per-chunk pipelines combining the above for the router;
+//! - [`walk`]: the one walk over a frame's members, choices and deltas, which [`frame`]
+//!   and [`assemble`] each read in their own terms.
 
 pub mod assemble;
 pub mod few;
@@ -20,3 +22,4 @@ pub mod prefix;
 pub mod relay;
 pub mod sse;
 pub mod think;
+pub mod walk;

@@ -7,6 +7,7 @@ use serde_json::value::RawValue;
 
 use crate::few::Few;
 use crate::json_read::{once, Bail, RawStr, Reader, R};
+use crate::walk::{walk, Visit};
 
 /// A JSON value's text as written, borrowed from the frame: serde reads it through
 /// `RawValue`, the single-pass reader straight from its span.
@@ -123,12 +124,29 @@ pub(super) struct FastLogprobs<'a> {
     pub(super) top_logprobs: Option<Raw<'a>>,
 }
 
-/// The fast-path frame read in one pass by [`Reader`]: exactly the shape serde's
-/// `deny_unknown_fields` parse of [`FastFrame`] accepts, or [`Bail`].
+/// The fast-path frame read in one pass by [`walk`]: the shape serde's
+/// `deny_unknown_fields` parse of [`FastFrame`] accepts, or [`Bail`]. (A null `choices` is
+/// read as none here, where serde declines it and the general path reads it as none.)
 pub(super) fn read_fast_frame<'a>(data: &'a str, f: &mut FastFrame<'a>) -> R<()> {
-    let mut r = Reader::new(data);
-    let mut seen = 0u32;
-    r.object(|r, key| {
+    walk(data, &mut FastRead { f, seen: 0, choice: 0, delta: 0 })
+}
+
+/// The assembler's reading of a frame ([`walk`]'s visitor): every member known, or [`Bail`].
+struct FastRead<'f, 'a> {
+    f: &'f mut FastFrame<'a>,
+    seen: u32,
+    choice: u32,
+    delta: u32,
+}
+
+/// The choice the walk is in.
+fn current<'c, 'a>(f: &'c mut FastFrame<'a>) -> &'c mut FastChoice<'a> {
+    f.choices.last_mut().expect("a choice has begun")
+}
+
+impl<'a> Visit<'a> for FastRead<'_, 'a> {
+    fn frame(&mut self, r: &mut Reader<'a>, key: &'a [u8]) -> R<()> {
+        let f = &mut *self.f;
         let (bit, slot) = match key {
             b"id" => (1, &mut f.id),
             b"object" => (2, &mut f.object),
@@ -137,26 +155,22 @@ pub(super) fn read_fast_frame<'a>(data: &'a str, f: &mut FastFrame<'a>) -> R<()>
             b"system_fingerprint" => (16, &mut f.system_fingerprint),
             b"usage" => (32, &mut f.usage),
             b"prompt_token_ids" => (64, &mut f.prompt_token_ids),
-            b"choices" => {
-                once(&mut seen, 128)?;
-                return r.array(|r| read_choice(r, f.choices.push_default()));
-            }
             _ => return Err(Bail),
         };
-        once(&mut seen, bit)?;
+        once(&mut self.seen, bit)?;
         *slot = r.opt_raw()?.map(Raw);
         Ok(())
-    })?;
-    r.end()
-}
+    }
 
-pub(super) fn opt_str<'a>(r: &mut Reader<'a>) -> R<Option<Cow<'a, str>>> {
-    r.opt_string()?.map(RawStr::decode).transpose()
-}
+    fn choice_begins(&mut self) {
+        self.f.choices.push_default();
+        self.choice = 0;
+        self.delta = 0;
+    }
 
-pub(super) fn read_choice<'a>(r: &mut Reader<'a>, c: &mut FastChoice<'a>) -> R<()> {
-    let mut seen = 0u32;
-    r.object(|r, key| {
+    fn choice(&mut self, r: &mut Reader<'a>, key: &'a [u8]) -> R<()> {
+        let mut seen = self.choice;
+        let c = current(self.f);
         match key {
             b"index" => {
                 once(&mut seen, 1)?;
@@ -180,44 +194,21 @@ pub(super) fn read_choice<'a>(r: &mut Reader<'a>, c: &mut FastChoice<'a>) -> R<(
             }
             b"logprobs" => {
                 once(&mut seen, 32)?;
-                if r.null()? {
-                    return Ok(());
-                }
-                let start = r.pos();
-                let mut lp = FastLogprobs::default();
-                let mut lseen = 0u32;
-                r.object(|r, key| {
-                    let (bit, slot) = match key {
-                        b"content" => (1, &mut lp.content),
-                        b"refusal" => (2, &mut lp.refusal),
-                        b"tokens" => (4, &mut lp.tokens),
-                        b"token_logprobs" => (8, &mut lp.token_logprobs),
-                        b"text_offset" => (16, &mut lp.text_offset),
-                        b"top_logprobs" => (32, &mut lp.top_logprobs),
-                        _ => return Err(Bail),
-                    };
-                    once(&mut lseen, bit)?;
-                    *slot = r.opt_raw()?.map(Raw);
-                    Ok(())
-                })?;
-                c.logprobs = Some(Raw(r.since(start)));
-                c.logprobs_read = Some(lp);
-            }
-            b"delta" => {
-                once(&mut seen, 64)?;
-                if !r.null()? {
-                    read_delta(r, c.delta.insert(FastDelta::default()))?;
-                }
+                read_logprobs(r, c)?;
             }
             _ => return Err(Bail),
         }
+        self.choice = seen;
         Ok(())
-    })
-}
+    }
 
-pub(super) fn read_delta<'a>(r: &mut Reader<'a>, d: &mut FastDelta<'a>) -> R<()> {
-    let mut seen = 0u32;
-    r.object(|r, key| {
+    fn delta_begins(&mut self) {
+        current(self.f).delta = Some(FastDelta::default());
+    }
+
+    fn delta(&mut self, r: &mut Reader<'a>, key: &'a [u8]) -> R<()> {
+        let mut seen = self.delta;
+        let d = current(self.f).delta.as_mut().expect("the delta has begun");
         let (bit, slot) = match key {
             b"role" => (1, &mut d.role),
             b"content" => (2, &mut d.content),
@@ -226,6 +217,7 @@ pub(super) fn read_delta<'a>(r: &mut Reader<'a>, d: &mut FastDelta<'a>) -> R<()>
             b"refusal" => (16, &mut d.refusal),
             b"tool_calls" => {
                 once(&mut seen, 32)?;
+                self.delta = seen;
                 if r.null()? {
                     return Ok(());
                 }
@@ -235,9 +227,41 @@ pub(super) fn read_delta<'a>(r: &mut Reader<'a>, d: &mut FastDelta<'a>) -> R<()>
             _ => return Err(Bail),
         };
         once(&mut seen, bit)?;
+        self.delta = seen;
         *slot = opt_str(r)?;
         Ok(())
-    })
+    }
+}
+
+pub(super) fn opt_str<'a>(r: &mut Reader<'a>) -> R<Option<Cow<'a, str>>> {
+    r.opt_string()?.map(RawStr::decode).transpose()
+}
+
+/// A choice's `logprobs`, kept as written and read in the same pass.
+fn read_logprobs<'a>(r: &mut Reader<'a>, c: &mut FastChoice<'a>) -> R<()> {
+    if r.null()? {
+        return Ok(());
+    }
+    let start = r.pos();
+    let mut lp = FastLogprobs::default();
+    let mut lseen = 0u32;
+    r.object(|r, key| {
+        let (bit, slot) = match key {
+            b"content" => (1, &mut lp.content),
+            b"refusal" => (2, &mut lp.refusal),
+            b"tokens" => (4, &mut lp.tokens),
+            b"token_logprobs" => (8, &mut lp.token_logprobs),
+            b"text_offset" => (16, &mut lp.text_offset),
+            b"top_logprobs" => (32, &mut lp.top_logprobs),
+            _ => return Err(Bail),
+        };
+        once(&mut lseen, bit)?;
+        *slot = r.opt_raw()?.map(Raw);
+        Ok(())
+    })?;
+    c.logprobs = Some(Raw(r.since(start)));
+    c.logprobs_read = Some(lp);
+    Ok(())
 }
 
 pub(super) fn read_call<'a>(r: &mut Reader<'a>, call: &mut FastCall<'a>) -> R<()> {
