@@ -89,3 +89,116 @@ def test_the_request_record_is_written_once() -> None:
     except dataclasses.FrozenInstanceError:
         return
     raise AssertionError("a stage wrote the record after intake")
+
+
+# The router's floors, bottom up (docs/ARCHITECTURE.md, "Floors"): a module reads the floors
+# below it and its own; a module that reads a higher floor is the exception, counted.
+FLOORS: dict[int, tuple[str, ...]] = {
+    # records and settings: what every stage reads, and nothing of the router's state
+    0: (
+        "request",
+        "endings",
+        "decisions",
+        "config",
+        "config_schema",
+        "urls",
+        "connection",
+        "fleet.rules",
+        "relay.errors",
+    ),
+    # the fleet and its seats: engines, processes, leases and the admission queue, tenants'
+    # books, leadership, what is measured and traced
+    1: (
+        "engines",
+        "supervisor",
+        "affinity",
+        "upstream",
+        "lease",
+        "admission",
+        "models",
+        "metrics",
+        "tracing",
+        "tenants",
+        "ha.leadership",
+        "ha.maintenance",
+        "fleet.spec",
+        "fleet.membership",
+        "fleet.dns_source",
+        "fleet.etcd_source",
+    ),
+    # judgement: projections, ledgers and the policies that decide
+    2: ("predict", "policies"),
+    # the stages a request passes, and the relay
+    3: ("pipeline", "relay", "profiling"),
+    # the wiring: the app, its programs and the fleet's assembly
+    4: (
+        "app",
+        "cli",
+        "status",
+        "admin",
+        "config_doc",
+        "fleet.wiring",
+        "fleet.reload",
+        "fleet.admin",
+        "ha.profiles",
+        "ha.tenant_windows",
+    ),
+}
+UPWARD_AT_MOST = 6
+
+
+def floor(module: str) -> int:
+    """A router module's floor: the longest prefix named in FLOORS (a package's own
+    `__init__` holds only its rule, and sits on floor 0)."""
+    name = module.removeprefix("narwhal.router").removeprefix(".")
+    best, at = -1, 0
+    for f, prefixes in FLOORS.items():
+        for p in prefixes:
+            if (name == p or name.startswith(p + ".")) and len(p) > best:
+                best, at = len(p), f
+    if best < 0 and name not in ("", "fleet", "ha", "pipeline", "policies", "relay", "tenants"):
+        raise AssertionError(f"{module} has no floor (tests/test_architecture.py FLOORS)")
+    return at
+
+
+def upward(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
+    return sorted((m, n) for m, ns in graph.items() for n in ns if floor(n) > floor(m))
+
+
+def test_imports_run_down_the_floors_with_few_exceptions() -> None:
+    graph = imports(modules())
+    up = upward(graph)
+    assert len(up) <= UPWARD_AT_MOST, "imports to a higher floor: " + ", ".join(
+        f"{a} -> {b}" for a, b in up
+    )
+
+
+def test_the_floor_check_counts_an_upward_import() -> None:
+    graph = imports(modules())
+    graph["narwhal.router.request"] = {"narwhal.router.pipeline.flow"}
+    assert ("narwhal.router.request", "narwhal.router.pipeline.flow") in upward(graph)
+
+
+def test_every_way_a_request_ends_is_a_row_of_one_table() -> None:
+    """The outcome and its refusal label are written in `router/endings.py` alone: every
+    stage that says how a request ended names a row (`End.X`), never a string."""
+    named = 0
+    for m, p in modules().items():
+        for node in ast.walk(ast.parse(p.read_text())):
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+                continue
+            if node.func.attr != "ended" or len(node.args) != 1:  # not a ledger's `ended`
+                continue
+            arg = node.args[0]
+            rows = [arg.body, arg.orelse] if isinstance(arg, ast.IfExp) else [arg]
+            for row in rows:
+                is_row = (isinstance(row, ast.Attribute) and _is_end(row.value)) or (
+                    isinstance(row, ast.Call) and _is_end(row.func)
+                )
+                assert is_row, f"{m}:{node.lineno} says how a request ended without a row of End"
+                named += 1
+    assert named > 15  # the walk sees the raise sites
+
+
+def _is_end(node: ast.expr) -> bool:
+    return isinstance(node, ast.Name) and node.id == "End"

@@ -13,6 +13,7 @@ import pytest
 
 from narwhal.errors import ApiError
 from narwhal.router.config import EngineSpec, RouterConfig
+from narwhal.router.endings import End
 from narwhal.router.engines import Engine, Pool
 from narwhal.router.ha.leadership import Leadership, Role
 from narwhal.router.ha.maintenance import Maintenance
@@ -64,14 +65,14 @@ def test_standby_fenced_maintenance_and_degraded_are_each_a_retryable_503() -> N
     for role, reason in ((Role.STANDBY, "standby: campaigning"), (Role.FENCED, "fenced: x")):
         g.leadership.role, g.leadership.reason = role, reason
         e = refused(g)
-        assert (e.status, e.code, e.outcome) == (503, role.value, "rejected")
+        assert (e.status, e.code, e.cause) == (503, role.value, End(("rejected", role.value)))
         assert e.headers == {"retry-after": "1"}
     g.leadership.role = Role.LEADER
     g.pool.maintenance = frozenset({"a"})
     g.check()  # part of the fleet in the wave: the rest serves
     g.pool.maintenance = frozenset({"a", "b"})
     e = refused(g)
-    assert (e.status, e.code, e.label) == (503, "maintenance", "maintenance")
+    assert (e.status, e.code, e.cause) == (503, "maintenance", End.MAINTENANCE)
     g.pool.maintenance = frozenset()
     for p in predictor.profiles.values():  # every engine's projections 3x off, many times
         p.drift, p.drift_samples = 1.2, 10
@@ -97,4 +98,4 @@ def test_a_route_no_engine_s_dialect_serves_is_404_not_a_wait() -> None:
     g, _ = gate(EngineSpec("s", dialect="sglang"))
     with pytest.raises(ApiError) as e:
         g.cannot_serve(request(RESPONSES, g))
-    assert (e.value.status, e.value.code, e.value.outcome) == (404, "unsupported", "invalid")
+    assert (e.value.status, e.value.code, e.value.cause) == (404, "unsupported", End.INVALID)

@@ -27,16 +27,16 @@ class ApiError(Exception):
         self.param = param
         self.code = code
         self.headers = headers or {}
-        # The router's own: how the request it answers ended, and the label its refusal
-        # counter takes (`narwhal_rejected_total{reason}`, `narwhal_refused_total{reason}`).
-        self.outcome: str | None = None
-        self.label: str | None = None
+        # The router's own: how the request it answers ended (a row of
+        # `narwhal.router.endings.End`, which this module shared with the engine does not
+        # know).
+        self.cause: object | None = None
 
-    def ended(self, outcome: str, label: str | None = None) -> ApiError:
+    def ended(self, cause: object) -> ApiError:
         """This error, saying how the request ended; the stage nearest the cause says it
         first, and a later one does not overwrite it."""
-        if self.outcome is None:
-            self.outcome, self.label = outcome, label
+        if self.cause is None:
+            self.cause = cause
         return self
 
     def envelope(self) -> dict[str, Any]:

@@ -16,6 +16,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 
 from narwhal.errors import ApiError, unavailable
+from narwhal.router.endings import End
 from narwhal.router.engines import Engine, Pool
 from narwhal.router.lease import Events, Lease, Phase
 from narwhal.router.request import Request
@@ -75,7 +76,7 @@ class Admission:
         if self.retained >= self.retention_limit:
             raise retry_after(
                 "the router holds as many requests as it may; retry shortly", code="retention_full"
-            )
+            ).ended(End.RETENTION)
         self.retained += 1
 
     def release_retention(self) -> None:
@@ -145,14 +146,17 @@ class Admission:
 
     async def _seat(self, lease: Lease) -> None:
         if not any(e.name not in lease.exclude for e in self.pool.eligible()):
-            raise unavailable("no engine can take work now", "backend_unavailable")
+            raise unavailable("no engine can take work now", "backend_unavailable").ended(
+                End.BACKEND_UNAVAILABLE
+            )
         if not self.queued:
             e = self._pick(lease.prefer, lease.exclude)
             if e is not None:
                 self._take(lease, e)
                 return
         if self.queued >= self.queue_size:
-            raise retry_after("the admission queue is full; retry shortly", code="queue_full")
+            full = retry_after("the admission queue is full; retry shortly", code="queue_full")
+            raise full.ended(End.QUEUE_FULL)
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         cost = lease.tokens or lease.request.estimated_prompt_tokens()
         st = lease.request.standing

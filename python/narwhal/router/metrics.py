@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 
+from narwhal.router.endings import OUTCOMES, REFUSED, REJECTED
 from narwhal.router.lease import Events, Lease
 
 if TYPE_CHECKING:
@@ -28,19 +29,6 @@ _TPOT = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1)
 _LOG_RATIO = (-1.5, -1, -0.5, -0.25, -0.1, 0, 0.1, 0.25, 0.5, 1, 1.5)
 # (cached tokens the engine reported - tokens the router expected it to hold) / prompt.
 _SHARE_ERROR = (-1, -0.5, -0.25, -0.1, -0.01, 0.01, 0.1, 0.25, 0.5, 1)
-
-
-OUTCOMES = (
-    "completed",
-    "stream_fault",
-    "engine_error",
-    "engine_failed",
-    "deadline",
-    "rejected",
-    "refused",
-    "invalid",
-    "client_gone",
-)
 
 
 class RouterMetrics:
@@ -347,20 +335,9 @@ class RouterMetrics:
     def serving(self, model: str) -> None:
         """Every refusal and rejection reason exported at 0 for the router's `model` from
         the start: a dashboard's rate() needs the series before the first event."""
-        for reason in (
-            "retention",
-            "monitoring_degraded",
-            "wait_expired",
-            "backend_unavailable",
-            "queue_full",
-            "engine_busy",
-        ):
+        for reason in REJECTED:
             self.rejected.labels(reason, model)
-        for reason in (
-            "prompt_exceeds_ttft_budget",
-            "ttft_budget_exceeded",
-            "tpot_target_exceeded",
-        ):
+        for reason in REFUSED:
             self.refused.labels(reason, model)
 
     def targets(self, ttft_budget_s: float, tpot_target_s: float | None) -> None:

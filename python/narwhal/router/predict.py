@@ -31,6 +31,7 @@ import orjson
 
 from narwhal.errors import ApiError
 from narwhal.router import decisions as why
+from narwhal.router.endings import End
 from narwhal.router.engines import Engine
 from narwhal.router.lease import Events, Lease
 
@@ -699,7 +700,7 @@ def _within_budget(ps: list[Projection], budget_s: float, share: float = 1.0) ->
             "or raise the target (x-narwhal-ttft-target-ms)",
             type="rate_limit_error",
             code="prompt_exceeds_ttft_budget",
-        )
+        ).ended(End.PROMPT_EXCEEDS_TTFT_BUDGET)
     fit = [p for p in ps if (p.guarded_s or 0.0) <= budget_s]
     if not fit and unsure:
         fit = [p for p in unsure if _ahead_s(p) <= budget_s]
@@ -722,7 +723,7 @@ def _within_budget(ps: list[Projection], budget_s: float, share: float = 1.0) ->
             type="rate_limit_error",
             code="ttft_budget_exceeded",
             headers={"retry-after": str(overrun)},
-        ).ended("refused", "queue_wait" if queue else "ttft_budget_exceeded")
+        ).ended(End.QUEUE_WAIT if queue else End.TTFT_BUDGET_EXCEEDED)
     return fit
 
 
@@ -756,7 +757,7 @@ class NoEngineKeepsPace(Exception):
             type="rate_limit_error",
             code="tpot_target_exceeded",
             headers={"retry-after": "1"},
-        )
+        ).ended(End.TPOT_TARGET_EXCEEDED)
 
 
 def _ahead_s(p: Projection) -> float:

@@ -19,6 +19,7 @@ import orjson
 
 from narwhal.errors import ApiError
 from narwhal.router.admission import Admission
+from narwhal.router.endings import End
 from narwhal.router.engines import Engine, Pool
 from narwhal.router.ha.leadership import Leadership
 from narwhal.router.pipeline import intake
@@ -118,8 +119,8 @@ class Profiler:
             except (ApiError, EngineFailed, EngineBusy) as exc:
                 log.info("profile probe of %s failed: %s", e.name, exc)
                 return
-            if outcome != "completed":  # the engine refused it (a model name it lacks?)
-                log.warning("profile probe of %s: %s", e.name, outcome)
+            if outcome is not End.COMPLETED:  # the engine refused it (a model name it lacks?)
+                log.warning("profile probe of %s: %s", e.name, outcome.outcome)
                 return
             if rebase and lease.measured.first_at:
                 # Half-open: a good measurement lets live traffic be judged again.

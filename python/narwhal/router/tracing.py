@@ -25,8 +25,8 @@ if TYPE_CHECKING:
     from opentelemetry.trace import Span
 
     from narwhal.router.decisions import Decision
+    from narwhal.router.endings import Ending
     from narwhal.router.lease import Lease
-    from narwhal.router.pipeline import Ending
     from narwhal.router.request import Request
 
 log = logging.getLogger("narwhal.tracing")

@@ -13,26 +13,5 @@
   another engine when one answers 429.
 
 A stage that refuses a request raises the client's error saying how the request ended
-(`ApiError.ended`); `flow` counts it once, in its `Ending`.
+(`ApiError.ended`, a row of `router/endings.py`); `flow` counts it once, in its `Ending`.
 """
-
-from __future__ import annotations
-
-from narwhal.errors import ApiError
-
-
-class Ending:
-    """How one request ended: exactly one outcome each, so `narwhal_finished_total` adds
-    up to `narwhal_offered_total`, and the label of the refusal counter it adds to."""
-
-    __slots__ = ("label", "outcome", "status", "tokens")
-
-    def __init__(self) -> None:
-        self.outcome = "client_gone"
-        self.label: str | None = None
-        self.status = 0
-        self.tokens: int | None = None  # prompt + output tokens, when an engine answered
-
-    def by(self, e: ApiError) -> None:
-        """Ended by `e` (an error nobody said the outcome of is the request's own fault)."""
-        self.outcome, self.label, self.status = e.outcome or "invalid", e.label, e.status

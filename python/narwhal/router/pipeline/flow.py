@@ -17,8 +17,8 @@ from narwhal.errors import ApiError
 from narwhal.router.admission import Admission
 from narwhal.router.config import RouterConfig
 from narwhal.router.decisions import Decision, Decisions
+from narwhal.router.endings import End, Ending
 from narwhal.router.metrics import RouterMetrics
-from narwhal.router.pipeline import Ending
 from narwhal.router.pipeline.classify import CRITICAL, classify
 from narwhal.router.pipeline.gate import Gate
 from narwhal.router.pipeline.judge import Judge
@@ -71,11 +71,7 @@ class Flow:
         rec = asgi.current.get()  # the access line's record: its ID, its fields
         trace = self._trace(path, scope, arrived, rec) if self.tracing is not None else None
         try:
-            try:
-                self.admission.retain()
-            except ApiError as e:
-                e.ended("rejected", "retention")
-                raise
+            self.admission.retain()
             try:
                 req, deadline, budget = await read(
                     path, scope, receive, self.config, m, arrived, self.gate.catalog.resolve
@@ -105,7 +101,7 @@ class Flow:
                 self.admission.release_retention()
         except ApiError as e:
             end.by(e)
-            if record is not None and e.outcome in ("refused", "rejected"):
+            if record is not None and end.outcome in ("refused", "rejected"):
                 record.refusal = {"status": e.status, "code": e.code, "message": e.message}
                 # The client can quote it; the operator reads why (GET /admin/requests/ID).
                 e.message += f" (request {record.id})"
@@ -180,17 +176,13 @@ class Flow:
             # The engines that cannot serve the route, named once: the judge plans only over
             # the rest, and placement takes only them.
             cannot = self.gate.cannot_serve(req)
-            try:
-                plan = await self.judge.plan(req, arrived, budget, record, cannot)
-                judged = time.monotonic()
-                if trace is not None:
-                    trace.judged_at = judged
-                rec = asgi.current.get()
-                if rec is not None:
-                    rec.fields["judged_ms"] = round((judged - arrived) * 1000, 1)
-            except ApiError as e:
-                e.ended("refused", e.code or "predictive")
-                raise
+            plan = await self.judge.plan(req, arrived, budget, record, cannot)
+            judged = time.monotonic()
+            if trace is not None:
+                trace.judged_at = judged
+            rec = asgi.current.get()
+            if rec is not None:
+                rec.fields["judged_ms"] = round((judged - arrived) * 1000, 1)
             try:
                 # Where a projection judged it, its whole TTFT is held: the wait for a seat
                 # counts, and a request whose budget a wait spent is refused, not placed.
@@ -201,7 +193,7 @@ class Flow:
             finally:
                 plan.settle()
         except asyncio.CancelledError:
-            end.outcome = "client_gone"
+            end.end = End.CLIENT_GONE
             if not watcher.done():
                 raise  # not the client's doing: shutting down
         finally:
@@ -212,8 +204,8 @@ class Flow:
         it; else the router's: never a name a client chose)."""
         m = self.metrics
         if end.outcome == "rejected":
-            m.rejected.labels(end.label or "capacity", model).inc()
+            m.rejected.labels(end.label, model).inc()
         elif end.outcome == "refused":
-            m.refused.labels(end.label or "predictive", model).inc()
+            m.refused.labels(end.label, model).inc()
         elif end.outcome == "invalid" and end.status in (400, 413):
             m.invalid_requests.inc()

@@ -8,6 +8,7 @@ may have waited): the fencing token it carries must be one this router still hol
 from __future__ import annotations
 
 from narwhal.errors import ApiError, unavailable
+from narwhal.router.endings import End
 from narwhal.router.engines import Pool
 from narwhal.router.ha.leadership import Leadership
 from narwhal.router.ha.maintenance import Maintenance
@@ -74,7 +75,7 @@ class Gate:
                 + ", ".join(sorted(RESPONSES_DIALECTS))
                 + ")",
                 code="unsupported",
-            ).ended("invalid")
+            ).ended(End.INVALID)
         return names | route
 
 
@@ -82,5 +83,5 @@ def not_taking(code: str, reason: str) -> ApiError:
     """The retryable 503 (`errors.unavailable`): this router takes no completion request
     now (why: `reason`); the request ends rejected, labelled `code`."""
     return unavailable(f"this router takes no requests now ({reason}); retry shortly", code).ended(
-        "rejected", code
+        End(("rejected", code))
     )

@@ -14,9 +14,9 @@ from narwhal import asgi
 from narwhal.asgi import Send
 from narwhal.errors import ApiError, unavailable
 from narwhal.router.admission import Admission, BudgetSpent, Expired
+from narwhal.router.endings import End, Ending
 from narwhal.router.engines import Pool
 from narwhal.router.lease import Lease
-from narwhal.router.pipeline import Ending
 from narwhal.router.pipeline.gate import Gate
 from narwhal.router.policies import Plan, Policy
 from narwhal.router.relay.errors import EngineBusy, EngineFailed, EngineFenced
@@ -64,14 +64,14 @@ class Placer:
         its spans' times, where it is traced."""
         while True:
             try:
-                end.outcome = await self._once(
+                end.end = await self._once(
                     req, send, arrived, deadline, plan, busy, end, ttft_by, trace
                 )
                 return
             except EngineBusy as e:
                 busy = busy | {e.engine}
                 if not self._may_retry(busy, deadline):
-                    end.outcome, end.label = "rejected", "engine_busy"
+                    end.end = End.ENGINE_BUSY
                     await e.refusal.send(send)  # the engine's own 429, as it sent it
                     return
 
@@ -91,7 +91,7 @@ class Placer:
         end: Ending,
         ttft_by: float | None,
         trace: RequestTrace | None,
-    ) -> str:
+    ) -> End:
         placed = False
         try:
             async with self.admission.place(
@@ -128,7 +128,7 @@ class Placer:
         except EngineFenced as e:
             self.leadership.fence(str(e))
             raise unavailable(f"this router was fenced ({e}); retry shortly", "fenced").ended(
-                "rejected", "fenced"
+                End.FENCED
             ) from None
         except BudgetSpent as e:
             raise ApiError(
@@ -138,25 +138,24 @@ class Placer:
                 type="rate_limit_error",
                 code="ttft_budget_exceeded",
                 headers={"retry-after": str(max(1, round(e.overrun_s)))},
-            ).ended("refused", "queue_wait") from None
+            ).ended(End.QUEUE_WAIT) from None
         except Expired:
             raise ApiError(
                 504,
                 "no engine had room before the wait or deadline ran out",
                 type="timeout_error",
                 code="admission_timeout",
-            ).ended("rejected", "wait_expired") from None
+            ).ended(End.WAIT_EXPIRED) from None
         except ApiError as e:
-            # A 503 (no longer leading once placed: nothing was sent) said so itself.
+            # A 503 (no longer leading once placed: nothing was sent) said so itself, as did
+            # admission's refusals.
             if placed:
-                e.ended("deadline" if e.status == 504 else "engine_failed")
-            else:  # admission refused it
-                e.ended("rejected", e.code or "capacity")
+                e.ended(End.DEADLINE if e.status == 504 else End.ENGINE_FAILED)
             raise
 
     async def _relay(
         self, lease: Lease, send: Send, end: Ending, trace: RequestTrace | None
-    ) -> str:
+    ) -> End:
         try:
             # Checked again once a connection is ready, just before the bytes go:
             # connecting (a fresh connection, or a retried one) may take longer than

@@ -9,6 +9,7 @@ from narwhal import asgi
 from narwhal.asgi import Receive, Scope
 from narwhal.errors import ApiError
 from narwhal.router.config import RouterConfig
+from narwhal.router.endings import End
 from narwhal.router.metrics import RouterMetrics
 from narwhal.router.pipeline import intake
 from narwhal.router.request import Request
@@ -33,12 +34,12 @@ async def read(
             413,
             f"request body exceeds {config.max_request_bytes} bytes",
             code="request_too_large",
-        ).ended("invalid") from None
+        ).ended(End.INVALID) from None
     except asgi.ClientGone:
         metrics.unsized_offered.inc()  # and ends `client_gone`
         raise
     except ApiError as e:  # a body that could not be read, or not in time
-        e.ended("invalid")
+        e.ended(End.INVALID)
         raise
     try:
         ms = ms_header(scope, b"x-narwhal-timeout-ms")
@@ -54,7 +55,7 @@ async def read(
             session[:256] if session else None,
         )
     except ApiError as e:
-        e.ended("invalid")
+        e.ended(End.INVALID)
         raise
     return req, deadline, budget
 

@@ -16,8 +16,9 @@ if TYPE_CHECKING:
     from narwhal.router.relay.reading import Reading
 
 
-async def assemble(rl: Reading, lease: Lease, resp: Exchange, send: Send) -> str:
-    """A non-streaming answer: the engine's stream assembled into one response (Rust)."""
+async def assemble(rl: Reading, lease: Lease, resp: Exchange, send: Send) -> bool:
+    """A non-streaming answer: the engine's stream assembled into one response (Rust);
+    False where the engine's own error came in its stream (relayed as its answer)."""
     e = lease.on
     asm = Assembler(
         lease.request.kind,
@@ -46,7 +47,7 @@ async def assemble(rl: Reading, lease: Lease, resp: Exchange, send: Send) -> str
         if refusal is not None:  # the engine's own error, in its stream: its answer
             lease.fault("engine_error")
             await asgi.send_bytes(send, *refusal)
-            return "engine_error"
+            return False
         lease.fault("assembly")
         raise ApiError(
             502,
@@ -58,7 +59,7 @@ async def assemble(rl: Reading, lease: Lease, resp: Exchange, send: Send) -> str
     lease.first_byte()
     await asgi.send_bytes(send, 200, body)
     lease.finished(asm.measured_output_tokens)
-    return "completed"
+    return True
 
 
 class _Counted:

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from narwhal import asgi
 from narwhal.asgi import Send
 from narwhal.router.connection import Exchange, UpstreamError
+from narwhal.router.endings import End
 from narwhal.router.engines import Engine
 from narwhal.router.lease import Lease
 from narwhal.router.relay.assemble import assemble
@@ -87,9 +88,9 @@ class Relayer:
         send: Send,
         before_send: Callable[[], None] | None = None,
         trace: RequestTrace | None = None,
-    ) -> str:
-        """Relay the lease's answer to `send`; how it ended: "completed", "stream_fault"
-        (the stream ended with an error event) or "engine_error" (the engine's own non-200
+    ) -> End:
+        """Relay the lease's answer to `send`; how it ended: completed, stream_fault
+        (the stream ended with an error event) or engine_error (the engine's own non-200
         answer, passed through). Raises EngineBusy (a 429, nothing sent), EngineFailed or a
         504 before anything was sent, or what `before_send` raises (run once the connection
         is ready, before any byte goes)."""
@@ -139,16 +140,15 @@ class Relayer:
                 if resp.status == 409 and b'"fenced"' in data:
                     raise EngineFenced(e.name, lease.fence)
                 await refusal.send(send)
-                return "engine_error"
+                return End.ENGINE_ERROR
             if lease.request.passthrough:
                 done = await passthrough(self, lease, resp, send)
-                return "completed" if done else "stream_fault"
+                return End.COMPLETED if done else End.STREAM_FAULT
             if lease.request.stream:
                 done = await stream(self, lease, resp, send)
-                return "completed" if done else "stream_fault"
-            outcome = await assemble(self, lease, resp, send)
-            done = outcome == "completed"
-            return outcome
+                return End.COMPLETED if done else End.STREAM_FAULT
+            done = await assemble(self, lease, resp, send)
+            return End.COMPLETED if done else End.ENGINE_ERROR
         finally:
             # Anything but a stream seen to its end (a fault, a timeout, a client that went
             # away) closes the connection: that is how the engine learns to stop.

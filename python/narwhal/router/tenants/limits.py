@@ -18,6 +18,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from narwhal.errors import ApiError
+from narwhal.router.endings import End
 
 WINDOW_S = 60.0
 
@@ -39,7 +40,7 @@ class TenantLimited(ApiError):
             headers={"retry-after": str(max(1, math.ceil(retry_after_s)))},
         )
         self.reason = reason
-        self.ended("rejected", "tenant")
+        self.ended(End.TENANT)
 
 
 class _Entry:

@@ -14,6 +14,7 @@ import orjson
 
 from narwhal.errors import ApiError
 from narwhal.router.config import RouterConfig, TenantKey
+from narwhal.router.endings import End
 from narwhal.router.metrics import RouterMetrics
 from narwhal.router.tenants.fair_queue import CLASSES, RANK
 from narwhal.router.tenants.limits import Limits, Tenant, TenantLimited, Ticket
@@ -59,7 +60,7 @@ class Tenants:
                 f"this key may not use the model '{model[:200]}'",
                 param="model",
                 code="model_not_allowed",
-            ).ended("invalid")
+            ).ended(End.INVALID)
 
     def rank(self, name: str | None, asked: str | None) -> int:
         """A request's class: what `x-narwhal-priority` asks, never above its key's
@@ -74,7 +75,7 @@ class Tenants:
                 f"x-narwhal-priority must be one of {', '.join(CLASSES)}",
                 param="x-narwhal-priority",
                 code="invalid_priority",
-            ).ended("invalid")
+            ).ended(End.INVALID)
         return max(rank, ceiling)
 
     def admit(self, name: str | None, estimate: int, rank: int) -> Ticket | None:
