@@ -3,13 +3,25 @@ whose projections have been missing is refused, with the margin counted in Retry
 
 from __future__ import annotations
 
+import asyncio
+import time
+
+import orjson
 import pytest
 
 from narwhal.errors import ApiError
+from narwhal.router.admission import Admission
 from narwhal.router.config import EngineSpec
-from narwhal.router.engines import Engine
+from narwhal.router.engines import Engine, Pool
+from narwhal.router.lease import Events
+from narwhal.router.pipeline import intake
 from narwhal.router.predict import Predictor, Profile
+from narwhal.router.request import CHAT
 from tests.support import measured
+
+REQ = intake.check(
+    CHAT, orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]}), "m"
+)
 
 
 def engine_with_work(tokens_ahead: int) -> tuple[Predictor, Engine]:
@@ -164,3 +176,46 @@ def test_what_a_leader_published_is_taken_only_as_finite_numbers_in_range() -> N
     p.load(b'{"": {"edge": 1e300, "drift": -3, "drift_samples": 99}, "e": []}')
     assert p.edge <= 1.5 and (p.drift is None or p.drift >= 0)
     assert p.project(90 * 4, e).guarded_s <= before * 1.5
+
+
+def test_prompts_cut_in_prefill_teach_the_fit_what_long_ones_take() -> None:
+    """A router measures only the prompts it admits: at a short budget, only short ones,
+    and a fit of a few noisy short prompts can project a long one far too short (attention
+    makes it slower). Admitted on that projection, a long prompt's client gives up before
+    its first token; the prompt had run longer than the fit said, and the fit is shown so
+    (at a 1 s budget in the fleet bench: prompts of 12-24k tokens admitted, then abandoned
+    at 2 s, one after another). A prompt cut before the fit's time teaches nothing."""
+
+    def h200(fresh: int) -> float:  # the simulator's curve: a half rate at 12k of context
+        return 0.02 + (fresh + fresh**2 / 24_000) / 15_000
+
+    e = Engine(EngineSpec("e"), "http://e", healthy=True)
+    pool, events = Pool([e], 4, 4, eject_after=2), Events()
+    p = Predictor([e])
+    p.watch(events)
+    adm = Admission(pool, 100, 4, 5.0, events)
+    prof = p.profiles["e"]
+    noise = (1.0, 0.93, 1.1, 1.12, 0.96, 1.05, 0.94, 1.09, 0.97, 1.03)
+    sizes = (500, 4000, 1000, 2000, 3000, 1500, 800, 2500, 1200, 3500)  # what 1 s admits
+    for fresh, k in zip(sizes, noise, strict=True):
+        prof.observe(fresh * 4, fresh, h200(fresh) * k, h200(fresh) * k, 0, 0.0)
+    long, short = 20_000, 2000
+    before, short_before = prof.prefill_s(long), prof.prefill_s(short)
+    assert before < 0.7 * h200(long)  # far too hopeful
+
+    def cut_after(ran_s: float) -> None:
+        async def go() -> None:
+            async with adm.place(REQ, 0.0, 1e9, tokens=long) as lease:
+                # Sent `ran_s` ago, no first token yet: the client leaves now.
+                lease.measured.sent_at = time.monotonic() - ran_s
+
+        asyncio.run(go())
+
+    cut_after(0.5 * before)  # before its time: no news
+    assert prof.prefill_s(long) == pytest.approx(before)
+    cut_after(2.0)  # abandoned at twice a 1 s budget
+    # It projects at least the 2 s its client waited (and short prompts as before): at a
+    # 1 s budget it is refused for its own prefill, not admitted to be abandoned.
+    assert prof.prefill_s(long) > 1.95
+    assert prof.prefill_s(short) == pytest.approx(short_before, rel=0.05)
+    assert (e.prefill, e.decode, e.prefill_tokens) == (0, 0, 0)

@@ -247,18 +247,31 @@ class Admission:
         # those or when it was sent. Under load no prompt has its engine alone, and its own
         # time is still measured, long prompts included. (A step the two share counts for
         # the earlier prompt: one sample long by as much as the next is short.)
-        if m.sent_at and m.first_at and e.firsts - lease.firsts_seen == lease.ahead:
-            lease.queued = lease.ahead > 0 and e.first_at > m.sent_at
-            lease.prefill_s = m.first_at - (e.first_at if lease.queued else m.sent_at)
+        if m.sent_at and m.first_at:
+            self._own_prefill(lease, m.first_at)
         e.firsts += 1
         e.first_at = max(e.first_at, m.first_at)
         lease.phase = Phase.DECODE
         self._drain()
 
+    @staticmethod
+    def _own_prefill(lease: Lease, until: float) -> bool:
+        """How long its own prefill ran until `until` (`lease.prefill_s`), where that can be
+        told: every prompt ahead of it there had its first token."""
+        e, m = lease.on, lease.measured
+        if e.firsts - lease.firsts_seen != lease.ahead:
+            return False
+        lease.queued = lease.ahead > 0 and e.first_at > m.sent_at
+        lease.prefill_s = until - (e.first_at if lease.queued else m.sent_at)
+        return True
+
     def release(self, lease: Lease) -> None:
         """The one place a seat is given back (a lease's exit, once)."""
         e = lease.on
         if lease.phase is Phase.PREFILL:
+            # Cut before its first token: its prefill takes longer than it ran.
+            if lease.measured.sent_at:
+                lease.prefill_cut = self._own_prefill(lease, time.monotonic())
             e.prefill -= 1
             e.prefill_tokens -= lease.tokens
             e.prefill_sq -= lease.tokens * lease.tokens

@@ -111,6 +111,7 @@ class Lease:
         "deadline",
         "engine",
         "exclude",
+        "faulted",
         "fence",
         "firsts_seen",
         "measured",
@@ -118,6 +119,7 @@ class Lease:
         "phase",
         "predicted_s",
         "prefer",
+        "prefill_cut",
         "prefill_s",
         "probe",
         "queued",
@@ -162,9 +164,13 @@ class Lease:
         # Its own prefill as measured (Admission's, at its first token; None where it cannot
         # be told apart): from when it was sent, or, where it waited behind prompts in
         # prefill there, from the first token of the last of them. `queued`: the latter,
-        # whose fixed overhead ran while it waited.
+        # whose fixed overhead ran while it waited. `prefill_cut`: it left its seat before
+        # its first token (its client gone, its deadline passed), and `prefill_s` is how long
+        # its own prefill had run: a lower bound.
         self.prefill_s: float | None = None
         self.queued = False
+        self.prefill_cut = False
+        self.faulted: str | None = None  # the first fault's kind (Lease.fault)
         self.ahead = 0  # prompts in prefill on its engine when it took its seat
         self.firsts_seen = 0  # the engine's first tokens seen by then
         self.fence: int | None = None  # the leader's fencing token it was placed under
@@ -208,6 +214,8 @@ class Lease:
         """The answer ended in a fault of `kind`; `against_engine` says why it counts as
         evidence that the engine is broken (a reset, a truncation, a stall), None when it
         does not (the engine's own error event, a frame the relay refused)."""
+        if self.faulted is None:
+            self.faulted = kind
         for hook in self._events.fault:
             hook(self, kind, against_engine)
 

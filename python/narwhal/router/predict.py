@@ -260,6 +260,27 @@ class Profile:
             self.output_tokens = _ewma(self.output_tokens, decode_tokens)
         return miss
 
+    def cut(self, fresh: int, prompt: int, ran_s: float, queued: bool) -> bool:
+        """A prefill cut before its first token (its client left, its deadline passed) after
+        it ran `ran_s`: it takes longer. Where the fit projects less than that, it is shown
+        the time it ran (at most QUEUED_CLIP times its projection): a profile measures only
+        the prompts admitted, and learns what long ones take from those it admitted wrongly
+        (at a 1 s budget, prompts of 12-24k tokens were admitted on projections under the
+        budget and given up on by their clients at twice it, one after another, the fit's
+        curve never shown one). Whether it taught the fit."""
+        if self.prefill_tps is None or fresh <= 0 or ran_s <= 0:
+            return False
+        quad = prompt * prompt - (prompt - fresh) ** 2
+        expected = self.overhead_s + fresh / self.prefill_tps + self.quad_s * quad
+        ran = ran_s + self.overhead_s if queued else ran_s
+        if ran <= expected:
+            return False  # no news: it was cut before the fit said it would end
+        fit = self.fit.add(fresh, prompt, min(ran, expected * QUEUED_CLIP))
+        self.prefill_tps, self.overhead_s, self.quad_s = fit
+        self.prefill_samples += 1
+        self.largest_measured = max(self.largest_measured, fresh)
+        return True
+
     def _sample_s(
         self, prefill_s: float | None, fresh: int, prompt: int, queued: bool
     ) -> float | None:
@@ -457,6 +478,12 @@ class Predictor:
         due = lease.ttft_by
         if due is not None and not lease.measured.first_at and time.monotonic() > due:
             self._score(True)
+        if lease.prefill_cut and lease.faulted in (None, "deadline_exceeded"):
+            prof = self.profiles.get(lease.on.name)
+            if prof is not None and lease.prefill_s is not None:
+                tokens = lease.tokens or lease.request.estimated_prompt_tokens()
+                fresh = tokens - min(lease.cached_expected or 0, tokens - 1)
+                prof.cut(fresh, tokens, lease.prefill_s, lease.queued)
 
     def _learn(self, lease: Lease) -> None:
         e = lease.on
