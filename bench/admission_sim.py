@@ -4,7 +4,7 @@ The engines follow a batching cost model: prefill is compute-bound and serial pe
 (`PREFILL_TPS` prompt tokens/s, shrunk by `DECODE_DRAG` per sequence decoding beside it),
 decode runs batched at `TPOT` per token. Arrivals are Poisson at a multiple of the
 cluster's prefill capacity, prompts log-normal. The predictive policy is Narwhal's own
-`Predictor.judge` (narwhal/router/predict.py), fed the learned rate a real run would have.
+TTFT judgement (narwhal/router/policies/ttft.py), fed the learned rate a real run would have.
 
     .venv/bin/python -m bench.admission_sim [--engines 256] [--seconds 60] [--plot PATH]
 """
@@ -21,6 +21,7 @@ from typing import Any
 from narwhal.errors import ApiError
 from narwhal.router.config import EngineSpec
 from narwhal.router.engines import Engine
+from narwhal.router.policies.ttft import judge
 from narwhal.router.predict import Predictor
 
 PREFILL_TPS = 4000.0  # prompt tokens/s per engine with nothing decoding
@@ -80,7 +81,7 @@ def run(policy: str, load: float, engines: int, seconds: float, seed: int) -> di
         projected = None
         if policy == "predictive":
             try:
-                proj = predictor.judge(int(prompt * BYTES_PER_TOKEN), eligible, BUDGET_S)
+                proj = judge(predictor, int(prompt * BYTES_PER_TOKEN), eligible, BUDGET_S)
             except ApiError:
                 refused += 1
                 continue

@@ -15,6 +15,7 @@ from narwhal.router.config import EngineSpec
 from narwhal.router.engines import Engine, Pool
 from narwhal.router.lease import Events, Lease, Phase
 from narwhal.router.pipeline import intake
+from narwhal.router.policies import least_loaded
 from narwhal.router.request import CHAT
 
 REQ = intake.check(
@@ -36,7 +37,7 @@ def setup(
         released=lambda lease: heard.append(("released", lease.on.name)),
     )
     events.subscribe(finished=pool.answered, fault=pool.faulted)
-    return Admission(pool, 100, queue, wait_s, events), engines, heard
+    return Admission(pool, 100, queue, wait_s, events, instead=least_loaded), engines, heard
 
 
 def seats(engines: list[Engine]) -> list[tuple[int, int, int]]:
@@ -214,3 +215,29 @@ def test_faults_against_the_engine_eject_it_after_the_streak() -> None:
     assert faults == ["engine_error", "engine_stalled", "engine_disconnected"]
     assert not engines[0].healthy  # two strikes (eject_after=2); the error event was none
     assert seats(engines) == [(0, 0, 0)]
+
+
+def test_a_seat_is_taken_where_the_policy_says_when_its_engine_is_full() -> None:
+    """Admission takes seats and picks none: where the plan's engine has no seat free, the
+    policy names another among those that have (`Policy.instead`)."""
+    engines = [Engine(EngineSpec(f"e{i}"), f"http://e{i}", healthy=True) for i in range(3)]
+    asked: list[list[str]] = []
+
+    def last(room: list[Engine]) -> Engine:
+        asked.append([e.name for e in room])
+        return room[-1]
+
+    adm = Admission(Pool(engines, 1, 1, eject_after=2), 100, 4, 5.0, Events(), instead=last)
+
+    async def go() -> list[str]:
+        async with (
+            adm.place(REQ, 0.0, 1e9, prefer=engines[0], tokens=1) as first,
+            adm.place(REQ, 0.0, 1e9, prefer=engines[0], tokens=1) as second,
+        ):
+            return [first.on.name, second.on.name]
+
+    # The first goes where the plan said; the second's engine is full: the policy chose
+    # e2 of e1 and e2 (the least loaded would be e1, the first listed of two idle ones).
+    assert run(go) == ["e0", "e2"]
+    assert asked == [["e1", "e2"]]
+    assert seats(engines) == [(0, 0, 0)] * 3

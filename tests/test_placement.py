@@ -22,12 +22,13 @@ from narwhal.router.engines import Engine, Pool
 from narwhal.router.lease import Events, Lease
 from narwhal.router.pipeline import intake
 from narwhal.router.pipeline.judge import Judge
-from narwhal.router.policies import Plan
+from narwhal.router.policies import Plan, least_loaded
 from narwhal.router.policies.lengths import MIN_SAMPLES
 from narwhal.router.policies.predictive import PredictivePolicy
 from narwhal.router.policies.prefix_cache import PrefixCache
 from narwhal.router.policies.tpot import Streams
-from narwhal.router.predict import NoEngineKeepsPace, Predictor
+from narwhal.router.policies.ttft import NoEngineKeepsPace
+from narwhal.router.predict import Predictor
 from narwhal.router.request import CHAT, Request, Standing
 from narwhal.router.tenants.reserve import CriticalReserve
 from tests.support import measured
@@ -85,7 +86,9 @@ class Fleet:
         if tpot_target_s is not None and answers_seen:
             self.seen_answers(1000)
         self.pool = Pool(self.engines, prefill_limit=64, decode_limit=64)
-        self.admission = Admission(self.pool, 100, 10, 5.0, self.events)
+        self.admission = Admission(
+            self.pool, 100, 10, 5.0, self.events, instead=self.policy.instead
+        )
         self.loop = asyncio.new_event_loop()
         _loops.append(self.loop)
         self._open: list[object] = []
@@ -833,7 +836,7 @@ def test_an_engine_serving_two_models_learns_each_ones_prefill_rate() -> None:
         measured(p, RATE, 5.0)
     events = Events()
     predictor.watch(events)
-    admission = Admission(Pool(engines, 64, 64), 100, 10, 5.0, events)
+    admission = Admission(Pool(engines, 64, 64), 100, 10, 5.0, events, instead=least_loaded)
 
     def served(e: Engine, model: str, words_: int, rate: float) -> None:
         body = {"model": model, "messages": [{"role": "user", "content": words("w", words_)}]}

@@ -54,8 +54,13 @@ class Admission:
         queue_size: int,
         wait_s: float,
         events: Events | None = None,
+        *,
+        instead: Callable[[list[Engine]], Engine],
     ) -> None:
         self.pool = pool
+        # The policy's choice where its plan's engine has no seat free (`Policy.instead`):
+        # admission takes seats where it is told, and picks none itself.
+        self.instead = instead
         self.events = events or Events()
         self.retention_limit = retention_limit
         self.queue_size = queue_size
@@ -189,8 +194,8 @@ class Admission:
         self, prefer: Engine | None = None, exclude: frozenset[str] = frozenset()
     ) -> Engine | None:
         """Where a seat is taken now: `prefer` (the policy's choice) if it has phase room,
-        else the least-loaded eligible engine that has (none named in `exclude`); None when
-        none has. The seat counters it reads are this module's."""
+        else where the policy says among the eligible engines that have (none named in
+        `exclude`); None when none has. The seat counters it reads are this module's."""
         pool = self.pool
         room = [
             e
@@ -203,7 +208,7 @@ class Admission:
             return None
         if prefer is not None and prefer in room:
             return prefer
-        return min(room, key=lambda e: (e.prefill, e.inflight))
+        return self.instead(room)
 
     def _enqueue(self, lease: Lease) -> None:
         """A waiting lease's prompt counts as prefill ahead on the engine it was judged

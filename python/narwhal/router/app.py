@@ -55,9 +55,6 @@ class Router:
         self.managed = [e.managed for e in engines if e.managed is not None]
         # What happens to each lease reaches these three, subscribed here once.
         events = Events()
-        self.admission = Admission(
-            self.pool, config.http_retention_limit, config.queue_size, config.queue_wait_s, events
-        )
         self.predictor = (
             Predictor(engines, config.drift_bound, config.drift_min_samples, config.stale_after_s)
             if config.admission == "predictive"
@@ -67,6 +64,14 @@ class Router:
             list(config.tenant_keys), self.metrics, config.critical_reserve, config.ttft_budget_s
         )
         self.policy = choose(config, engines, self.predictor, self.tenants.reserve)
+        self.admission = Admission(
+            self.pool,
+            config.http_retention_limit,
+            config.queue_size,
+            config.queue_wait_s,
+            events,
+            instead=self.policy.instead,
+        )
         if self.predictor is not None:
             self.admission.overrun = self.policy.overrun  # the queue holds the TTFT budget
         events.subscribe(finished=self.pool.answered, fault=self.pool.faulted)

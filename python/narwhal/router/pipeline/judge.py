@@ -14,7 +14,7 @@ from narwhal.errors import ApiError
 from narwhal.router.decisions import Decision
 from narwhal.router.engines import Pool
 from narwhal.router.policies import OPEN_PLAN, Plan, Policy
-from narwhal.router.predict import NoEngineKeepsPace
+from narwhal.router.policies.ttft import NoEngineKeepsPace
 from narwhal.router.request import Request
 
 # A request that would wait less than this for an engine to keep pace is refused at once.

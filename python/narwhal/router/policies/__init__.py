@@ -4,7 +4,7 @@ A policy judges a request before it is placed (refusing it, or saying which engi
 prefers and what it expects there: a `Plan`), hears where it was placed, and learns from
 how it ended through the lease events it subscribed to at start.
 
-- `open`: every request is admitted; placement is admission's least-loaded pick.
+- `open`: every request is admitted, to the least-loaded engine with a seat.
 - `predictive`: TTFT projected per engine from learned profiles, counting only the prompt
   tokens each engine is expected to prefill (its prefix cache, `prefix_cache`), and the
   spec's 429s when no engine is projected to fit; conversations stay on their engine
@@ -90,3 +90,12 @@ class Policy(Protocol):
     def overrun(self, lease: Lease, engine: Engine, now: float) -> float | None:
         """How far past its TTFT budget the first token of a lease that waited for a seat
         would come if placed on `engine` now; None when in time (or nothing is projected)."""
+
+    def instead(self, room: list[Engine]) -> Engine:
+        """Where a seat is taken when the plan named no engine, or its engine has no seat
+        free now: one of `room` (the engines that have one; never empty)."""
+
+
+def least_loaded(room: list[Engine]) -> Engine:
+    """The engine with the fewest prompts in prefill, then the fewest requests in flight."""
+    return min(room, key=lambda e: (e.prefill, e.inflight))

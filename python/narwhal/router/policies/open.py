@@ -8,7 +8,7 @@ from typing import Any
 from narwhal.router.decisions import Decision
 from narwhal.router.engines import Engine
 from narwhal.router.lease import Events, Lease
-from narwhal.router.policies import OPEN_PLAN, Plan
+from narwhal.router.policies import OPEN_PLAN, Plan, least_loaded
 from narwhal.router.request import Request
 
 
@@ -41,3 +41,6 @@ class OpenPolicy:
 
     def overrun(self, lease: Lease, engine: Engine, now: float) -> float | None:
         return None  # it holds no budget
+
+    def instead(self, room: list[Engine]) -> Engine:
+        return least_loaded(room)

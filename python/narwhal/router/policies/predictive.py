@@ -22,12 +22,13 @@ from narwhal.router import decisions as why
 from narwhal.router.decisions import Decision
 from narwhal.router.engines import Engine
 from narwhal.router.lease import Events, Lease
-from narwhal.router.policies import Plan
+from narwhal.router.policies import Plan, least_loaded
 from narwhal.router.policies.lengths import Lengths
 from narwhal.router.policies.prefix_cache import Expectation, PrefixCache
 from narwhal.router.policies.sessions import Sessions
 from narwhal.router.policies.tpot import Charge, Streams
-from narwhal.router.predict import NoEngineKeepsPace, Predictor, Profile, Projection
+from narwhal.router.policies.ttft import NoEngineKeepsPace, judge
+from narwhal.router.predict import Predictor, Profile, Projection
 from narwhal.router.request import Request
 from narwhal.router.tenants.fair_queue import CLASSES
 from narwhal.router.tenants.reserve import CriticalReserve
@@ -133,7 +134,8 @@ class PredictivePolicy:
             record.session = req.session
         home = self.sessions.engine(req.session)
         paced = self.tpot_target_s is not None
-        proj = self.predictor.judge(
+        proj = judge(
+            self.predictor,
             req.prompt_bytes,
             engines,
             budget_s,
@@ -235,6 +237,12 @@ class PredictivePolicy:
         due *= self.predictor.margin(prof) * self.predictor.edge
         late = now + due - lease.ttft_by
         return late if late > 0 else None
+
+    def instead(self, room: list[Engine]) -> Engine:
+        # The engine judged best has no seat free (it was projected with its queue, and a
+        # queued request placed elsewhere is only faster than projected), or the plan named
+        # none (an engine not profiled yet): the least loaded.
+        return least_loaded(room)
 
     def placed(self, lease: Lease, plan: Plan) -> None:
         name = lease.on.name
