@@ -221,3 +221,31 @@ def test_prompts_cut_in_prefill_teach_the_fit_what_long_ones_take() -> None:
     assert prof.prefill_s(long) > 1.95
     assert prof.prefill_s(short) == pytest.approx(short_before, rel=0.05)
     assert (e.prefill, e.decode, e.prefill_tokens) == (0, 0, 0)
+
+
+def test_an_engine_that_cannot_vouch_for_a_size_is_judged_by_the_fleet_that_can() -> None:
+    """At a short budget an engine measures only the short prompts placed on it: its own
+    fit cannot vouch for a long one, and it admitted each long prompt it projected at
+    several times the budget as a guess, until it had measured one (and sized them by the
+    probe's prose while it had sized no client's text). Where another engine of the fleet
+    has measured such prompts, its profile judges them: the prompt alone over the budget is
+    refused, and sized as the fleet sizes clients' text."""
+    engines = [Engine(EngineSpec(n), f"http://{n}", healthy=True) for n in ("seen", "new")]
+    p = Predictor(engines)
+    seen, new = p.profiles["seen"], p.profiles["new"]
+    for tokens in (1000, 4000, 2000, 8000, 3000, 6000):  # 12 bytes a token, 4,000 tokens/s
+        seen.observe(tokens * 12, tokens, None, tokens / 4000, 0, 0.0)
+    new.observe(600 * 6, 600, None, 600 / 4000, 0, 0.0, probe=True)  # only the probe
+    assert seen.vouches(20_000) and not new.vouches(20_000)
+    prompt = 20_000 * 12  # 20k tokens: 5 s alone, over a 2 s budget on either engine
+    assert p.project(prompt, engines[1]).sure is False  # alone, it cannot tell
+    lender = p.lender(engines)
+    assert lender is seen
+    proj = p.project(prompt, engines[1], lender=lender)
+    assert proj.sure and proj.tokens == pytest.approx(20_000, abs=1)  # not 40k: the probe's
+    assert proj.own_s == pytest.approx(5.0, rel=0.05)
+    with pytest.raises(ApiError) as e:
+        judge(p, prompt, engines, 2.0)
+    assert (e.value.status, e.value.code) == (429, "prompt_exceeds_ttft_budget")
+    # A prompt the fleet has not measured the like of is still admitted, to learn.
+    assert judge(p, 60_000 * 12, [engines[1]], 2.0).engine is engines[1]

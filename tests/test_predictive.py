@@ -136,7 +136,10 @@ def profile(router: Server) -> dict[str, Any]:
 
 def test_profile_is_learned_from_live_traffic(router: Server) -> None:
     p = profile(router)
-    assert httpx.get(router.url + "/ready").json()["admission"] == "predictive"
+    ready = httpx.get(router.url + "/ready").json()
+    assert ready["admission"] == "predictive"
+    # What widens its projections: the learned edge and margin, never narrower than them.
+    assert ready["projection"]["edge"] >= 1.0 and p["margin"] >= 1.0 and p["sized_live"]
     assert p["bytes_per_token"] == pytest.approx(4.0, rel=0.05)
     # 1000/MS_PER_TOKEN tokens/s at best; HTTP and scheduling only make it slower.
     assert 100 < p["prefill_tokens_per_s"] <= 1000 / MS_PER_TOKEN * 1.05

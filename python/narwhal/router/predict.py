@@ -314,6 +314,7 @@ class Profile:
             # Prompts (fresh tokens) up to this size may be refused for their own prefill.
             "vouched_up_to_tokens": self.vouched_up_to,
             "drift": self.drift,
+            "sized_live": self.sized_live,
             "sizing_error": self.sizing_error,
             "correction": self.correction,
             "discarded_measurements": self.discarded,
@@ -555,25 +556,66 @@ class Predictor:
             drift = self.drift
         return min(MAX_MARGIN, math.exp(MARGIN_SPREAD * drift))
 
-    def size(self, prompt_bytes: int, e: Engine) -> int:
-        bpt = self.profiles[e.name].bytes_per_token or 4.0
-        return max(1, math.ceil(prompt_bytes / bpt))
+    def size(self, prompt_bytes: int, e: Engine, lender: Profile | None = None) -> int:
+        """A prompt's tokens: its bytes at the engine's bytes a token, or the lender's where
+        the engine has sized no client's text yet (only the probe's prose)."""
+        prof = self.profiles[e.name]
+        bpt = prof.bytes_per_token
+        if not prof.sized_live and lender is not None and lender.sized_live:
+            bpt = lender.bytes_per_token
+        return max(1, math.ceil(prompt_bytes / (bpt or 4.0)))
+
+    def describe(self) -> dict[str, float | int | None]:
+        """What widens every projection, for `/ready`: the learned edge, and the fleet's
+        typical miss (an engine's margin until it has its own; each engine's own margin is
+        beside its profile)."""
+        return {"edge": self.edge, "drift": self.drift, "drift_samples": self.drift_samples}
+
+    def lender(self, engines: list[Engine], model: str = "") -> Profile | None:
+        """Of `engines`' profiles (for `model`), the one that vouches for the largest prompts
+        (`Profile.vouched_up_to`); None where none vouches yet. The engines serve one model
+        with one tokenizer, on the same kind of device as a rule: an engine whose own
+        measurements cannot vouch for a prompt's size (it was placed on less, or little:
+        at a 1 s budget an engine measures only the short prompts it was given) is projected
+        with what the fleet measured, and one that has sized no client's text yet sizes it
+        as the fleet does. Without it, each engine in turn admitted prompts it projected
+        at several times the budget, as guesses, until it had measured one (the fleet
+        bench at 1 s: 9 served late, 5 abandoned a run, every one on such an engine, 4 of
+        them sized at twice their tokens by the probe's bytes a token)."""
+        best: Profile | None = None
+        for e in engines:
+            p = self.of_model(e, model) if model else self.profiles.get(e.name)
+            if p is None or p.prefill_tps is None or not p.vouched_up_to:
+                continue
+            if best is None or p.vouched_up_to > best.vouched_up_to:
+                best = p
+        return best
 
     def project(
-        self, prompt_bytes: int, e: Engine, cached: int = 0, rank: int = 2, model: str = ""
+        self,
+        prompt_bytes: int,
+        e: Engine,
+        cached: int = 0,
+        rank: int = 2,
+        model: str = "",
+        lender: Profile | None = None,
     ) -> Projection:
         """TTFT on `e` for a prompt of `prompt_bytes` of which `cached` tokens are expected
         to come from its prefix cache: the prefill ahead of it there (placed on the engine,
         and waiting in the router's queue for a seat there in its class `rank` or a higher
         one, which go first), how far the engine is behind its projections now, then what
         is left of this prompt (at least its last token: an engine always computes that),
-        at the rate of its `model` there where it has one of its own."""
-        tokens = self.size(prompt_bytes, e)
+        at the rate of its `model` there where it has one of its own. `lender`: what the
+        prompt is sized and its own prefill projected with where the engine's own
+        measurements cannot vouch for its size (`lender`)."""
+        tokens = self.size(prompt_bytes, e, lender)
         fresh = tokens - min(cached, tokens - 1)
         prof = self.profiles[e.name]
         if prof.prefill_tps is None:
             return Projection(e, fresh, None, None)
         mine = self.of_model(e, model) if model else prof
+        if lender is not None and not mine.vouches(fresh) and lender.vouches(fresh):
+            mine = lender
         own = mine.prefill_s(fresh, tokens) if mine.prefill_tps is not None else 0.0
         waiting = prof.ahead_s(sum(e.queued_tokens[: rank + 1]), sum(e.queued_sq[: rank + 1]))
         ahead = prof.ahead_s(e.prefill_tokens, e.prefill_sq) + e.behind_s(time.monotonic())

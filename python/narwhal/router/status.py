@@ -95,8 +95,10 @@ class Status:
         if reason is None and not r.pool.eligible():
             reason = "no placement-eligible engine"
         if r.predictor is not None:
+            body["projection"] = r.predictor.describe()
             for e in engines:
-                e["profile"] = r.predictor.profiles[str(e["name"])].describe()
+                prof = r.predictor.profiles[str(e["name"])]
+                e["profile"] = {**prof.describe(), "margin": r.predictor.margin(prof)}
                 own = r.predictor.models.get(str(e["name"]))
                 if own:
                     e["model_profiles"] = {m: p.describe() for m, p in own.items()}

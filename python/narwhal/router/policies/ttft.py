@@ -85,7 +85,11 @@ def judge(
     no request waits or is refused for it. `model`: the served model the prompt is for
     (its own prefill projected at that model's rate on an engine that serves several)."""
     cached = cached or {}
-    ps = [predictor.project(prompt_bytes, e, cached.get(e.name, 0), klass, model) for e in engines]
+    lender = predictor.lender(engines, model)
+    ps = [
+        predictor.project(prompt_bytes, e, cached.get(e.name, 0), klass, model, lender)
+        for e in engines
+    ]
     if record is not None:
         record.judged(budget_s, ps)
         if keeps_pace is not None:
