@@ -1,7 +1,8 @@
-"""The flow on its own, in process: the router's real stages wired as `narwhal serve` wires
-them, no socket (every request here ends before an engine is called). Each way a request
-ends is one row of `router/endings.py`, counted once: `narwhal_finished_total` adds up to
-`narwhal_offered_total`, and a refusal lands in its counter under its own label."""
+"""The flow and the placer on their own, in process: the router's real stages wired as
+`narwhal serve` wires them, no router socket (engines, where one is called, are real HTTP
+servers in the test's loop). Each way a request ends is one row of `router/endings.py`,
+counted once: `narwhal_finished_total` adds up to `narwhal_offered_total`, and a refusal
+lands in its counter under its own label."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from typing import Any
 
 import orjson
 import pytest
+from aiohttp import web
 
 from narwhal.errors import ApiError
 from narwhal.router.app import Router
@@ -105,3 +107,97 @@ def test_each_way_a_request_ends_before_an_engine_is_counted_once_under_its_row(
     assert sum(finished(r).values()) == sample(r, "narwhal_offered_total") == 4
     assert finished(r) == {"invalid": 1.0, "refused": 1.0, "rejected": 2.0}
     assert r.admission.retained == 0  # retention given back on every way out
+
+
+async def engine(status: int) -> tuple[web.AppRunner, str, list[int]]:
+    """An engine in the OpenAI dialect, in process (real HTTP): it answers every completion
+    `status` (429 with its own body and Retry-After), or a two-token stream."""
+    seen: list[int] = []
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        seen.append(status)
+        if status != 200:
+            return web.json_response(
+                {"error": {"message": "engine busy", "type": "x", "param": None, "code": None}},
+                status=status,
+                headers={"retry-after": "3"},
+            )
+        resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await resp.prepare(request)
+        for piece in ("a", "b"):
+            frame = {"id": "x", "object": "chat.completion.chunk", "created": 1, "model": "m"}
+            frame["choices"] = [{"index": 0, "delta": {"content": piece}, "finish_reason": None}]
+            await resp.write(b"data: " + orjson.dumps(frame) + b"\n\n")
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", completions)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    return runner, f"http://127.0.0.1:{port}", seen
+
+
+@pytest.mark.parametrize("second", [200, 429])
+def test_placement_takes_another_engine_when_one_answers_429(second: int) -> None:
+    """The placer, in process with the router's real relay: an engine's 429 sends the
+    request to another; where every engine answers 429, the last one's answer is the
+    client's, as the engine sent it, and the request ends `rejected{engine_busy}`."""
+
+    async def go() -> tuple[list[Any], Router, list[int], list[int]]:
+        (busy, busy_url, busy_seen), (other, other_url, other_seen) = (
+            await engine(429),
+            await engine(second),
+        )
+        r = Router(
+            parse(
+                {
+                    "model": "main",
+                    "admission": "open",
+                    "engines": [
+                        {"name": "a", "url": busy_url, "dialect": "openai"},
+                        {"name": "b", "url": other_url, "dialect": "openai"},
+                    ],
+                }
+            )
+        )
+        for e in r.pool.engines:
+            e.healthy = True
+        sent: list[Any] = []
+        body = orjson.dumps({"messages": [{"role": "user", "content": "hi"}], "stream": True})
+        got = asyncio.Event()
+
+        async def receive() -> dict[str, Any]:
+            if got.is_set():
+                await asyncio.sleep(3600)
+            got.set()
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        async def send(message: dict[str, Any]) -> None:
+            sent.append(message)
+
+        scope: dict[str, Any] = {"type": "http", "method": "POST", "headers": []}
+        try:
+            await r.flow("/v1/chat/completions", scope, receive, send)
+        finally:
+            r.relayer.close()
+            await busy.cleanup()
+            await other.cleanup()
+        return sent, r, busy_seen, other_seen
+
+    sent, r, busy_seen, other_seen = asyncio.run(go())
+    assert busy_seen == [429] and other_seen == [second]  # each asked once, a first
+    status = sent[0]["status"]
+    text = b"".join(m.get("body", b"") for m in sent)
+    if second == 200:
+        assert status == 200 and b'"a"' in text and b"[DONE]" in text
+        assert finished(r) == {"completed": 1.0}
+    else:
+        assert status == 429 and b"engine busy" in text
+        assert (b"retry-after", b"3") in sent[0]["headers"]
+        assert finished(r) == {"rejected": 1.0}
+        assert sample(r, "narwhal_rejected_total", reason="engine_busy", model="main") == 1
