@@ -332,11 +332,8 @@ class Projection:
     guarded_s: float | None = None
     waiting_s: float = 0.0  # of total_s, the prefill still waiting in the router's queue
     # The engine's profile vouches for this prompt's size (`Profile.vouches`): the projection
-    # may refuse it. Else it only places it, after the engines that are sure.
+    # may refuse it. Else it only places it.
     sure: bool = True
-    # Its own prefill is projected by measurements that vouch for its size, the engine's or
-    # the fleet's (`Predictor.lender`): it may be refused for its own length.
-    vouched: bool = True
 
 
 class Predictor:
@@ -579,16 +576,12 @@ class Predictor:
         (`Profile.vouched_up_to`); None where none vouches yet. The engines serve one model
         with one tokenizer, on the same kind of device as a rule: an engine whose own
         measurements cannot vouch for a prompt's size (it was placed on less, or little:
-        at a 1 s budget an engine measures only the short prompts it was given) projects
-        the prompt's own prefill with what the fleet measured, so that a prompt too long for
-        the budget alone is refused, and one that has sized no client's text yet sizes it
+        at a 1 s budget an engine measures only the short prompts it was given) is projected
+        with what the fleet measured, and one that has sized no client's text yet sizes it
         as the fleet does. Without it, each engine in turn admitted prompts it projected
         at several times the budget, as guesses, until it had measured one (the fleet
         bench at 1 s: 9 served late, 5 abandoned a run, every one on such an engine, 4 of
-        them sized at twice their tokens by the probe's bytes a token). It is not refused
-        for load on a borrowed curve, and comes after the engines that are sure of the
-        prompt: ranked on a curve another engine fitted, it took work it then served late
-        (a 4x run at 5 s: 13 late first tokens against none)."""
+        them sized at twice their tokens by the probe's bytes a token)."""
         best: Profile | None = None
         for e in engines:
             p = self.of_model(e, model) if model else self.profiles.get(e.name)
@@ -614,24 +607,22 @@ class Predictor:
         is left of this prompt (at least its last token: an engine always computes that),
         at the rate of its `model` there where it has one of its own. `lender`: what the
         prompt is sized and its own prefill projected with where the engine's own
-        measurements cannot vouch for its size (`Predictor.lender`): it may then be
-        refused for its own length, but the engine still comes after those that are sure
-        (a borrowed curve is only as right for this engine as the fleet is alike)."""
+        measurements cannot vouch for its size (`lender`)."""
         tokens = self.size(prompt_bytes, e, lender)
         fresh = tokens - min(cached, tokens - 1)
         prof = self.profiles[e.name]
         if prof.prefill_tps is None:
             return Projection(e, fresh, None, None)
         mine = self.of_model(e, model) if model else prof
-        sure = mine.vouches(fresh)
-        if lender is not None and not sure and lender.vouches(fresh):
+        if lender is not None and not mine.vouches(fresh) and lender.vouches(fresh):
             mine = lender
         own = mine.prefill_s(fresh, tokens) if mine.prefill_tps is not None else 0.0
         waiting = prof.ahead_s(sum(e.queued_tokens[: rank + 1]), sum(e.queued_sq[: rank + 1]))
         ahead = prof.ahead_s(e.prefill_tokens, e.prefill_sq) + e.behind_s(time.monotonic())
         total = own + ahead + waiting
+        sure = mine.vouches(fresh)
         guarded = total * self.margin(prof) * self.edge
-        return Projection(e, fresh, own, total, guarded, waiting, sure, mine.vouches(fresh))
+        return Projection(e, fresh, own, total, guarded, waiting, sure)
 
 
 def _take(

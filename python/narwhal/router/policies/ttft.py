@@ -172,11 +172,9 @@ def _noted(
 def _within_budget(ps: list[Projection], budget_s: float, share: float = 1.0) -> list[Projection]:
     """The projections within the TTFT budget, or the spec's 429 when there are none. An
     engine whose profile does not vouch for the prompt's size fits while what is ahead of
-    the prompt there does: it is admitted to, and learns, rather than refusing on a guess.
-    The prompt alone over the budget is refused where every engine's projection of it rests
-    on measurements that vouch for its size, the engine's own or the fleet's."""
+    the prompt there does: it is admitted to, and learns, rather than refusing on a guess."""
     unsure = [p for p in ps if not p.sure]
-    if all(p.vouched for p in ps) and min(p.own_s or 0.0 for p in ps) > budget_s / share:
+    if not unsure and min(p.own_s or 0.0 for p in ps) > budget_s / share:
         fastest = min(ps, key=lambda p: p.own_s or 0.0)
         raise ApiError(
             429,
