@@ -110,18 +110,34 @@ class PredictivePolicy:
             self.predictor.profiles[e.name] if e is not None else None for e in self._slots
         ]
 
+    @staticmethod
+    def _bytes_per_token(p: Profile | None, lender: Profile | None) -> float | None:
+        """An engine's bytes a token for its cache picture: its own once it sized clients'
+        text, else the lender's (`Predictor.size` sizes the same way)."""
+        if p is None:
+            return None
+        if not p.sized_live and lender is not None and lender.sized_live:
+            return lender.bytes_per_token
+        return p.bytes_per_token
+
     def judge(
         self, req: Request, engines: list[Engine], budget_s: float, record: Decision | None = None
     ) -> Plan:
         blocks = None
         expected: dict[str, Expectation] = {}
+        # An engine that has not sized clients' text, or measured prompts of this size, is
+        # judged by the fleet's measurements (`Predictor.lender`): its cache expectation is
+        # sized as its projection is.
+        lender = self.predictor.lender(engines, req.served)
         if self.cache is not None:
             text = req.prefix_text()
             blocks = self.cache.blocks(text)
             if len(blocks):
-                bpt = [p.bytes_per_token if p is not None else None for p in self._profiles]
+                bpt = [self._bytes_per_token(p, lender) for p in self._profiles]
                 size = self.predictor.size
-                sized = [size(req.prompt_bytes, e) if e is not None else 0 for e in self._slots]
+                sized = [
+                    size(req.prompt_bytes, e, lender) if e is not None else 0 for e in self._slots
+                ]
                 held = self.cache.expect(blocks, len(text), sized, bpt)
                 expected = {
                     name: x
@@ -148,6 +164,7 @@ class PredictivePolicy:
             record,
             not paced or self._pace_sure(req.standing.tenant, engines),
             req.served,
+            lender,
         )
         if paced and any(self._waiting[: req.standing.order]):
             # A request of a higher class (or of a tenant within its fair share, where

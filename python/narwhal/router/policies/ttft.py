@@ -14,7 +14,7 @@ from narwhal.errors import ApiError
 from narwhal.router import decisions as why
 from narwhal.router.endings import End
 from narwhal.router.engines import Engine
-from narwhal.router.predict import Predictor, Projection
+from narwhal.router.predict import Predictor, Profile, Projection
 
 if TYPE_CHECKING:
     from narwhal.router.decisions import Decision
@@ -66,6 +66,7 @@ def judge(
     record: Decision | None = None,
     pace_sure: bool = True,
     model: str = "",
+    lender: Profile | None = None,
 ) -> Projection:
     """The best projection within budget, or the spec's 429 refusals. `cached` says
     per engine name how many of the prompt's tokens its cache is expected to serve;
@@ -83,9 +84,12 @@ def judge(
     `record`, where given, is told what was weighed and chosen, and why. Without
     `pace_sure` (what holds the engines' streams is not measured yet) pace only ranks:
     no request waits or is refused for it. `model`: the served model the prompt is for
-    (its own prefill projected at that model's rate on an engine that serves several)."""
+    (its own prefill projected at that model's rate on an engine that serves several);
+    `lender`: what an engine that cannot vouch for the prompt's size is judged by (None:
+    `predictor.lender(engines, model)`)."""
     cached = cached or {}
-    lender = predictor.lender(engines, model)
+    if lender is None:
+        lender = predictor.lender(engines, model)
     ps = [
         predictor.project(prompt_bytes, e, cached.get(e.name, 0), klass, model, lender)
         for e in engines
