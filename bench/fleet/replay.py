@@ -511,10 +511,12 @@ def run_door(
                 env=door.env,
                 start_new_session=True,
                 stdout=subprocess.DEVNULL,
-                # One log a cell, kept: the access lines say what each request was projected
-                # and measured (`--dump` has the client's side).
+                # One log a cell, kept (beside the dump where there is one): the access lines
+                # say what each request was projected and measured (`projected_ms`,
+                # `own_ms`, `due_ms`, `tokens_sized` beside `ttfb_ms`, `tokens_in`); the
+                # dump has the client's side.
                 stderr=open(  # noqa: SIM115
-                    Path(tempfile.gettempdir()) / f"fleet-{door.name}-{load:g}x-r{run}.log", "wb"
+                    cell_log(a.dump, door.name, load, run), "wb"
                 ),
             )
             url = f"http://127.0.0.1:{door.port}"
@@ -546,6 +548,14 @@ def run_door(
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
     return res
+
+
+def cell_log(dump: Path | None, door: str, load: float, run: int) -> Path:
+    """Where a door's stderr goes for one cell: beside the dump, or in the temp folder."""
+    folder = dump if dump is not None else Path(tempfile.gettempdir())
+    folder.mkdir(parents=True, exist_ok=True)
+    prefix = "" if dump is not None else "fleet-"
+    return folder / f"{prefix}{door}-{load:g}x-r{run}.log"
 
 
 async def reset_counters_only(engines: list[str]) -> None:
@@ -789,7 +799,10 @@ def main() -> None:
         "run and with the same clients (an A/B of a router change)",
     )
     ap.add_argument(
-        "--dump", type=Path, help="a folder: one JSONL per door and load, a line a request"
+        "--dump",
+        type=Path,
+        help="a folder: one JSONL per door and load, a line a request, and each door's log "
+        "a cell (a router's access lines)",
     )
     ap.add_argument(
         "--models",
