@@ -81,7 +81,13 @@ def run(policy: str, load: float, engines: int, seconds: float, seed: int) -> di
         projected = None
         if policy == "predictive":
             try:
-                proj = judge(predictor, int(prompt * BYTES_PER_TOKEN), eligible, BUDGET_S)
+                proj = judge(
+                    predictor,
+                    int(prompt * BYTES_PER_TOKEN),
+                    eligible,
+                    BUDGET_S,
+                    lender=predictor.lender(eligible),
+                )
             except ApiError:
                 refused += 1
                 continue

@@ -16,7 +16,7 @@ import time
 from types import SimpleNamespace
 from typing import Any
 
-from narwhal.router.pipeline import Ending
+from narwhal.router.endings import End, Ending
 from narwhal.router.tracing import RequestTrace
 from narwhal.telemetry import Settings, Tracing
 from tests.otlp_receiver import Receiver
@@ -38,7 +38,7 @@ def lease(now: float) -> Any:
 def per_request_us(tracing: Tracing, n: int) -> float:
     fields = {"engine": "e0", "ttfb_ms": 50.0, "projected_ms": 60.0, "tokens_in": 500}
     end = Ending()
-    end.outcome = "completed"
+    end.end = End.COMPLETED
     started = time.process_time()
     for _ in range(n):
         now = time.monotonic()

@@ -180,13 +180,16 @@ def test_what_a_leader_published_is_taken_only_as_finite_numbers_in_range() -> N
     assert p.project(90 * 4, e).guarded_s <= before * 1.5
 
 
-def test_prompts_cut_in_prefill_teach_the_fit_what_long_ones_take() -> None:
+@pytest.mark.parametrize("cached", [0, 10_000])
+def test_prompts_cut_in_prefill_teach_the_fit_what_long_ones_take(cached: int) -> None:
     """A router measures only the prompts it admits: at a short budget, only short ones,
     and a fit of a few noisy short prompts can project a long one far too short (attention
     makes it slower). Admitted on that projection, a long prompt's client gives up before
     its first token; the prompt had run longer than the fit said, and the fit is shown so
     (at a 1 s budget in the fleet bench: prompts of 12-24k tokens admitted, then abandoned
-    at 2 s, one after another). A prompt cut before the fit's time teaches nothing."""
+    at 2 s, one after another). A prompt cut before the fit's time teaches nothing. Where
+    placement expected part of it from the engine's cache, what was cut is the rest of it,
+    after that part."""
 
     def h200(fresh: int) -> float:  # the simulator's curve: a half rate at 12k of context
         return 0.02 + (fresh + fresh**2 / 24_000) / 15_000
@@ -202,23 +205,24 @@ def test_prompts_cut_in_prefill_teach_the_fit_what_long_ones_take() -> None:
     for fresh, k in zip(sizes, noise, strict=True):
         prof.observe(fresh * 4, fresh, h200(fresh) * k, h200(fresh) * k, 0, 0.0)
     long, short = 20_000, 2000
-    before, short_before = prof.prefill_s(long), prof.prefill_s(short)
-    assert before < 0.7 * h200(long)  # far too hopeful
+    before, short_before = prof.prefill_s(long, long + cached), prof.prefill_s(short)
+    assert prof.prefill_s(long) < 0.7 * h200(long)  # far too hopeful
 
     def cut_after(ran_s: float) -> None:
         async def go() -> None:
             async with adm.place(REQ, 0.0, 1e9, tokens=long) as lease:
+                lease.cached_expected = cached
                 # Sent `ran_s` ago, no first token yet: the client leaves now.
                 lease.measured.sent_at = time.monotonic() - ran_s
 
         asyncio.run(go())
 
-    cut_after(0.5 * before)  # before its time: no news
-    assert prof.prefill_s(long) == pytest.approx(before)
+    cut_after(0.6 * before)  # before its time: no news
+    assert prof.prefill_s(long, long + cached) == pytest.approx(before)
     cut_after(2.0)  # abandoned at twice a 1 s budget
     # It projects at least the 2 s its client waited (and short prompts as before): at a
     # 1 s budget it is refused for its own prefill, not admitted to be abandoned.
-    assert prof.prefill_s(long) > 1.95
+    assert prof.prefill_s(long, long + cached) > 1.95
     assert prof.prefill_s(short) == pytest.approx(short_before, rel=0.05)
     assert (e.prefill, e.decode, e.prefill_tokens) == (0, 0, 0)
 
@@ -245,7 +249,7 @@ def test_an_engine_that_cannot_vouch_for_a_size_is_judged_by_the_fleet_that_can(
     assert proj.sure and proj.tokens == pytest.approx(20_000, abs=1)  # not 40k: the probe's
     assert proj.own_s == pytest.approx(5.0, rel=0.05)
     with pytest.raises(ApiError) as e:
-        judge(p, prompt, engines, 2.0)
+        judge(p, prompt, engines, 2.0, lender=lender)
     assert (e.value.status, e.value.code) == (429, "prompt_exceeds_ttft_budget")
     # A prompt the fleet has not measured the like of is still admitted, to learn.
-    assert judge(p, 60_000 * 12, [engines[1]], 2.0).engine is engines[1]
+    assert judge(p, 60_000 * 12, [engines[1]], 2.0, lender=lender).engine is engines[1]

@@ -27,7 +27,7 @@ from narwhal.router.lease import Events
 from narwhal.router.metrics import RouterMetrics
 from narwhal.router.models import Catalog
 from narwhal.router.pipeline.flow import Flow
-from narwhal.router.pipeline.gate import Gate, not_taking
+from narwhal.router.pipeline.gate import Gate, not_leading, not_taking
 from narwhal.router.pipeline.judge import Judge
 from narwhal.router.pipeline.place import Placer
 from narwhal.router.policies.choose import choose
@@ -247,7 +247,7 @@ class Router:
 
     def _turn_away(self) -> None:
         lead = self.leadership
-        self.admission.turn_away(lambda: not_taking(lead.role.value, lead.reason))
+        self.admission.turn_away(lambda: not_taking(not_leading(lead.role), lead.reason))
 
     async def shutdown(self) -> None:
         await self._resign()

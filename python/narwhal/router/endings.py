@@ -39,6 +39,8 @@ from narwhal.errors import ApiError
 class End(enum.Enum):
     """A row: (outcome, label)."""
 
+    _value_: tuple[str, str | None]
+
     COMPLETED = ("completed", None)
     STREAM_FAULT = ("stream_fault", None)
     ENGINE_ERROR = ("engine_error", None)
@@ -64,11 +66,11 @@ class End(enum.Enum):
 
     @property
     def outcome(self) -> str:
-        return self.value[0]  # type: ignore[no-any-return]
+        return self._value_[0]
 
     @property
     def label(self) -> str | None:
-        return self.value[1]  # type: ignore[no-any-return]
+        return self._value_[1]
 
 
 # The outcomes, in the order `narwhal_finished_total` is drawn.

@@ -242,10 +242,7 @@ class Profile:
             self.sized_live = self.sized_live or not probe
         seconds = self._sample_s(prefill_s, fresh or 0, prompt_tokens or 0, queued)
         if prompt_tokens and fresh and seconds is not None:
-            fit = self.fit.add(fresh, prompt_tokens, seconds)
-            self.prefill_tps, self.overhead_s, self.quad_s = fit
-            self.prefill_samples += 1
-            self.largest_measured = max(self.largest_measured, fresh)
+            self._sample(fresh, prompt_tokens, seconds)
         if decode_tokens > 1 and decode_s > 0:
             self.tpot_s = _ewma(self.tpot_s, decode_s / (decode_tokens - 1))
         if decode_tokens:
@@ -262,16 +259,25 @@ class Profile:
         curve never shown one). Whether it taught the fit."""
         if self.prefill_tps is None or fresh <= 0 or ran_s <= 0:
             return False
-        quad = prompt * prompt - (prompt - fresh) ** 2
-        expected = self.overhead_s + fresh / self.prefill_tps + self.quad_s * quad
+        expected = self._fitted_s(fresh, prompt)
         ran = ran_s + self.overhead_s if queued else ran_s
         if ran <= expected:
             return False  # no news: it was cut before the fit said it would end
-        fit = self.fit.add(fresh, prompt, min(ran, expected * QUEUED_CLIP))
-        self.prefill_tps, self.overhead_s, self.quad_s = fit
+        self._sample(fresh, prompt, min(ran, expected * QUEUED_CLIP))
+        return True
+
+    def _fitted_s(self, fresh: int, prompt: int) -> float:
+        """The fit's prefill of `fresh` tokens of a `prompt`, uncorrected (what a sample is
+        held against; prefill_tps must be known)."""
+        assert self.prefill_tps is not None
+        quad = prompt * prompt - (prompt - fresh) ** 2
+        return self.overhead_s + fresh / self.prefill_tps + self.quad_s * quad
+
+    def _sample(self, fresh: int, prompt: int, seconds: float) -> None:
+        """One prefill sample taken into the fit."""
+        self.prefill_tps, self.overhead_s, self.quad_s = self.fit.add(fresh, prompt, seconds)
         self.prefill_samples += 1
         self.largest_measured = max(self.largest_measured, fresh)
-        return True
 
     def _sample_s(
         self, prefill_s: float | None, fresh: int, prompt: int, queued: bool
@@ -291,8 +297,7 @@ class Profile:
             return prefill_s
         if self.prefill_tps is None:
             return None
-        quad = prompt * prompt - (prompt - fresh) ** 2
-        expected = self.overhead_s + fresh / self.prefill_tps + self.quad_s * quad
+        expected = self._fitted_s(fresh, prompt)
         seconds = prefill_s + self.overhead_s
         return min(max(seconds, expected / QUEUED_CLIP), expected * QUEUED_CLIP)
 
@@ -474,9 +479,9 @@ class Predictor:
         if lease.prefill_cut and lease.faulted in (None, "deadline_exceeded"):
             prof = self.profiles.get(lease.on.name)
             if prof is not None and lease.prefill_s is not None:
-                tokens = lease.tokens or lease.request.estimated_prompt_tokens()
-                fresh = tokens - min(lease.cached_expected or 0, tokens - 1)
-                prof.cut(fresh, tokens, lease.prefill_s, lease.queued)
+                # Sized as placed: the tokens it was to prefill, and the cache before them.
+                fresh = lease.tokens or lease.request.estimated_prompt_tokens()
+                prof.cut(fresh, fresh + (lease.cached_expected or 0), lease.prefill_s, lease.queued)
 
     def _learn(self, lease: Lease) -> None:
         e = lease.on
@@ -557,12 +562,8 @@ class Predictor:
         return min(MAX_MARGIN, math.exp(MARGIN_SPREAD * drift))
 
     def size(self, prompt_bytes: int, e: Engine, lender: Profile | None = None) -> int:
-        """A prompt's tokens: its bytes at the engine's bytes a token, or the lender's where
-        the engine has sized no client's text yet (only the probe's prose)."""
-        prof = self.profiles[e.name]
-        bpt = prof.bytes_per_token
-        if not prof.sized_live and lender is not None and lender.sized_live:
-            bpt = lender.bytes_per_token
+        """A prompt's tokens at the engine's bytes a token (`bytes_per_token`)."""
+        bpt = bytes_per_token(self.profiles[e.name], lender)
         return max(1, math.ceil(prompt_bytes / (bpt or 4.0)))
 
     def describe(self) -> dict[str, float | int | None]:
@@ -607,7 +608,7 @@ class Predictor:
         is left of this prompt (at least its last token: an engine always computes that),
         at the rate of its `model` there where it has one of its own. `lender`: what the
         prompt is sized and its own prefill projected with where the engine's own
-        measurements cannot vouch for its size (`lender`)."""
+        measurements cannot vouch for its size (`Predictor.lender`)."""
         tokens = self.size(prompt_bytes, e, lender)
         fresh = tokens - min(cached, tokens - 1)
         prof = self.profiles[e.name]
@@ -623,6 +624,14 @@ class Predictor:
         sure = mine.vouches(fresh)
         guarded = total * self.margin(prof) * self.edge
         return Projection(e, fresh, own, total, guarded, waiting, sure)
+
+
+def bytes_per_token(prof: Profile, lender: Profile | None) -> float | None:
+    """What a prompt is sized by on an engine with profile `prof`: its own bytes a token,
+    or the lender's where it has sized no client's text yet (only the probe's prose)."""
+    if not prof.sized_live and lender is not None and lender.sized_live:
+        return lender.bytes_per_token
+    return prof.bytes_per_token
 
 
 def _take(

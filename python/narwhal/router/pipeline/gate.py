@@ -10,7 +10,7 @@ from __future__ import annotations
 from narwhal.errors import ApiError, unavailable
 from narwhal.router.endings import End
 from narwhal.router.engines import Pool
-from narwhal.router.ha.leadership import Leadership
+from narwhal.router.ha.leadership import Leadership, Role
 from narwhal.router.ha.maintenance import Maintenance
 from narwhal.router.models import Catalog
 from narwhal.router.policies import Policy
@@ -37,16 +37,17 @@ class Gate:
         eligible = self.pool.eligible()
         return self.policy.degraded(eligible) if eligible else None
 
-    def unavailable(self) -> tuple[str, str] | None:
-        """Why this router takes no completion request now: (code, reason), or None."""
+    def unavailable(self) -> tuple[End, str] | None:
+        """Why this router takes no completion request now: (how the request ends, the
+        reason), or None."""
         why = self.leadership.serving()
         if why is not None:
-            return self.leadership.role.value, why
+            return not_leading(self.leadership.role), why
         if self.maintenance.whole:
-            return "maintenance", "whole-wave maintenance: every engine is in the wave"
+            return End.MAINTENANCE, "whole-wave maintenance: every engine is in the wave"
         degraded = self.degraded()
         if degraded is not None:
-            return "monitoring_degraded", "monitoring-degraded: " + degraded
+            return End.MONITORING_DEGRADED, "monitoring-degraded: " + degraded
         return None
 
     def check(self) -> None:
@@ -58,7 +59,7 @@ class Gate:
         """Raises the retryable 503 unless this router may still place work."""
         why = self.leadership.serving()
         if why is not None:
-            raise not_taking(self.leadership.role.value, why)
+            raise not_taking(not_leading(self.leadership.role), why)
 
     def cannot_serve(self, req: Request) -> frozenset[str]:
         """The engines that cannot serve the request: not its model, or not its route (a 404
@@ -79,9 +80,24 @@ class Gate:
         return names | route
 
 
-def not_taking(code: str, reason: str) -> ApiError:
+def not_leading(role: Role) -> End:
+    """How a request ends at a router that may not place work in `role` (its label the
+    role's name; a leader whose lease lapsed is fenced by then)."""
+    return _NOT_LEADING[role]
+
+
+_NOT_LEADING = {
+    Role.STANDBY: End.STANDBY,
+    Role.FENCED: End.FENCED,
+    Role.STOPPING: End.STOPPING,
+    Role.LEADER: End.FENCED,
+}
+
+
+def not_taking(row: End, reason: str) -> ApiError:
     """The retryable 503 (`errors.unavailable`): this router takes no completion request
-    now (why: `reason`); the request ends rejected, labelled `code`."""
+    now (why: `reason`); the request ends as `row` says, its label the error's code."""
+    code = row.label or row.outcome
     return unavailable(f"this router takes no requests now ({reason}); retry shortly", code).ended(
-        End(("rejected", code))
+        row
     )

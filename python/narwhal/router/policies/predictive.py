@@ -28,7 +28,7 @@ from narwhal.router.policies.prefix_cache import Expectation, PrefixCache
 from narwhal.router.policies.sessions import Sessions
 from narwhal.router.policies.tpot import Charge, Streams
 from narwhal.router.policies.ttft import NoEngineKeepsPace, judge
-from narwhal.router.predict import Predictor, Profile, Projection
+from narwhal.router.predict import Predictor, Profile, Projection, bytes_per_token
 from narwhal.router.request import Request
 from narwhal.router.tenants.fair_queue import CLASSES
 from narwhal.router.tenants.reserve import CriticalReserve
@@ -110,16 +110,6 @@ class PredictivePolicy:
             self.predictor.profiles[e.name] if e is not None else None for e in self._slots
         ]
 
-    @staticmethod
-    def _bytes_per_token(p: Profile | None, lender: Profile | None) -> float | None:
-        """An engine's bytes a token for its cache picture: its own once it sized clients'
-        text, else the lender's (`Predictor.size` sizes the same way)."""
-        if p is None:
-            return None
-        if not p.sized_live and lender is not None and lender.sized_live:
-            return lender.bytes_per_token
-        return p.bytes_per_token
-
     def judge(
         self, req: Request, engines: list[Engine], budget_s: float, record: Decision | None = None
     ) -> Plan:
@@ -133,7 +123,9 @@ class PredictivePolicy:
             text = req.prefix_text()
             blocks = self.cache.blocks(text)
             if len(blocks):
-                bpt = [self._bytes_per_token(p, lender) for p in self._profiles]
+                bpt = [
+                    bytes_per_token(p, lender) if p is not None else None for p in self._profiles
+                ]
                 size = self.predictor.size
                 sized = [
                     size(req.prompt_bytes, e, lender) if e is not None else 0 for e in self._slots

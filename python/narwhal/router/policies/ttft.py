@@ -85,11 +85,9 @@ def judge(
     `pace_sure` (what holds the engines' streams is not measured yet) pace only ranks:
     no request waits or is refused for it. `model`: the served model the prompt is for
     (its own prefill projected at that model's rate on an engine that serves several);
-    `lender`: what an engine that cannot vouch for the prompt's size is judged by (None:
-    `predictor.lender(engines, model)`)."""
+    `lender`: what an engine that cannot vouch for the prompt's size is judged by
+    (`Predictor.lender`; None: its own measurements only)."""
     cached = cached or {}
-    if lender is None:
-        lender = predictor.lender(engines, model)
     ps = [
         predictor.project(prompt_bytes, e, cached.get(e.name, 0), klass, model, lender)
         for e in engines
