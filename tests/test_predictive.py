@@ -29,6 +29,15 @@ def prompt(tokens: int) -> str:
     return head + "x" * (tokens * 4 - len(head))
 
 
+def slow_prompt() -> str:
+    """20 tokens the engine prefills in 0.8 s, 20 times slower than `prompt`'s; each its own
+    text, so that each is scored against its projection (a prompt sent again is projected
+    from the engine's cache until the engine's answer says it held none, a race with the
+    client's next request)."""
+    head = f"script:prefill:40:{uuid.uuid4().hex}"
+    return head + "x" * (20 * 4 - len(head))
+
+
 def chat(content: str, **kw: Any) -> dict[str, Any]:
     return support_chat(content, stream=True, **kw)
 
@@ -256,11 +265,10 @@ engines:
 def test_drift_beyond_its_bound_is_monitoring_degraded(drifting: Server) -> None:
     assert httpx.get(drifting.url + "/ready").status_code == 200
     # The engine turns 20x slower than the router learned: predictions miss by far.
-    slow = "script:prefill:40:" + "x" * 62  # 20 tokens, 0.8 s
     status = 200
     for _ in range(6):
         status = httpx.post(
-            drifting.url + "/v1/chat/completions", json=chat(slow), timeout=30
+            drifting.url + "/v1/chat/completions", json=chat(slow_prompt()), timeout=30
         ).status_code
         if status != 200:
             break
@@ -293,9 +301,10 @@ engines:
     try:
         for _ in range(3):
             httpx.post(r.url + "/v1/chat/completions", json=chat(prompt(100)), timeout=30)
-        slow = "script:prefill:40:" + "x" * 62
         statuses = [
-            httpx.post(r.url + "/v1/chat/completions", json=chat(slow), timeout=30).status_code
+            httpx.post(
+                r.url + "/v1/chat/completions", json=chat(slow_prompt()), timeout=30
+            ).status_code
             for _ in range(4)
         ]
         assert 503 in statuses
