@@ -129,7 +129,7 @@ FLOORS: dict[int, tuple[str, ...]] = {
     # judgement: projections, ledgers and the policies that decide
     2: ("predict", "policies"),
     # the stages a request passes, and the relay
-    3: ("pipeline", "relay", "profiling"),
+    3: ("pipeline", "relay", "profiling", "warming"),
     # the wiring: the app, its programs and the fleet's assembly
     4: (
         "app",

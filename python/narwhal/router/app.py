@@ -37,6 +37,7 @@ from narwhal.router.relay.relayer import Relayer
 from narwhal.router.request import ROUTES
 from narwhal.router.status import Status
 from narwhal.router.tenants.registry import Tenants, client_keys
+from narwhal.router.warming import Warmer
 from narwhal.telemetry import tracing_of
 
 log = logging.getLogger("narwhal.router")
@@ -90,7 +91,24 @@ class Router:
         self.client_keys = tuple(k.encode() for k in keys)
         self._ha(config)
         self.gate = Gate(self.leadership, self.maintenance, self.pool, self.policy, self.catalog)
-        self.judge = Judge(self.policy, self.pool, self.metrics.paced_waits.inc)
+        self.warmer = (
+            Warmer(
+                self.policy,
+                self.pool,
+                self.admission,
+                self.relayer,
+                self.leadership,
+                self.metrics.warmed,
+            )
+            if self.predictor is not None and config.warm_refused
+            else None
+        )
+        self.judge = Judge(
+            self.policy,
+            self.pool,
+            self.metrics.paced_waits.inc,
+            self.warmer.offer if self.warmer is not None else None,
+        )
         self.fleet = Fleet(
             config,
             self.pool,
@@ -226,6 +244,8 @@ class Router:
                 self.leadership,
             )
             bg.start("profiling", profiler.run_forever)
+        if self.warmer is not None:
+            bg.start("warming", self.warmer.run_forever)
             self.pool.on_healthy.append(lambda e: profiler.wake())
 
     async def _take_over(self) -> None:

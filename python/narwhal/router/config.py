@@ -144,6 +144,9 @@ class RouterConfig:
     drift_min_samples: int = 5
     stale_after_s: float = 120.0
     probe_interval_s: float = 10.0
+    # A prompt refused for its TTFT is prefilled anyway on an engine with room, so that its
+    # conversation's next turn (or the client's retry) finds it in cache (router/warming.py).
+    warm_refused: bool = True
     # Mean time per output token to keep: placement avoids engines where a new prompt's
     # prefill would push their streams past it; None: TTFT alone decides.
     tpot_target_s: float | None = None
@@ -470,6 +473,7 @@ _FIELDS = {
     ("predictive", "drift_min_samples"): "drift_min_samples",
     ("predictive", "stale_after_s"): "stale_after_s",
     ("predictive", "probe_interval_s"): "probe_interval_s",
+    ("predictive", "warm_refused"): "warm_refused",
     ("predictive", "tpot_target_s"): "tpot_target_s",
     ("predictive", "sheddable_headroom"): "sheddable_headroom",
     ("predictive", "critical_reserve"): "critical_reserve",

@@ -81,6 +81,7 @@ SCHEMA: dict[str, Any] = {
                 "drift_min_samples": _pos_int,
                 "stale_after_s": _pos_num,
                 "probe_interval_s": _pos_num,
+                "warm_refused": {"type": "boolean"},
                 "tpot_target_s": _pos_num,
                 "sheddable_headroom": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
                 "critical_reserve": {"type": "number", "minimum": 0, "exclusiveMaximum": 1},

@@ -66,6 +66,13 @@ class RouterMetrics:
             ["task"],
             registry=r,
         )
+        self.warmed = Counter(
+            "narwhal_warmed_prompts",
+            "Prompts refused for their TTFT and prefilled anyway on an engine with room, by "
+            "outcome (warmed, no_room, failed)",
+            ["outcome"],
+            registry=r,
+        )
         self.paced_waits = Counter(
             "narwhal_paced_waits",
             "Requests that waited in the router for an engine to keep its streams' TPOT target",

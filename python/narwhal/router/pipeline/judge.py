@@ -23,10 +23,19 @@ TTFT_REFUSALS = frozenset({"ttft_budget_exceeded", "prompt_exceeds_ttft_budget"}
 
 
 class Judge:
-    def __init__(self, policy: Policy, pool: Pool, on_paced_wait: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        policy: Policy,
+        pool: Pool,
+        on_paced_wait: Callable[[], None],
+        on_refused: Callable[[Request, frozenset[str]], None] | None = None,
+    ) -> None:
         self.policy = policy
         self.pool = pool
         self.on_paced_wait = on_paced_wait  # once per request that waited for pace
+        # Told of each request refused for its TTFT at once (not after waiting for pace),
+        # with the engines that cannot serve it (`warming.Warmer.offer`).
+        self.on_refused = on_refused
 
     async def plan(
         self,
@@ -66,6 +75,8 @@ class Judge:
                 # Waiting used up the budget: the reason is still the pace.
                 if deferred is not None and e.code in TTFT_REFUSALS:
                     raise deferred from None
+                if e.code in TTFT_REFUSALS and self.on_refused is not None:
+                    self.on_refused(req, cannot)
                 raise
             if deferred is not None and plan.predicted_s is not None and plan.predicted_s > left:
                 # A profile that cannot vouch for the prompt's size places it wherever what

@@ -95,6 +95,10 @@ class Policy(Protocol):
         """Where a seat is taken when the plan named no engine, or its engine has no seat
         free now: one of `room` (the engines that have one; never empty)."""
 
+    def warming(self, req: Request, engines: list[Engine]) -> Plan | None:
+        """Where `req`, just refused for its TTFT, may be prefilled anyway (its answer
+        discarded) so that its prompt is in cache when it comes again; None: nowhere."""
+
 
 def least_loaded(room: list[Engine]) -> Engine:
     """The engine with the fewest prompts in prefill, then the fewest requests in flight."""

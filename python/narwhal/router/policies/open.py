@@ -44,3 +44,6 @@ class OpenPolicy:
 
     def instead(self, room: list[Engine]) -> Engine:
         return least_loaded(room)
+
+    def warming(self, req: Request, engines: list[Engine]) -> Plan | None:
+        return None  # it refuses nothing for its TTFT

@@ -46,6 +46,11 @@ COLD_TAU0_SHARE = 0.5
 # Places among requests waiting for pace: a class each (critical, standard, sheddable),
 # and within one a tenant over its fair share after the rest.
 ORDERS = 6
+# A prompt refused for its TTFT is warmed (`warming`) where its own prefill takes at most
+# this many TTFT budgets (beyond, an engine is held from new work too long for a turn that
+# may never come), unless an engine holds this share of it already.
+WARM_MAX = 4.0
+WARM_HELD = 0.9
 
 
 class PredictivePolicy:
@@ -113,29 +118,11 @@ class PredictivePolicy:
     def judge(
         self, req: Request, engines: list[Engine], budget_s: float, record: Decision | None = None
     ) -> Plan:
-        blocks = None
-        expected: dict[str, Expectation] = {}
         # An engine that has not sized clients' text, or measured prompts of this size, is
         # judged by the fleet's measurements (`Predictor.lender`): its cache expectation is
         # sized as its projection is.
         lender = self.predictor.lender(engines, req.served)
-        if self.cache is not None:
-            text = req.prefix_text()
-            blocks = self.cache.blocks(text)
-            if len(blocks):
-                bpt = [
-                    bytes_per_token(p, lender) if p is not None else None for p in self._profiles
-                ]
-                size = self.predictor.size
-                sized = [
-                    size(req.prompt_bytes, e, lender) if e is not None else 0 for e in self._slots
-                ]
-                held = self.cache.expect(blocks, len(text), sized, bpt)
-                expected = {
-                    name: x
-                    for name, x in zip(self.cache.names, held, strict=True)
-                    if x.blocks and name is not None
-                }
+        blocks, expected = self._expect(req, lender)
         cached = {name: x.tokens for name, x in expected.items()}
         if record is not None:
             record.expected = cached
@@ -183,6 +170,69 @@ class PredictivePolicy:
             charge,
             proj.own_s,
         )
+
+    def _expect(
+        self, req: Request, lender: Profile | None
+    ) -> tuple[PromptBlocks | None, dict[str, Expectation]]:
+        """The prompt's blocks, and per engine what its cache is expected to serve of them
+        (engines expected to hold nothing are absent)."""
+        if self.cache is None:
+            return None, {}
+        text = req.prefix_text()
+        blocks = self.cache.blocks(text)
+        if not len(blocks):
+            return blocks, {}
+        bpt = [bytes_per_token(p, lender) if p is not None else None for p in self._profiles]
+        size = self.predictor.size
+        sized = [size(req.prompt_bytes, e, lender) if e is not None else 0 for e in self._slots]
+        held = self.cache.expect(blocks, len(text), sized, bpt)
+        return blocks, {
+            name: x
+            for name, x in zip(self.cache.names, held, strict=True)
+            if x.blocks and name is not None
+        }
+
+    def warming(self, req: Request, engines: list[Engine]) -> Plan | None:
+        """Where a prompt just refused for its TTFT is prefilled anyway, its answer thrown
+        away, so that the conversation's next turn (or the client's retry: OpenAI's SDKs
+        retry a 429) finds it in cache: an engine with nothing ahead of it, a seat free,
+        whose streams keep pace beside its prefill as beside a request of the lowest class,
+        and whose prefill of it takes at most WARM_MAX budgets; the conversation's engine
+        first, then the one that holds most of it, then the least loaded. None where no
+        engine has that room, or one holds most of the prompt already. At half load on the
+        production trace at a 1 s budget, a conversation whose first long turn was refused
+        had every later turn refused for its history's length, while a router that served
+        the first turn late served the later ones from cache (bench/README.md)."""
+        if req.passthrough or self.cache is None:
+            return None
+        lender = self.predictor.lender(engines, req.served)
+        blocks, expected = self._expect(req, lender)
+        if blocks is None or not len(blocks):
+            return None
+        lowest = len(CLASSES) - 1
+        paced = self._paced(1.0, lowest) if self.tpot_target_s is not None else None
+        home = self.sessions.engine(req.session)
+        best: tuple[tuple[bool, float, int], Projection] | None = None
+        for e in engines:
+            held = expected.get(e.name)
+            p = self.predictor.project(
+                req.prompt_bytes, e, held.tokens if held else 0, lowest, req.served, lender
+            )
+            if held is not None and held.tokens >= WARM_HELD * (p.tokens + held.tokens):
+                return None  # there already
+            if e.prefill or any(e.queued_tokens) or p.own_s is None:
+                continue  # work ahead of it there, or nothing measured to size it by
+            if p.own_s > WARM_MAX * self.budget_s or (paced is not None and not paced(p)):
+                continue
+            key = (e.name != home, -(held.tokens if held else 0), e.inflight)
+            if best is None or key < best[0]:
+                best = (key, p)
+        if best is None:
+            return None
+        p = best[1]
+        stall = self._stall_s(p) if self.tpot_target_s is not None else None
+        charge = self.streams[p.engine.name].charge(stall) if stall is not None else None
+        return Plan(p.engine, p.tokens, p.total_s, blocks, expected, req.session, charge, p.own_s)
 
     def _pace_sure(self, tenant: str, engines: list[Engine]) -> bool:
         """Whether the ledger's verdicts rest on measured answer lengths, so that a request
