@@ -1,16 +1,17 @@
-"""Warming: a prompt refused for its TTFT is prefilled anyway where an engine has room, its
-answer thrown away, so that it is in that engine's prefix cache when it comes again.
+"""Warming: a conversation's prompt refused for its TTFT is prefilled anyway where an engine
+has room, its answer thrown away, so that it is in that engine's prefix cache when the
+conversation comes back.
 
 A refusal for the prompt's length is final for that request, but not for its conversation:
 the next turn carries the same history and more, and a router that refused the first turn
 of a long conversation refused every later one for the same history's length, while a
-router that served the first turn (late) served the later ones from cache. The client's
-retry of a 429 (OpenAI's SDKs retry twice) is the same prompt again. So where the policy
-finds an engine with nothing ahead and its streams' pace to spare (`Policy.warming`), the
-prompt goes there with one output token asked for, placed like any request (a lease from
-admission, the leader's fencing token, the cache picture and the conversation's engine told
-where it went), and relayed to nowhere; the predictor learns its prefill from it as from any
-answer. Only the leader warms; at most WARM_AT_ONCE prompts at once, one an engine.
+router that served the first turn (late) served the later ones from cache. So where the
+policy finds an engine with nothing ahead and its streams' pace to spare while the fleet
+has room (`Policy.warming`), the prompt goes there with one output token asked for, placed
+like any request (a lease from admission, the leader's fencing token, the cache picture and
+the conversation's engine told where it went), and relayed to nowhere; the predictor learns
+its prefill from it as from any answer. Only the leader warms; at most a WARM_SHARE of the
+engines at once, one prompt an engine.
 """
 
 from __future__ import annotations

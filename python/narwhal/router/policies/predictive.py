@@ -51,6 +51,8 @@ ORDERS = 6
 # may never come), unless an engine holds this share of it already.
 WARM_MAX = 4.0
 WARM_HELD = 0.9
+# ... and only while at least this share of the engines has nothing ahead of a new prompt.
+WARM_IDLE = 0.5
 
 
 class PredictivePolicy:
@@ -193,18 +195,24 @@ class PredictivePolicy:
         }
 
     def warming(self, req: Request, engines: list[Engine]) -> Plan | None:
-        """Where a prompt just refused for its TTFT is prefilled anyway, its answer thrown
-        away, so that the conversation's next turn (or the client's retry: OpenAI's SDKs
-        retry a 429) finds it in cache: an engine with nothing ahead of it, a seat free,
-        whose streams keep pace beside its prefill as beside a request of the lowest class,
-        and whose prefill of it takes at most WARM_MAX budgets; the conversation's engine
-        first, then the one that holds most of it, then the least loaded. None where no
-        engine has that room, or one holds most of the prompt already. At half load on the
-        production trace at a 1 s budget, a conversation whose first long turn was refused
-        had every later turn refused for its history's length, while a router that served
-        the first turn late served the later ones from cache (bench/README.md)."""
-        if req.passthrough or self.cache is None:
-            return None
+        """Where a conversation's prompt just refused for its TTFT is prefilled anyway, its
+        answer thrown away, so that the conversation's next turn finds its history in cache:
+        while at least WARM_IDLE of the engines have nothing ahead, an engine with nothing
+        ahead, a seat free, whose streams keep pace beside the prefill as beside a request of
+        the lowest class, and whose prefill of it takes at most WARM_MAX budgets; the
+        conversation's engine first, then the one that holds most of it, then the least
+        loaded. None where there is no such room, or an engine holds most of the prompt
+        already, or the request names no conversation (a client's retry of the 429 comes
+        within a second or two, before a prompt too long for the budget is prefilled). At
+        half load on the production trace at a 1 s budget, a conversation whose first long
+        turn was refused had every later turn refused for its history's length, while a
+        router that served the first turn late served the later ones from cache
+        (bench/README.md)."""
+        if req.passthrough or self.cache is None or req.session is None:
+            return None  # no conversation to come back (a retry alone came too soon: below)
+        idle = [e for e in engines if not e.prefill and not any(e.queued_tokens)]
+        if len(idle) < WARM_IDLE * len(engines):
+            return None  # the fleet's room is for the live requests coming now
         lender = self.predictor.lender(engines, req.served)
         blocks, expected = self._expect(req, lender)
         if blocks is None or not len(blocks):

@@ -1,0 +1,138 @@
+"""A prompt refused for its TTFT is warmed (router/warming.py): prefilled anyway on an
+engine with room, so that the client's retry and the conversation's next turn are served
+from that engine's cache. The router in front of one simulated GPU engine with a prefix
+cache (bench/fleet/server.py)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.support import (
+    ROOT,
+    Server,
+    free_port,
+    sse_frames,
+    start_router,
+    wait_http,
+    wait_until,
+)
+
+pytestmark = pytest.mark.slow
+
+SIM = [sys.executable, "-m", "bench.fleet.server"]
+# Every simulated step twice as long: 10k tokens/s of prefill becomes 5k. The router learns
+# the rate from prompts of TEACH words (one token each), which vouch for prompts up to four
+# times theirs; a prompt of LONG words then takes about 1.2 s alone, over the 1 s budget.
+TEACH = 2000
+LONG = 6000
+
+
+def words(tag: str, n: int) -> str:
+    return " ".join(f"{tag}{i}" for i in range(n))
+
+
+def warmed(r: Server) -> float:
+    for line in httpx.get(r.url + "/metrics").text.splitlines():
+        if line.startswith('narwhal_warmed_prompts_total{outcome="warmed"}'):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def post(r: Server, messages: list[dict[str, str]], session: str) -> httpx.Response:
+    """A streamed chat turn of conversation `session`, its usage asked for."""
+    body = {
+        "model": "main",
+        "messages": messages,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "max_tokens": 2,
+    }
+    return httpx.post(
+        r.url + "/v1/chat/completions", json=body, headers={"x-session-id": session}, timeout=60
+    )
+
+
+def cached_tokens(resp: httpx.Response) -> int:
+    usage = [f["usage"] for f in sse_frames(resp.text) if isinstance(f, dict) and f.get("usage")]
+    return int(usage[-1]["prompt_tokens_details"]["cached_tokens"])
+
+
+def fleet(tmp: Path, warm: bool) -> Iterator[Server]:
+    port = free_port()
+    sim = subprocess.Popen(
+        [*SIM, "--engines", "1", "--port", str(port), "--time-scale", "2"],
+        cwd=ROOT,
+        start_new_session=True,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_http(url + "/health", sim, 30)
+        r = start_router(
+            tmp,
+            f"""
+model: main
+listen: {{port: $PORT}}
+admission: predictive
+predictive: {{ttft_budget_s: 1.0, warm_refused: {str(warm).lower()}}}
+engines:
+  - {{name: gpu, url: '{url}', dialect: vllm}}
+""",
+        )
+        try:
+            for i in range(4):  # the engine's prefill rate, measured on prompts of its own
+                got = post(r, [{"role": "user", "content": words(f"t{i}-", TEACH)}], f"t{i}")
+                assert got.status_code == 200, got.text
+            yield r
+        finally:
+            r.stop()
+    finally:
+        sim.terminate()
+        sim.wait(10)
+
+
+@pytest.fixture
+def router(tmp_path: Path) -> Iterator[Server]:
+    yield from fleet(tmp_path, warm=True)
+
+
+def test_a_refused_prompt_is_warmed_and_its_retry_and_next_turn_served_from_cache(
+    router: Server,
+) -> None:
+    history = [{"role": "user", "content": words("h0-", LONG)}]
+    first = post(router, history, "conv")
+    assert first.status_code == 429, first.text
+    assert first.json()["error"]["code"] == "prompt_exceeds_ttft_budget"
+    # The refusal is the client's at once; the engine prefills the prompt meanwhile.
+    wait_until(lambda: warmed(router) == 1, 30)
+
+    retry = post(router, history, "conv")
+    assert retry.status_code == 200, retry.text
+    assert cached_tokens(retry) >= LONG // 2
+
+    turn = [
+        *history,
+        {"role": "assistant", "content": "noted"},
+        {"role": "user", "content": words("q0-", 40)},
+    ]
+    following = post(router, turn, "conv")
+    assert following.status_code == 200, following.text
+    assert cached_tokens(following) >= LONG // 2
+
+
+def test_without_warming_the_retry_is_refused_again(tmp_path: Path) -> None:
+    for r in fleet(tmp_path, warm=False):
+        history = [{"role": "user", "content": words("h0-", LONG)}]
+        for _ in range(2):
+            got = post(r, history, "conv")
+            assert got.status_code == 429, got.text
+            assert got.json()["error"]["code"] == "prompt_exceeds_ttft_budget"
+        assert (
+            'narwhal_warmed_prompts_total{outcome="warmed"}'
+            not in httpx.get(r.url + "/metrics").text
+        )
