@@ -116,9 +116,11 @@ class Warmer:
         deadline = now + WARM_DEADLINE_PROJECTIONS * (plan.predicted_s or 0.0)
         outcome = "failed"
         try:
-            async with self.admission.place_on(
-                e, req, now, deadline, plan.tokens, plan.predicted_s
-            ) as lease:
+            # Placed with no projection: a warm's is an extrapolation no admission rests
+            # on, and scored it widened every live request's margin (the bench at 1x: 13
+            # prompts of 4-9k tokens refused that were served without warming). Its
+            # prefill still teaches the fit.
+            async with self.admission.place_on(e, req, now, deadline, plan.tokens) as lease:
                 if lease is None:
                     outcome = "no_room"  # live traffic came first
                     return
