@@ -79,7 +79,7 @@ def fleet(tmp: Path, warm: bool) -> Iterator[Server]:
 model: main
 listen: {{port: $PORT}}
 admission: predictive
-predictive: {{ttft_budget_s: 1.0, warm_refused: {str(warm).lower()}}}
+predictive: {{ttft_budget_s: 1.0, tpot_target_s: 0.5, warm_refused: {str(warm).lower()}}}
 engines:
   - {{name: gpu, url: '{url}', dialect: vllm}}
 """,
@@ -110,6 +110,9 @@ def test_a_refused_prompt_is_warmed_and_its_retry_and_next_turn_served_from_cach
     assert first.json()["error"]["code"] == "prompt_exceeds_ttft_budget"
     # The refusal is the client's at once; the engine prefills the prompt meanwhile.
     wait_until(lambda: warmed(router) == 1, 30)
+    # Its one token is nobody's answer: how long answers run is learned from the four
+    # taught ones alone.
+    assert httpx.get(router.url + "/ready").json()["lengths"]["ended"] == 4
 
     retry = post(router, history, "conv")
     assert retry.status_code == 200, retry.text

@@ -127,6 +127,7 @@ class Lease:
         "request",
         "tokens",
         "ttft_by",
+        "warm",
     )
 
     def __init__(
@@ -178,6 +179,9 @@ class Lease:
         # a cache-aware plan sized it (written by placement once seated; None: no such plan).
         self.cached_expected: int | None = None
         self.probe = False  # the router's own profiling probe, not a client's request
+        # The router's warm of a refused prompt (router/warming.py): its one output token
+        # says nothing of how long answers run.
+        self.warm = False
         self.measured = Measured()
 
     @property

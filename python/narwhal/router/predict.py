@@ -511,7 +511,7 @@ class Predictor:
             m.prompt_tokens,
             m.first_at - m.sent_at if m.first_at else None,
             lease.prefill_s,
-            m.output_tokens,
+            0 if lease.warm else m.output_tokens,
             m.decode_s,
             predicted_s,
             cached_tokens=m.cached_tokens or 0,

@@ -77,7 +77,14 @@ class Warmer:
         cap = max(1, int(WARM_SHARE * len(self.pool.eligible())))
         if not engines or len(self._running) >= cap or self._jobs.full():
             return
-        plan = self.policy.warming(req, engines)
+        try:
+            plan = self.policy.warming(req, engines)
+        except Exception:
+            # The request's own answer is the 429 it was given: a warm that cannot be
+            # planned is logged and counted, never its error.
+            log.exception("planning a warm failed")
+            self.outcomes.labels("failed").inc()
+            return
         if plan is None or plan.prefer is None:
             return
         self._jobs.put_nowait((req, plan))
@@ -125,6 +132,7 @@ class Warmer:
                     outcome = "no_room"  # live traffic came first
                     return
                 lease.fence = self.leadership.token
+                lease.warm = True
                 self.policy.placed(lease, plan)
                 await self.relayer.run(lease, _discard)
                 outcome = "warmed" if lease.measured.first_at else "failed"

@@ -411,7 +411,8 @@ class PredictivePolicy:
             ledger.decoding(entry, lease.measured.first_at, lease.measured.tally)
 
     def _finished(self, lease: Lease) -> None:
-        self.lengths.observe(lease.request.standing.tenant, lease.measured.output_tokens)
+        if not lease.warm:
+            self.lengths.observe(lease.request.standing.tenant, lease.measured.output_tokens)
         self._reported(lease)
 
     def _released(self, lease: Lease) -> None:
