@@ -85,6 +85,18 @@ def test_a_shared_prefix_is_served_from_cache_once_computed() -> None:
     assert (gpu.prompt_tokens, gpu.cached_tokens) == (90, 40)
 
 
+def test_a_prompt_cancelled_in_its_prefill_leaves_only_what_it_computed_cached() -> None:
+    gpu = Gpu(MODEL)  # 100 prompt tokens a step
+    long = text("p", 250)
+    gpu.submit(cut := seq(long))
+    gpu.plan()  # one chunk of 100 computed: ten blocks
+    cut.cancelled = True
+    gpu.plan()  # dropped at the next step
+    gpu.submit(again := seq(long))
+    gpu.plan()
+    assert again.cached_tokens == 100
+
+
 def test_least_recently_used_prefixes_are_evicted_from_their_tail() -> None:
     small = GpuModel(**{**MODEL.__dict__, "kv_blocks": 12})
     gpu = Gpu(small)

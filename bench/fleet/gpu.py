@@ -260,15 +260,23 @@ class Gpu:
     def _release(self, s: Seq) -> None:
         self.running.remove(s)
         self.private_blocks -= s.pinned
+        # Only blocks whose every token was computed hold anything: a sequence cancelled in
+        # its prefill (its client gone) leaves the blocks it had not reached empty, as
+        # vLLM caches a block only once it is full and computed. (Before 2026-12-06 all of
+        # an abandoned prompt became cached, and a door that admitted what it then served
+        # too late to keep found the next turn in cache anyway.)
+        computed = min(s.prefilled, s.prompt_tokens) // self.model.block_tokens
         # Deepest first into the LRU order, so a prefix is evicted from its tail.
-        for h in reversed(s.hashes):
+        for i in range(len(s.hashes) - 1, -1, -1):
+            h = s.hashes[i]
             n = self.pins[h] - 1
             if n:
                 self.pins[h] = n
             else:
                 del self.pins[h]
                 self.pinned_blocks -= 1
-                self.free_cached[h] = None
+                if i < computed:
+                    self.free_cached[h] = None
 
     def _drop_cancelled(self) -> None:
         for s in [s for s in self.running if s.cancelled]:
