@@ -124,9 +124,8 @@ class Warmer:
         outcome = "failed"
         try:
             # Placed with no projection: a warm's is an extrapolation no admission rests
-            # on, and scored it widened every live request's margin (the bench at 1x: 13
-            # prompts of 4-9k tokens refused that were served without warming). Its
-            # prefill still teaches the fit.
+            # on, and its miss is not one the margin live requests are judged by should
+            # carry. Its prefill still teaches the fit, as any measured prompt does.
             async with self.admission.place_on(e, req, now, deadline, plan.tokens) as lease:
                 if lease is None:
                     outcome = "no_room"  # live traffic came first
