@@ -3,6 +3,7 @@ stopped, and the HTTP helpers that read what they answer."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -10,7 +11,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,25 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+@contextlib.contextmanager
+def simulated_engine(*args: str) -> Iterator[str]:
+    """One simulated GPU engine (bench/fleet/server.py, the vLLM dialect, a prefix cache)
+    on a free port, `args` its cost model's; its URL, for as long as the block runs."""
+    port = free_port()
+    sim = subprocess.Popen(
+        [sys.executable, "-m", "bench.fleet.server", "--engines", "1", "--port", str(port), *args],
+        cwd=ROOT,
+        start_new_session=True,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_http(url + "/health", sim, 30)
+        yield url
+    finally:
+        sim.terminate()
+        sim.wait(10)
 
 
 def wait_until(cond: Callable[[], bool], within: float) -> None:

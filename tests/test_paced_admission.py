@@ -3,8 +3,6 @@ simulated GPU engine (bench/fleet/server.py, chunked prefill beside decoding str
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -15,20 +13,16 @@ import pytest
 
 from narwhal.router.policies.lengths import MIN_SAMPLES
 from tests.support import (
-    ROOT,
     Server,
     chat,
-    free_port,
     metric,
+    simulated_engine,
     sse_frames,
     start_router,
-    wait_http,
     wait_idle,
 )
 
 pytestmark = pytest.mark.slow
-
-SIM = [sys.executable, "-m", "bench.fleet.server"]
 
 
 def words(tag: str, n: int) -> str:
@@ -37,16 +31,8 @@ def words(tag: str, n: int) -> str:
 
 @pytest.fixture(scope="module")
 def router(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    port = free_port()
     # Every simulated step twice as long: a 6,000-token prefill takes about 2.4 s.
-    sim = subprocess.Popen(
-        [*SIM, "--engines", "1", "--port", str(port), "--time-scale", "2"],
-        cwd=ROOT,
-        start_new_session=True,
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_http(url + "/health", sim, 30)
+    with simulated_engine("--time-scale", "2") as url:
         r = start_router(
             Path(tmp_path_factory.mktemp("paced")),
             f"""
@@ -71,9 +57,6 @@ engines:
             yield r
         finally:
             r.stop()
-    finally:
-        sim.terminate()
-        sim.wait(10)
 
 
 def test_a_long_prefill_waits_for_a_short_stream_to_end_then_is_served(router: Server) -> None:

@@ -5,8 +5,7 @@ cache (bench/fleet/server.py)."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
+import contextlib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,21 +13,19 @@ import httpx
 import pytest
 
 from tests.support import (
-    ROOT,
     Server,
-    free_port,
+    simulated_engine,
     sse_frames,
     start_router,
-    wait_http,
     wait_until,
 )
 
 pytestmark = pytest.mark.slow
 
-SIM = [sys.executable, "-m", "bench.fleet.server"]
-# Every simulated step twice as long: 10k tokens/s of prefill becomes 5k. The router learns
-# the rate from prompts of TEACH words (one token each), which vouch for prompts up to four
-# times theirs; a prompt of LONG words then takes about 1.2 s alone, over the 1 s budget.
+# The simulated engine prefills 10k tokens/s, `scale` times slower. The router learns the
+# rate from prompts of TEACH words (one token each), which vouch for prompts up to four
+# times theirs; a prompt of LONG words then takes 0.6 s x scale alone (at a scale of 2,
+# 1.2 s: over a 1 s budget).
 TEACH = 2000
 LONG = 6000
 
@@ -37,9 +34,9 @@ def words(tag: str, n: int) -> str:
     return " ".join(f"{tag}{i}" for i in range(n))
 
 
-def warmed(r: Server) -> float:
+def warmed(r: Server, outcome: str = "warmed") -> float:
     for line in httpx.get(r.url + "/metrics").text.splitlines():
-        if line.startswith('narwhal_warmed_prompts_total{outcome="warmed"}'):
+        if line.startswith(f'narwhal_warmed_prompts_total{{outcome="{outcome}"}}'):
             return float(line.rsplit(" ", 1)[1])
     return 0.0
 
@@ -63,23 +60,20 @@ def cached_tokens(resp: httpx.Response) -> int:
     return int(usage[-1]["prompt_tokens_details"]["cached_tokens"])
 
 
-def fleet(tmp: Path, warm: bool) -> Iterator[Server]:
-    port = free_port()
-    sim = subprocess.Popen(
-        [*SIM, "--engines", "1", "--port", str(port), "--time-scale", "2"],
-        cwd=ROOT,
-        start_new_session=True,
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_http(url + "/health", sim, 30)
+@contextlib.contextmanager
+def fleet(
+    tmp: Path, warm: bool, scale: float = 2, budget_s: float = 1.0
+) -> Iterator[tuple[Server, str]]:
+    """The router in front of one simulated engine `scale` times slower, its rate learned;
+    the router and the engine's URL."""
+    with simulated_engine("--time-scale", str(scale)) as url:
         r = start_router(
             tmp,
             f"""
 model: main
 listen: {{port: $PORT}}
 admission: predictive
-predictive: {{ttft_budget_s: 1.0, tpot_target_s: 0.5, warm_refused: {str(warm).lower()}}}
+predictive: {{ttft_budget_s: {budget_s}, tpot_target_s: 0.5, warm_refused: {str(warm).lower()}}}
 engines:
   - {{name: gpu, url: '{url}', dialect: vllm}}
 """,
@@ -88,17 +82,15 @@ engines:
             for i in range(4):  # the engine's prefill rate, measured on prompts of its own
                 got = post(r, [{"role": "user", "content": words(f"t{i}-", TEACH)}], f"t{i}")
                 assert got.status_code == 200, got.text
-            yield r
+            yield r, url
         finally:
             r.stop()
-    finally:
-        sim.terminate()
-        sim.wait(10)
 
 
 @pytest.fixture
 def router(tmp_path: Path) -> Iterator[Server]:
-    yield from fleet(tmp_path, warm=True)
+    with fleet(tmp_path, warm=True) as (r, _):
+        yield r
 
 
 def test_a_refused_prompt_is_warmed_and_its_retry_and_next_turn_served_from_cache(
@@ -129,7 +121,7 @@ def test_a_refused_prompt_is_warmed_and_its_retry_and_next_turn_served_from_cach
 
 
 def test_without_warming_the_retry_is_refused_again(tmp_path: Path) -> None:
-    for r in fleet(tmp_path, warm=False):
+    with fleet(tmp_path, warm=False) as (r, _):
         history = [{"role": "user", "content": words("h0-", LONG)}]
         for _ in range(2):
             got = post(r, history, "conv")
@@ -139,3 +131,18 @@ def test_without_warming_the_retry_is_refused_again(tmp_path: Path) -> None:
             'narwhal_warmed_prompts_total{outcome="warmed"}'
             not in httpx.get(r.url + "/metrics").text
         )
+
+
+def test_a_live_request_seated_where_a_warm_runs_makes_it_yield(tmp_path: Path) -> None:
+    # Five times slower: the warm's prefill takes 3 s, over the 2.5 s budget.
+    with fleet(tmp_path, warm=True, scale=5, budget_s=2.5) as (r, engine):
+        seen = httpx.get(engine + "/sim/stats").json()["prompt_tokens"]
+        history = [{"role": "user", "content": words("h0-", LONG)}]
+        assert post(r, history, "conv").status_code == 429
+        # The warm is in the engine's prefill: a live request is projected as if it were
+        # not, is placed there, and does not wait behind it.
+        wait_until(lambda: httpx.get(engine + "/sim/stats").json()["prompt_tokens"] > seen, 30)
+        live = post(r, [{"role": "user", "content": words("l0-", 200)}], "other")
+        assert live.status_code == 200, live.text
+        wait_until(lambda: warmed(r, "yielded") == 1, 30)
+        assert warmed(r) == 0

@@ -171,6 +171,7 @@ class Router:
             self.relayer,
             self.metrics.queue_time,
             self.tenants,
+            self.warmer.yield_to if self.warmer is not None else None,
         )
         return Flow(
             config,

@@ -69,7 +69,7 @@ class RouterMetrics:
         self.warmed = Counter(
             "narwhal_warmed_prompts",
             "Prompts refused for their TTFT and prefilled anyway on an engine with room, by "
-            "outcome (warmed, no_room, failed)",
+            "outcome (warmed, yielded to a live request, no_room, failed)",
             ["outcome"],
             registry=r,
         )

@@ -476,7 +476,8 @@ class Predictor:
         due = lease.ttft_by
         if due is not None and not lease.measured.first_at and time.monotonic() > due:
             self._score(True)
-        if lease.prefill_cut and lease.faulted in (None, "deadline_exceeded"):
+        # A warm cut short yielded to a live request: it says nothing of how long it takes.
+        if lease.prefill_cut and lease.faulted in (None, "deadline_exceeded") and not lease.warm:
             prof = self.profiles.get(lease.on.name)
             if prof is not None and lease.prefill_s is not None:
                 # Sized as placed: the tokens it was to prefill, and the cache before them.

@@ -64,7 +64,7 @@ class Warmer:
         self.admission = admission
         self.relayer = relayer
         self.leadership = leadership
-        self.outcomes = outcomes  # counted by outcome: warmed, no_room, failed
+        self.outcomes = outcomes  # counted by outcome: warmed, yielded, no_room, failed
         self._jobs: asyncio.Queue[tuple[Request, Plan]] = asyncio.Queue(maxsize=1)
         self._running: dict[str, asyncio.Task[None]] = {}  # engine name -> its warm
 
@@ -105,6 +105,13 @@ class Warmer:
             for task in list(self._running.values()):
                 task.cancel()
 
+    def yield_to(self, engine: str) -> None:
+        """A live request was seated on `engine`: a warm there stops, so that the live one
+        does not wait behind it."""
+        task = self._running.get(engine)
+        if task is not None:
+            task.cancel()
+
     def _start(self, name: str, req: Request, plan: Plan) -> None:
         task = asyncio.create_task(self._warm(req, plan), name=f"warm-{name}")
         self._running[name] = task
@@ -123,10 +130,12 @@ class Warmer:
         deadline = now + WARM_DEADLINE_PROJECTIONS * (plan.predicted_s or 0.0)
         outcome = "failed"
         try:
-            # Placed with no projection: a warm's is an extrapolation no admission rests
-            # on, and its miss is not one the margin live requests are judged by should
-            # carry. Its prefill still teaches the fit, as any measured prompt does.
-            async with self.admission.place_on(e, req, now, deadline, plan.tokens) as lease:
+            # Placed with no projection (a warm's is an extrapolation no admission rests on,
+            # and its miss is not one the margin live requests are judged by should carry)
+            # and no tokens: live requests are projected as if it were not there, and the
+            # first one seated on its engine makes it yield (`yield_to`). Its prefill, where
+            # it runs to its first token, teaches the fit as any measured prompt does.
+            async with self.admission.place_on(e, req, now, deadline) as lease:
                 if lease is None:
                     outcome = "no_room"  # live traffic came first
                     return
@@ -135,6 +144,10 @@ class Warmer:
                 self.policy.placed(lease, plan)
                 await self.relayer.run(lease, _discard)
                 outcome = "warmed" if lease.measured.first_at else "failed"
+        except asyncio.CancelledError:
+            # A live request was seated on its engine (or the router is stopping): closing
+            # the connection is how the engine learns to stop, keeping what it computed.
+            outcome = "yielded"
         except EngineFenced as exc:
             self.leadership.fence(str(exc))
         except (ApiError, EngineFailed, EngineBusy) as exc:

@@ -8,6 +8,7 @@ request went (`placed`) before the relay starts.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 from narwhal import asgi
@@ -36,6 +37,7 @@ class Placer:
         relayer: Relayer,
         queue_time: Any,
         tenants: Tenants,
+        seated: Callable[[str], None] | None = None,
     ) -> None:
         self.admission = admission
         self.pool = pool
@@ -46,6 +48,8 @@ class Placer:
         self.queue_time = queue_time  # the queue-time histogram, by model
         self._queue_time: dict[str, Any] = {}  # its children, looked up once a model
         self.tenants = tenants
+        # Told the engine of each request seated (`warming.Warmer.yield_to`).
+        self.seated = seated
 
     async def serve(
         self,
@@ -113,6 +117,8 @@ class Placer:
                 if plan.blocks is not None:
                     lease.cached_expected = plan.held_by(lease.on.name)
                 self.policy.placed(lease, plan)
+                if self.seated is not None:
+                    self.seated(lease.on.name)
                 placed = True
                 now = time.monotonic()
                 if trace is not None:

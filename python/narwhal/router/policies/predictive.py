@@ -24,7 +24,7 @@ from narwhal.router.engines import Engine
 from narwhal.router.lease import Events, Lease
 from narwhal.router.policies import Plan, least_loaded
 from narwhal.router.policies.lengths import Lengths
-from narwhal.router.policies.prefix_cache import Expectation, PrefixCache
+from narwhal.router.policies.prefix_cache import NOTHING_HELD, Expectation, PrefixCache
 from narwhal.router.policies.sessions import Sessions
 from narwhal.router.policies.tpot import Charge, Streams
 from narwhal.router.policies.ttft import NoEngineKeepsPace, judge
@@ -54,7 +54,7 @@ WARM_HELD = 0.9
 # ... and only while at least this share of the engines has nothing ahead of a new prompt
 # (half was measured too: within the runs' spread at 0.5x and 1x, 2.5 points more misses
 # at 2x in both of its runs; bench/README.md).
-WARM_IDLE = 0.75
+WARM_IDLE = 0.5
 
 
 class PredictivePolicy:
@@ -318,6 +318,8 @@ class PredictivePolicy:
         if plan.blocks is not None and self.cache is not None:
             self.cache.placed(name, plan.blocks)
             exp = plan.expected.get(name)
+            if exp is None and lease.warm:
+                exp = NOTHING_HELD  # a warm cut short is taken back to this (`_released`)
             if exp is not None:
                 self._expected[lease] = (plan.blocks, exp)  # the engine's report corrects it
         self.sessions.placed(plan.session, name)
@@ -418,7 +420,13 @@ class PredictivePolicy:
         self._reported(lease)
 
     def _released(self, lease: Lease) -> None:
-        self._expected.pop(lease, None)
+        expected = self._expected.pop(lease, None)
+        if lease.warm and not lease.measured.first_at and expected is not None:
+            # A warm that yielded before its first token: what the engine computed of it
+            # is not known, so the picture holds no more than it expected before the warm.
+            assert self.cache is not None
+            blocks, exp = expected
+            self.cache.cut(lease.on.name, blocks, exp.blocks)
         placed = self._entries.pop(lease, None)
         if placed is None:
             return

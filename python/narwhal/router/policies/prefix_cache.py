@@ -43,7 +43,7 @@ class Expectation:
     sized: int = 0  # the prompt's tokens as sized for that engine
 
 
-_NOTHING = Expectation(0, 0)
+NOTHING_HELD = Expectation(0, 0)
 
 
 class PrefixCache:
@@ -103,7 +103,7 @@ class PrefixCache:
         out = []
         for i, n in enumerate(self.map.matched(blocks)):
             if not n:
-                out.append(_NOTHING)
+                out.append(NOTHING_HELD)
                 continue
             self._resize(i, bytes_per_token[i])
             share = min(1.0, n * self.block_bytes / max(1, text_bytes))
@@ -124,6 +124,13 @@ class PrefixCache:
         i = self.index.get(engine)
         if i is not None:
             self.map.record(i, blocks)
+
+    def cut(self, engine: str, blocks: PromptBlocks, keep: int) -> None:
+        """`engine` holds no more of the prompt than its first `keep` blocks (a prefill cut
+        short, whose progress is not known)."""
+        i = self.index.get(engine)
+        if i is not None:
+            self.map.forget_after(i, blocks, keep)
 
     def reported(
         self,
