@@ -133,14 +133,14 @@ def test_without_warming_the_retry_is_refused_again(tmp_path: Path) -> None:
         )
 
 
-def test_a_live_request_seated_where_a_warm_runs_makes_it_yield(tmp_path: Path) -> None:
+def test_a_warm_yields_to_a_live_request_it_would_keep_out(tmp_path: Path) -> None:
     # Five times slower: the warm's prefill takes 3 s, over the 2.5 s budget.
     with fleet(tmp_path, warm=True, scale=5, budget_s=2.5) as (r, engine):
         seen = httpx.get(engine + "/sim/stats").json()["prompt_tokens"]
         history = [{"role": "user", "content": words("h0-", LONG)}]
         assert post(r, history, "conv").status_code == 429
-        # The warm is in the engine's prefill: a live request is projected as if it were
-        # not, is placed there, and does not wait behind it.
+        # The warm is in the engine's prefill: behind it a live request would be refused
+        # for its TTFT, so the warm stops, and the live request is served.
         wait_until(lambda: httpx.get(engine + "/sim/stats").json()["prompt_tokens"] > seen, 30)
         live = post(r, [{"role": "user", "content": words("l0-", 200)}], "other")
         assert live.status_code == 200, live.text

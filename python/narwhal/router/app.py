@@ -108,6 +108,7 @@ class Router:
             self.pool,
             self.metrics.paced_waits.inc,
             self.warmer.offer if self.warmer is not None else None,
+            self.warmer.yield_all if self.warmer is not None else None,
         )
         self.fleet = Fleet(
             config,

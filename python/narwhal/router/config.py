@@ -144,8 +144,8 @@ class RouterConfig:
     drift_min_samples: int = 5
     stale_after_s: float = 120.0
     probe_interval_s: float = 10.0
-    # A prompt refused for its TTFT is prefilled anyway on an engine with room, so that its
-    # conversation's next turn (or the client's retry) finds it in cache (router/warming.py).
+    # A conversation's prompt refused for its TTFT is prefilled anyway on an engine with room,
+    # so that its next turn finds it in cache (router/warming.py).
     warm_refused: bool = True
     # Mean time per output token to keep: placement avoids engines where a new prompt's
     # prefill would push their streams past it; None: TTFT alone decides.

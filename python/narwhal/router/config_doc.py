@@ -64,9 +64,9 @@ MEANINGS = {
     "predictive.drift_min_samples": "scored outcomes before drift counts",
     "predictive.stale_after_s": "an engine's profile older than this is stale",
     "predictive.probe_interval_s": "an idle engine is probed when its profile is this old",
-    "predictive.warm_refused": "a prompt refused for its TTFT is prefilled anyway on an "
-    "engine with nothing ahead (answer discarded), so that its conversation's next turn or "
-    "the client's retry finds it in cache",
+    "predictive.warm_refused": "a conversation's prompt refused for its TTFT is prefilled "
+    "anyway on an engine with nothing ahead (answer discarded, yielding to any live request "
+    "seated there), so that its next turn finds it in cache",
     "predictive.sheddable_headroom": "a `sheddable` request's TTFT budget is this share of "
     "its own, so as load rises it is refused before standard and critical work",
     "predictive.critical_reserve": "where a key may send `critical` work, `standard` work is "

@@ -10,8 +10,12 @@ policy finds an engine with nothing ahead and its streams' pace to spare while t
 has room (`Policy.warming`), the prompt goes there with one output token asked for, placed
 like any request (a lease from admission, the leader's fencing token, the cache picture and
 the conversation's engine told where it went), and relayed to nowhere; the predictor learns
-its prefill from it as from any answer. Only the leader warms; at most a WARM_SHARE of the
-engines at once, one prompt an engine.
+its prefill from it as from any answer. A warm gives way to live work: its prefill counts
+ahead of them like any other, so they go elsewhere while they can; the first one seated on
+its engine makes it yield (`yield_to`: the connection closes, the engine stops and keeps
+what it computed), and one that would be refused makes every warm yield and is judged again
+(`yield_all`). Only the leader warms; at most a WARM_SHARE of the engines at once, one
+prompt an engine.
 """
 
 from __future__ import annotations
@@ -105,6 +109,17 @@ class Warmer:
             for task in list(self._running.values()):
                 task.cancel()
 
+    async def yield_all(self) -> bool:
+        """A live request would be refused for its TTFT: every warm stops and gives its
+        seat back (awaited, so the request is judged again without them); whether any
+        was running. A warm never costs a live request its answer."""
+        tasks = list(self._running.values())
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+        return bool(tasks)
+
     def yield_to(self, engine: str) -> None:
         """A live request was seated on `engine`: a warm there stops, so that the live one
         does not wait behind it."""
@@ -131,11 +146,15 @@ class Warmer:
         outcome = "failed"
         try:
             # Placed with no projection (a warm's is an extrapolation no admission rests on,
-            # and its miss is not one the margin live requests are judged by should carry)
-            # and no tokens: live requests are projected as if it were not there, and the
-            # first one seated on its engine makes it yield (`yield_to`). Its prefill, where
-            # it runs to its first token, teaches the fit as any measured prompt does.
-            async with self.admission.place_on(e, req, now, deadline) as lease:
+            # and its miss is not one the margin live requests are judged by should carry),
+            # its tokens counted ahead like any prefill's: live requests go elsewhere while
+            # they can, one seated on its engine anyway makes it yield (`yield_to`), so it
+            # starts sooner than projected, never later, and one that would be refused makes
+            # every warm yield first (`yield_all`). (Not counted, live requests were
+            # projected as if the engine were idle and waited out the warm's step in
+            # progress: their misses widened every margin; bench/README.md.)
+            # Its prefill, where it runs to its first token, teaches the fit as any does.
+            async with self.admission.place_on(e, req, now, deadline, plan.tokens) as lease:
                 if lease is None:
                     outcome = "no_room"  # live traffic came first
                     return

@@ -8,7 +8,7 @@ refused with 429 `tpot_target_exceeded` when none has.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 from narwhal.errors import ApiError
 from narwhal.router.decisions import Decision
@@ -29,6 +29,7 @@ class Judge:
         pool: Pool,
         on_paced_wait: Callable[[], None],
         on_refused: Callable[[Request, frozenset[str]], None] | None = None,
+        make_room: Callable[[], Awaitable[bool]] | None = None,
     ) -> None:
         self.policy = policy
         self.pool = pool
@@ -36,6 +37,9 @@ class Judge:
         # Told of each request refused for its TTFT at once (not after waiting for pace),
         # with the engines that cannot serve it (`warming.Warmer.offer`).
         self.on_refused = on_refused
+        # Before a request is refused for its TTFT: the router's own warms give way, and
+        # whether any did (`warming.Warmer.yield_all`); it is then judged again, once.
+        self.make_room = make_room
 
     async def plan(
         self,
@@ -49,6 +53,7 @@ class Judge:
         serve the request's route), or its refusal (an ApiError); `record`, where given, is
         told what was weighed, chosen and waited for."""
         deferred: ApiError | None = None
+        room_made = False
         while True:
             engines = self.pool.eligible()
             if cannot:
@@ -75,6 +80,10 @@ class Judge:
                 # Waiting used up the budget: the reason is still the pace.
                 if deferred is not None and e.code in TTFT_REFUSALS:
                     raise deferred from None
+                if e.code in TTFT_REFUSALS and not room_made and self.make_room is not None:
+                    room_made = True
+                    if await self.make_room():
+                        continue
                 if e.code in TTFT_REFUSALS and self.on_refused is not None:
                     self.on_refused(req, cannot)
                 raise

@@ -52,9 +52,8 @@ ORDERS = 6
 WARM_MAX = 4.0
 WARM_HELD = 0.9
 # ... and only while at least this share of the engines has nothing ahead of a new prompt
-# (half was measured too: within the runs' spread at 0.5x and 1x, 2.5 points more misses
-# at 2x in both of its runs; bench/README.md).
-WARM_IDLE = 0.5
+# (half was measured too: 2.5 points more misses at 2x in both of its runs; bench/README).
+WARM_IDLE = 0.75
 
 
 class PredictivePolicy:
