@@ -146,7 +146,7 @@ class RouterConfig:
     probe_interval_s: float = 10.0
     # A conversation's prompt refused for its TTFT is prefilled anyway on an engine with room,
     # so that its next turn finds it in cache (router/warming.py).
-    warm_refused: bool = True
+    warm_refused: bool = False  # off: its measured effect is not yet a gain (DECISIONS)
     # Mean time per output token to keep: placement avoids engines where a new prompt's
     # prefill would push their streams past it; None: TTFT alone decides.
     tpot_target_s: float | None = None

@@ -66,7 +66,7 @@ MEANINGS = {
     "predictive.probe_interval_s": "an idle engine is probed when its profile is this old",
     "predictive.warm_refused": "a conversation's prompt refused for its TTFT is prefilled "
     "anyway on an engine with nothing ahead (answer discarded, yielding to any live request "
-    "seated there), so that its next turn finds it in cache",
+    "seated there), so that its next turn finds it in cache (off by default)",
     "predictive.sheddable_headroom": "a `sheddable` request's TTFT budget is this share of "
     "its own, so as load rises it is refused before standard and critical work",
     "predictive.critical_reserve": "where a key may send `critical` work, `standard` work is "

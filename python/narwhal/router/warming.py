@@ -152,7 +152,7 @@ class Warmer:
             # starts sooner than projected, never later, and one that would be refused makes
             # every warm yield first (`yield_all`). (Not counted, live requests were
             # projected as if the engine were idle and waited out the warm's step in
-            # progress: their misses widened every margin; bench/README.md.)
+            # progress: 5 points more misses at 1x and 2x in a run; bench/README.md.)
             # Its prefill, where it runs to its first token, teaches the fit as any does.
             async with self.admission.place_on(e, req, now, deadline, plan.tokens) as lease:
                 if lease is None:
