@@ -246,9 +246,9 @@ class Router:
                 self.leadership,
             )
             bg.start("profiling", profiler.run_forever)
+            self.pool.on_healthy.append(lambda e: profiler.wake())
         if self.warmer is not None:
             bg.start("warming", self.warmer.run_forever)
-            self.pool.on_healthy.append(lambda e: profiler.wake())
 
     async def _take_over(self) -> None:
         """Before a new leader's first placement: the wave and the last leader's profiles
