@@ -75,10 +75,9 @@ class Warmer:
     def offer(self, req: Request, cannot: frozenset[str] = frozenset()) -> None:
         """`req` was just refused for its TTFT: warmed where the policy finds room (and
         fewer than the fleet's share of warms run), else let go."""
-        engines = [
-            e for e in self.pool.eligible() if e.name not in cannot and e.name not in self._running
-        ]
-        cap = max(1, int(WARM_SHARE * len(self.pool.eligible())))
+        eligible = self.pool.eligible()
+        engines = [e for e in eligible if e.name not in cannot and e.name not in self._running]
+        cap = max(1, int(WARM_SHARE * len(eligible)))
         if not engines or len(self._running) >= cap or self._jobs.full():
             return
         try:
