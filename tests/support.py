@@ -32,19 +32,48 @@ def free_port() -> int:
 def simulated_engine(*args: str) -> Iterator[str]:
     """One simulated GPU engine (bench/fleet/server.py, the vLLM dialect, a prefix cache)
     on a free port, `args` its cost model's; its URL, for as long as the block runs."""
-    port = free_port()
+    with simulated_engines(1, *args) as urls:
+        yield urls[0]
+
+
+@contextlib.contextmanager
+def simulated_engines(n: int, *args: str) -> Iterator[list[str]]:
+    """`n` simulated GPU engines in one process, each on its own port; their URLs."""
+    while True:  # n free ports in a row
+        port = free_port()
+        if all(_port_free(port + i) for i in range(1, n)):
+            break
     sim = subprocess.Popen(
-        [sys.executable, "-m", "bench.fleet.server", "--engines", "1", "--port", str(port), *args],
+        [
+            sys.executable,
+            "-m",
+            "bench.fleet.server",
+            "--engines",
+            str(n),
+            "--port",
+            str(port),
+            *args,
+        ],
         cwd=ROOT,
         start_new_session=True,
     )
-    url = f"http://127.0.0.1:{port}"
+    urls = [f"http://127.0.0.1:{port + i}" for i in range(n)]
     try:
-        wait_http(url + "/health", sim, 30)
-        yield url
+        for url in urls:
+            wait_http(url + "/health", sim, 30)
+        yield urls
     finally:
         sim.terminate()
         sim.wait(10)
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 def wait_until(cond: Callable[[], bool], within: float) -> None:

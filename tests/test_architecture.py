@@ -105,6 +105,7 @@ FLOORS: dict[int, tuple[str, ...]] = {
         "connection",
         "fleet.rules",
         "relay.errors",
+        "peering.wire",
     ),
     # the fleet and its seats: engines, processes, leases and the admission queue, tenants'
     # books, leadership, what is measured and traced
@@ -129,7 +130,7 @@ FLOORS: dict[int, tuple[str, ...]] = {
     # judgement: projections, ledgers and the policies that decide
     2: ("predict", "policies"),
     # the stages a request passes, and the relay
-    3: ("pipeline", "relay", "profiling", "warming"),
+    3: ("pipeline", "relay", "profiling", "warming", "peering"),
     # the wiring: the app, its programs and the fleet's assembly
     4: (
         "app",
@@ -156,7 +157,16 @@ def floor(module: str) -> int:
         for p in prefixes:
             if (name == p or name.startswith(p + ".")) and len(p) > best:
                 best, at = len(p), f
-    if best < 0 and name not in ("", "fleet", "ha", "pipeline", "policies", "relay", "tenants"):
+    if best < 0 and name not in (
+        "",
+        "fleet",
+        "ha",
+        "peering",
+        "pipeline",
+        "policies",
+        "relay",
+        "tenants",
+    ):
         raise AssertionError(f"{module} has no floor (tests/test_architecture.py FLOORS)")
     return at
 

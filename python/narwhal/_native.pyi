@@ -175,6 +175,13 @@ class PromptBlocks:
     """A prompt's text cut into blocks of ``block_bytes``, each hashed on the one before."""
 
     def __new__(cls, text: bytes, block_bytes: int, seed: int) -> Self: ...
+    @staticmethod
+    def unpacked(raw: bytes) -> PromptBlocks:
+        """Hashes another router packed (`packed`): the same prompt, without its text."""
+
+    def packed(self) -> bytes:
+        """The hashes, packed for another router."""
+
     def __len__(self) -> int: ...
 
 @final
@@ -187,6 +194,9 @@ class PrefixMap:
     def forget_after(self, engine: int, blocks: PromptBlocks, keep: int) -> None: ...
     def set_capacity(self, engine: int, capacity_blocks: int) -> None: ...
     def add_engine(self, capacity_blocks: int) -> int: ...
+    def held(self, engine: int) -> bytes:
+        """The blocks held for `engine`, newest first, packed."""
+
     def blocks(self, engine: int) -> int: ...
     @property
     def heap_bytes(self) -> int: ...

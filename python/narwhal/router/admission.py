@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator, Callable
 from narwhal.errors import ApiError, unavailable
 from narwhal.router.endings import End
 from narwhal.router.engines import Engine, Pool
-from narwhal.router.lease import Events, Lease, Phase
+from narwhal.router.lease import Events, Lease, PeerSeat, Phase
 from narwhal.router.request import Request
 from narwhal.router.tenants.fair_queue import FairQueue
 
@@ -284,6 +284,45 @@ class Admission:
         elif lease.phase is Phase.DECODE:
             e.decode -= 1
         lease.phase = Phase.DONE
+        self._drain()
+
+    # -- seats another active router took (router/peering) ------------------------------
+    def seat_elsewhere(self, w: PeerSeat, predicted_s: float | None) -> None:
+        """Another router placed work on `w.on`: it holds a seat there as this router's own
+        would, and its prompt is prefill ahead of what this router places next."""
+        e = w.on
+        e.prefill += 1
+        e.prefill_tokens += w.tokens
+        e.prefill_sq += w.tokens * w.tokens
+        if predicted_s is not None:
+            e.prefill_due[w] = time.monotonic() + predicted_s
+        w.phase = Phase.PREFILL
+
+    def elsewhere_decoding(self, w: PeerSeat) -> None:
+        """Its first token came (as the other router saw it)."""
+        if w.phase is not Phase.PREFILL:
+            return
+        e = w.on
+        e.prefill -= 1
+        e.prefill_tokens -= w.tokens
+        e.prefill_sq -= w.tokens * w.tokens
+        e.prefill_due.pop(w, None)
+        e.decode += 1
+        e.firsts += 1  # the prompts ahead of this router's own had their first token
+        e.first_at = max(e.first_at, time.monotonic())
+        w.phase = Phase.DECODE
+
+    def elsewhere_done(self, w: PeerSeat) -> None:
+        """It ended, or its router is gone: its seat is free."""
+        e = w.on
+        if w.phase is Phase.PREFILL:
+            e.prefill -= 1
+            e.prefill_tokens -= w.tokens
+            e.prefill_sq -= w.tokens * w.tokens
+            e.prefill_due.pop(w, None)
+        elif w.phase is Phase.DECODE:
+            e.decode -= 1
+        w.phase = Phase.DONE
         self._drain()
 
     def _drain(self) -> None:

@@ -26,6 +26,10 @@ from narwhal.router.ha.tenant_windows import SharedTenantWindows
 from narwhal.router.lease import Events
 from narwhal.router.metrics import RouterMetrics
 from narwhal.router.models import Catalog
+from narwhal.router.peering.elsewhere import Elsewhere
+from narwhal.router.peering.exchange import PATH as PEERING_PATH
+from narwhal.router.peering.exchange import Exchange
+from narwhal.router.peering.wire import seed_of
 from narwhal.router.pipeline.flow import Flow
 from narwhal.router.pipeline.gate import Gate, not_leading, not_taking
 from narwhal.router.pipeline.judge import Judge
@@ -64,7 +68,19 @@ class Router:
         self.tenants = Tenants(
             list(config.tenant_keys), self.metrics, config.critical_reserve, config.ttft_budget_s
         )
-        self.policy = choose(config, engines, self.predictor, self.tenants.reserve)
+        ha = config.ha
+        peer_secret = (
+            os.environ.get(ha.peer_secret_env, "")
+            if ha and ha.active and ha.peer_secret_env
+            else ""
+        )
+        self.policy = choose(
+            config,
+            engines,
+            self.predictor,
+            self.tenants.reserve,
+            seed_of(peer_secret) if peer_secret else None,
+        )
         self.admission = Admission(
             self.pool,
             config.http_retention_limit,
@@ -79,7 +95,6 @@ class Router:
         self.metrics.watch(events)
         self.policy.watch(events)
         paths = {p: self.metrics.relayed_streams.labels(p) for p in ("native", "awaited")}
-        ha = config.ha
         secret = os.environ.get(ha.fence_secret_env) if ha and ha.fence_secret_env else None
         self.relayer = Relayer(
             config.stream_idle_timeout_s,
@@ -90,6 +105,7 @@ class Router:
         keys, self.key_tenants = client_keys(config)
         self.client_keys = tuple(k.encode() for k in keys)
         self._ha(config)
+        self.exchange = self._active(config, peer_secret, events) if peer_secret else None
         self.gate = Gate(self.leadership, self.maintenance, self.pool, self.policy, self.catalog)
         self.warmer = (
             Warmer(
@@ -153,14 +169,29 @@ class Router:
             self.pool, self.leadership.etcd, ha.sibling("maintenance") if ha else None
         )
         self.profiles: SharedProfiles | None = None
-        if ha is not None and self.predictor is not None:
+        # Active routers take each other's profiles and windows from the exchange instead.
+        if ha is not None and not ha.active and self.predictor is not None:
             self.profiles = SharedProfiles(ha, self.leadership, self.predictor)
         self.tenant_windows: SharedTenantWindows | None = None
-        if ha is not None and config.tenant_keys:
+        if ha is not None and not ha.active and config.tenant_keys:
             self.tenant_windows = SharedTenantWindows(ha, self.leadership, self.tenants)
         self.leadership.on_lead = self._take_over
         self.leadership.reaches = lambda: any(e.healthy for e in self.pool.engines)
         self.leadership.on_step_aside = self._turn_away
+
+    def _active(self, config: RouterConfig, secret: str, events: Events) -> Exchange:
+        """`ha.mode: active`: this router's picture exchange with the others."""
+        ha = config.ha
+        assert ha is not None
+        self.leadership.url = ha.advertise_url or f"http://{config.host}:{config.port}"
+        self.relayer.fencing_as(self.leadership.name)
+        elsewhere = Elsewhere(self.pool, self.admission, self.policy, self.tenants, self.metrics)
+        exchange = Exchange(
+            self.leadership, self.policy, elsewhere, self.metrics, secret, config.request_timeout_s
+        )
+        exchange.watch(events)
+        self.tenants.told = exchange
+        return exchange
 
     def _flow(self, config: RouterConfig) -> Flow:
         """The stages a completion request goes through, in order."""
@@ -173,6 +204,7 @@ class Router:
             self.metrics.queue_time,
             self.tenants,
             self.warmer.yield_to if self.warmer is not None else None,
+            self.exchange.placed if self.exchange is not None else None,
         )
         return Flow(
             config,
@@ -224,6 +256,9 @@ class Router:
         self.fleet.start(bg)
         bg.start("leadership", self.leadership.run_forever)
         bg.start("maintenance_follower", self.maintenance.follow_forever)
+        if self.exchange is not None:
+            self.exchange.start(session)
+            bg.start("picture_exchange", self.exchange.run_forever)
         if self.profiles is not None:
             bg.start("profile_sharing", self.profiles.publish_forever)
         if self.tenant_windows is not None:
@@ -257,6 +292,9 @@ class Router:
             await self.maintenance.refresh()
         except (EtcdError, ValueError) as e:
             log.warning("the maintenance wave could not be read on taking the lead: %s", e)
+        if self.exchange is not None:
+            await self.exchange.join()  # the others' work and picture, not etcd's copies
+            return
         if self.profiles is not None:
             await self.profiles.take_over()
         if self.tenant_windows is not None:
@@ -278,6 +316,8 @@ class Router:
         self.relayer.close()
         await self.leadership.close()
         await self.fleet.close()
+        if self.exchange is not None:
+            await self.exchange.close()
         if self.session is not None:
             await self.session.close()
         if self.tracing is not None:
@@ -321,6 +361,8 @@ class Router:
             if method != "POST":
                 raise asgi.method_not_allowed(method, path, "POST")
             await self.flow(path, scope, receive, send, tenant)
+        elif path == PEERING_PATH and self.exchange is not None:
+            await self.exchange.handle(scope, receive, send)
         elif self.admin is not None and admin_api.routes(path):
             await self.admin.handle(scope, receive, send)
         else:

@@ -93,7 +93,9 @@ class DnsSourceSpec:
 
 @dataclass(frozen=True)
 class HA:
-    """Several routers: leadership on an etcd lease (router/ha/leadership.py)."""
+    """Several routers on etcd: one leader on a lease and the rest standing by (`standby`,
+    router/ha/leadership.py), or every router placing and relaying with one picture of
+    the fleet exchanged between them (`active`, router/peering/)."""
 
     etcd: tuple[str, ...]
     key: str = "/narwhal/main/leader"
@@ -103,6 +105,17 @@ class HA:
     # The variable holding the secret engines with `--fence-secret` want beside a fencing
     # token before it may raise their floor (x-narwhal-fence-secret).
     fence_secret_env: str | None = None
+    mode: str = "standby"  # standby | active
+    # Active: the variable holding the secret routers show each other (their picture
+    # exchange) and seed their prompt block hashes with (the same on every router).
+    peer_secret_env: str | None = None
+    # Active: where the other routers reach this one (http://host:port); default: the
+    # listen address, which must then not be a wildcard.
+    advertise_url: str | None = None
+
+    @property
+    def active(self) -> bool:
+        return self.mode == "active"
 
     @property
     def margin_s(self) -> float:
@@ -324,6 +337,9 @@ def parse(data: Any) -> RouterConfig:
             h.get("lease_ttl_s", HA.lease_ttl_s),
             float(h.get("resign_unhealthy_s", HA.resign_unhealthy_s)),
             h.get("fence_secret_env"),
+            h.get("mode", HA.mode),
+            h.get("peer_secret_env"),
+            h.get("advertise_url"),
         )
     if "admin" in data:
         given["admin_token_env"] = data["admin"]["token_env"]
@@ -345,7 +361,25 @@ def parse(data: Any) -> RouterConfig:
             "telemetry: traces need the OpenTelemetry SDK, which is not installed: "
             "pip install 'narwhal-serve[telemetry]'"
         )
-    return replace(_DEFAULTS, engines=engines, **given)
+    config = replace(_DEFAULTS, engines=engines, **given)
+    if config.ha is not None and config.ha.active:
+        _check_active(config.ha, config.host)
+    return config
+
+
+def _check_active(ha: HA, host: str) -> None:
+    """Active routers show each other a secret, and are reached at an address each can
+    tell the others."""
+    if not ha.peer_secret_env:
+        raise RouterConfigError(
+            "ha.peer_secret_env: `mode: active` needs a secret the routers share (their "
+            "picture exchange is refused without it): name the variable that holds it"
+        )
+    if ha.advertise_url is None and host in ("0.0.0.0", "::", ""):
+        raise RouterConfigError(
+            f"ha.advertise_url: the router listens on every address ({host}): say where "
+            "the other routers reach this one (http://host:port)"
+        )
 
 
 def _tenant_key(k: dict[str, Any]) -> TenantKey:

@@ -126,6 +126,16 @@ MEANINGS = {
     "cache, the choice or refusal and why, what was measured); 0 keeps none",
     "engines_from": "engines that come and go while the router runs (README: Running a "
     "fleet); with `engines` too, both sets serve",
+    "ha.mode": "`standby` (the default): one leader places, the others answer 503 "
+    "`not_leader` and take over within the TTL; `active`: every router places and relays, "
+    "each on its own lease and fencing token, and they exchange what they place (README: "
+    "Several routers)",
+    "ha.peer_secret_env": "`active`: an environment variable holding the secret the routers "
+    "show each other on their picture exchange (`/internal/v1/picture`, refused without "
+    "it); it also seeds their prompt block hashes, the same on every router",
+    "ha.advertise_url": "`active`: where the other routers reach this one "
+    "(`http://10.0.0.5:8000`); default: the listen address (required when that is a "
+    "wildcard)",
     "ha.fence_secret_env": "an environment variable holding the fence secret: sent beside "
     "the fencing token (`x-narwhal-fence-secret`) to engines run with `--fence-secret`, "
     "which let only it raise their floor",

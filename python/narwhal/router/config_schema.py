@@ -114,6 +114,9 @@ SCHEMA: dict[str, Any] = {
                 "lease_ttl_s": {"type": "integer", "minimum": 2, "maximum": 300},
                 "resign_unhealthy_s": {"type": "number", "exclusiveMinimum": 0, "maximum": 3600},
                 "fence_secret_env": _env_name,
+                "mode": {"enum": ["standby", "active"]},
+                "peer_secret_env": _env_name,
+                "advertise_url": {"type": "string", "pattern": "^https?://[^/?#]+$"},
             },
         },
         "auth": {

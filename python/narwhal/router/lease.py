@@ -230,3 +230,19 @@ class Lease:
         self._seats.release(self)  # its owner moves the seat, and the phase with it
         for hook in self._events.released:
             hook(self)
+
+
+class PeerSeat:
+    """A seat another active router holds on an engine (`ha.mode: active`): counted by
+    Admission beside this router's own, moved by what that router tells (router/peering)."""
+
+    __slots__ = ("engine", "phase", "tokens")
+
+    def __init__(self, engine: Engine, tokens: int) -> None:
+        self.engine = engine
+        self.tokens = tokens  # sized prompt tokens, in engine.prefill_tokens while in prefill
+        self.phase = Phase.QUEUED
+
+    @property
+    def on(self) -> Engine:
+        return self.engine

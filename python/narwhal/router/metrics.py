@@ -42,6 +42,7 @@ class RouterMetrics:
         self._tenants(r)
         self._latencies(r)
         self._server(r)
+        self._peers(r)
         self._per_engine: dict[tuple[str, str], EngineMetrics] = {}
         self._answered: dict[tuple[str, str, int], tuple[Any, Any]] = {}
 
@@ -249,6 +250,47 @@ class RouterMetrics:
             "Arrival to placement on an engine",
             ["model"],
             buckets=_LATENCY,
+            registry=r,
+        )
+
+    def _peers(self, r: CollectorRegistry) -> None:
+        """Active routers' picture exchange (`ha.mode: active`)."""
+        self.peer_deltas = Counter(
+            "narwhal_peer_deltas",
+            "Picture deltas exchanged with the other active routers: sent (acknowledged), "
+            "received (folded in), dropped (an outbox over its bound, or a peer that could "
+            "not be reached: replaced by a snapshot)",
+            ["direction"],
+            registry=r,
+        )
+        for d in ("sent", "received", "dropped"):
+            self.peer_deltas.labels(d)
+        self.peer_snapshots = Counter(
+            "narwhal_peer_snapshots",
+            "Snapshots of a router's live work sent to a peer (it joined, or missed deltas) "
+            "and received",
+            ["direction"],
+            registry=r,
+        )
+        for d in ("sent", "received"):
+            self.peer_snapshots.labels(d)
+        self.peer_lag = Histogram(
+            "narwhal_peer_lag_seconds",
+            "A delta's time from this router's placement to a peer's acknowledgement: how "
+            "old the other routers' picture of this router's work is, at most",
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5),
+            registry=r,
+        )
+        self.peers = Gauge(
+            "narwhal_peers",
+            "Other active routers this router exchanges its picture with",
+            registry=r,
+        )
+        self.placements = Counter(
+            "narwhal_placements",
+            "Requests placed by each active router as this one sees them (its own, and the "
+            "others' through the exchange): the routers' shares of placement",
+            ["router"],
             registry=r,
         )
 

@@ -170,6 +170,15 @@ impl PrefixMap {
     }
 
     /// Blocks kept for `engine`.
+    /// The blocks held for `engine`, least recently used first (what another router's
+    /// picture is given to start from: `record`ed newest first, it keeps this order).
+    pub fn held(&self, engine: usize) -> Vec<u64> {
+        let Some(lru) = self.engines.get(engine) else { return Vec::new() };
+        let mut out = Vec::with_capacity(lru.last_use.len());
+        out.extend(lru.order.iter().filter(|(tick, hash)| lru.last_use.get(hash) == Some(tick)).map(|&(_, hash)| hash));
+        out
+    }
+
     pub fn len(&self, engine: usize) -> usize {
         self.engines.get(engine).map_or(0, |l| l.last_use.len())
     }
@@ -265,6 +274,24 @@ mod tests {
         m.record(0, &[1, 2, 3]);
         m.record(0, &[7]);
         assert_eq!(m.matched(0, &[1, 2, 3]), 2);
+    }
+
+    #[test]
+    fn held_blocks_recorded_newest_first_keep_their_order() {
+        let mut m = PrefixMap::new(1, 6);
+        m.record(0, &[1, 2]);
+        m.record(0, &[3, 4]);
+        m.record(0, &[1, 2]);
+        let held = m.held(0);
+        assert_eq!(held.len(), 4);
+        assert_eq!(&held[2..], &[2, 1]); // used last; a chain's head is the newest
+        let mut copy = PrefixMap::new(1, 6);
+        let newest_first: Vec<u64> = held.iter().rev().copied().collect();
+        copy.record(0, &newest_first);
+        assert_eq!(copy.held(0), held);
+        copy.record(0, &[5, 6, 7, 8]); // over capacity: the least recently used go first
+        assert_eq!(copy.matched(0, &[3]), 0);
+        assert_eq!(copy.matched(0, &[1, 2]), 2);
     }
 
     #[test]

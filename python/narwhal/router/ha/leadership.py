@@ -50,6 +50,7 @@ def _now() -> float:
 
 class Role(enum.Enum):
     LEADER = "leader"
+    ACTIVE = "active"  # `mode: active`: placing beside the other routers
     STANDBY = "standby"
     FENCED = "fenced"
     STOPPING = "stopping"
@@ -70,13 +71,18 @@ class Leadership:
         if ha is None:
             self.role, self.reason = Role.LEADER, ""
             self._valid_until = math.inf
+        elif ha.active:
+            self.role, self.reason = Role.STANDBY, "standby: joining the active routers"
+            self._valid_until = 0.0
         else:
             self.role, self.reason = Role.STANDBY, "standby: campaigning for leadership"
             self._valid_until = 0.0
+        self.url = ""  # `mode: active`: where the other routers reach this one
         self.etcd = Etcd(list(ha.etcd)) if ha is not None else None
         self.reaches: Callable[[], bool] = lambda: True  # whether a healthy engine answers
         self.on_step_aside: Callable[[], None] | None = None  # after stepping aside
         self._peers = ha.sibling("routers").encode() + b"/" if ha is not None else b""
+        self._me = self._peers + self.name.encode()  # this router's member key
         self._said: tuple[int, bool] | None = None  # (lease, reaches) last put in etcd
         self._unreached_since: float | None = None  # leading, and no healthy engine since
         self._out_until = 0.0  # stepped aside: no campaigning before this, if others stand by
@@ -87,7 +93,7 @@ class Leadership:
 
     def serving(self) -> str | None:
         """None when this router may place work now; else why not (for 503 and /ready)."""
-        if self.role is Role.LEADER:
+        if self.role is Role.LEADER or self.role is Role.ACTIVE:
             if _now() < self._valid_until:
                 return None
             self.fence("the etcd lease could not be renewed in time")
@@ -103,7 +109,7 @@ class Leadership:
                 why,
             )
             return
-        if self.role in (Role.LEADER, Role.STANDBY):
+        if self.role in (Role.LEADER, Role.ACTIVE, Role.STANDBY):
             log.warning("router fenced (token %s): %s", self.token, why)
             self.role, self.reason = Role.FENCED, f"fenced: {why}"
             self._valid_until = 0.0
@@ -116,7 +122,8 @@ class Leadership:
     def describe(self) -> dict[str, object]:
         out: dict[str, object] = {"role": self.role.value, "fencing_token": self.token}
         if self.ha is not None:
-            out["key"] = self.ha.key
+            out["mode"] = self.ha.mode
+            out["key"] = self._me.decode(errors="replace") if self.ha.active else self.ha.key
         return out
 
     async def resign(self) -> None:
@@ -155,7 +162,7 @@ class Leadership:
                     ttl = await etcd.keep_alive(self._lease)
                     if ttl <= 0:
                         self._lease = 0
-                        if self.role is Role.LEADER:
+                        if self.role in (Role.LEADER, Role.ACTIVE):
                             self.fence("the etcd lease expired")
                         continue
                     lease_until = sent + ttl - ha.margin_s
@@ -163,6 +170,10 @@ class Leadership:
                     await self._revoke_quietly()
                     break
                 reaches = self.reaches()
+                if ha.active:
+                    await self._stand(lease_until, reaches)
+                    await self._pause(every if self.role is Role.ACTIVE else min(every, 0.25))
+                    continue
                 await self._say(reaches)
                 if await self._sitting_out():
                     continue
@@ -197,6 +208,53 @@ class Leadership:
             # A standby looks again soon (it takes over as the key goes); a leader
             # renews at a third of its TTL.
             await self._pause(every if self.role is Role.LEADER else min(every, 0.25))
+
+    async def _stand(self, lease_until: float, reaches: bool) -> None:
+        """`mode: active`: this router's member key on its lease; while it holds it, it
+        places, under the key's creation revision as its fencing token."""
+        assert self.etcd is not None
+        value = orjson.dumps({"reaches_engines": reaches, "url": self.url})
+        created, kv = await self.etcd.create(self._me, value, self._lease)
+        if kv is None:
+            return  # deleted between the compare and the read: created next round
+        if not created and kv.lease != self._lease:
+            # Its name is another process's (a copy of its config with the same name?), or
+            # its old lease's key has not lapsed yet: it waits for the key to be its own.
+            if self.role is Role.ACTIVE:
+                self.fence("another lease holds this router's member key")
+            self.token = None
+            self.role, self.reason = Role.STANDBY, "standby: another lease holds this router's name"
+            return
+        if not created and kv.value != value:
+            await self.etcd.put(self._me, value, self._lease)
+        token = kv.create_revision
+        if self.role is not Role.ACTIVE or self.token != token:
+            log.info("active with fencing token %d", token)
+            if self.on_lead is not None:
+                await self.on_lead()  # the others' picture, before the first placement
+            if self.stopping:
+                await self._revoke_quietly()
+                return
+        self.token = token
+        self._valid_until = lease_until
+        self.role, self.reason = Role.ACTIVE, ""
+        self._watch_key(self._me, token)
+
+    async def peers(self) -> dict[str, str]:
+        """`mode: active`: the other routers standing now, by name: where each is reached."""
+        assert self.etcd is not None
+        out = {}
+        for k, kv in await self.etcd.under(self._peers):
+            name = k[len(self._peers) :].decode(errors="replace")
+            if name == self.name:
+                continue
+            try:
+                url = orjson.loads(kv.value).get("url")
+            except (orjson.JSONDecodeError, AttributeError):
+                continue
+            if isinstance(url, str) and url.startswith(("http://", "https://")):
+                out[name] = url
+        return out
 
     async def _revoke_quietly(self) -> None:
         assert self.etcd is not None
@@ -292,24 +350,28 @@ class Leadership:
 
     async def _watching(self, key: bytes, token: int) -> None:
         assert self.etcd is not None
-        while self.role is Role.LEADER and self.token == token:
+        while self.role in (Role.LEADER, Role.ACTIVE) and self.token == token:
             try:
                 async for changes in self.etcd.watch(key, token + 1):
                     for c in changes:
                         if c.deleted or c.kv.create_revision != token:
                             what = "was deleted" if c.deleted else "was put over"
-                            self.fence(f"the leader key {what}")
+                            self.fence(f"the {self._kind} key {what}")
                             return
             except EtcdError as e:
                 log.warning("watching the leader key: %s; reading it instead", e)
                 with contextlib.suppress(EtcdError):
                     kv = await self.etcd.get(key)
                     if kv is None or kv.create_revision != token:
-                        self.fence("the leader key changed")
+                        self.fence(f"the {self._kind} key changed")
                         return
             except Exception:  # a bug: said, and the watch goes on (renewal still checks)
                 log.exception("watching the leader key failed")
             await asyncio.sleep(0.5)
+
+    @property
+    def _kind(self) -> str:
+        return "member" if self.ha is not None and self.ha.active else "leader"
 
     async def close(self) -> None:
         if self._watch is not None:

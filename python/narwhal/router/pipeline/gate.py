@@ -91,6 +91,7 @@ _NOT_LEADING = {
     Role.FENCED: End.FENCED,
     Role.STOPPING: End.STOPPING,
     Role.LEADER: End.FENCED,
+    Role.ACTIVE: End.FENCED,
 }
 
 

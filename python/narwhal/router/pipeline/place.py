@@ -38,6 +38,7 @@ class Placer:
         queue_time: Any,
         tenants: Tenants,
         seated: Callable[[str], None] | None = None,
+        told: Callable[[Lease, Plan], None] | None = None,
     ) -> None:
         self.admission = admission
         self.pool = pool
@@ -50,6 +51,8 @@ class Placer:
         self.tenants = tenants
         # Told the engine of each request seated (`warming.Warmer.yield_to`).
         self.seated = seated
+        # Told of each placement, after the policy (`ha.mode: active`: the other routers).
+        self.told = told
 
     async def serve(
         self,
@@ -117,6 +120,8 @@ class Placer:
                 if plan.blocks is not None:
                     lease.cached_expected = plan.held_by(lease.on.name)
                 self.policy.placed(lease, plan)
+                if self.told is not None:
+                    self.told(lease, plan)
                 if self.seated is not None:
                     self.seated(lease.on.name)
                 placed = True

@@ -21,8 +21,9 @@ if TYPE_CHECKING:
     from narwhal.router.decisions import Decision
     from narwhal.router.engines import Engine
     from narwhal.router.lease import Events, Lease
+    from narwhal.router.peering.wire import Picture, Placed
     from narwhal.router.policies.prefix_cache import Expectation
-    from narwhal.router.policies.tpot import Charge
+    from narwhal.router.policies.tpot import Charge, Streams
     from narwhal.router.request import Request
 
 
@@ -55,6 +56,16 @@ class Plan:
 
 
 OPEN_PLAN = Plan()
+
+
+@dataclass(frozen=True, slots=True)
+class PeerHold:
+    """What another active router's work holds of an engine's TPOT ledger here: its
+    prefill's charge, and its stream (None: an answer of one token)."""
+
+    ledger: Streams
+    charge: Charge
+    entry: int | None
 
 
 class Policy(Protocol):
@@ -94,6 +105,25 @@ class Policy(Protocol):
     def instead(self, room: list[Engine]) -> Engine:
         """Where a seat is taken when the plan named no engine, or its engine has no seat
         free now: one of `room` (the engines that have one; never empty)."""
+
+    def footprint(self, lease: Lease) -> tuple[float | None, int | None]:
+        """What placing `lease` charged its engine besides a seat (for the other active
+        routers): its prefill's seconds on the TPOT ledger, the length its stream is held
+        to; Nones where nothing was."""
+
+    def placed_elsewhere(self, p: Placed, e: Engine) -> PeerHold | None:
+        """Another active router placed `p` on `e`: what it holds there (its blocks, its
+        conversation, its prefill and stream) is held here too; what is given back when it
+        decodes and ends (None: nothing)."""
+
+    def elsewhere_decoding(self, w: PeerHold) -> None: ...
+
+    def elsewhere_ended(self, w: PeerHold, output_tokens: int, decode_s: float) -> None: ...
+
+    def picture(self) -> Picture | None:
+        """What this router holds of the fleet, for an active router that joins."""
+
+    def take_picture(self, p: Picture) -> None: ...
 
     def warming(self, req: Request, engines: list[Engine]) -> Plan | None:
         """Where `req`, just refused for its TTFT, may be prefilled anyway (its answer

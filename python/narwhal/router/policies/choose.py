@@ -17,7 +17,10 @@ def choose(
     engines: list[Engine],
     predictor: Predictor | None,
     reserve: CriticalReserve | None = None,
+    seed: int | None = None,
 ) -> Policy:
+    """`seed`: what prompts' blocks are hashed with, where several routers must agree on
+    it (`ha.mode: active`); else each process draws its own."""
     if predictor is None:
         return OpenPolicy()
     cache = (
@@ -25,6 +28,8 @@ def choose(
         if config.prefix_cache_tokens
         else None
     )
+    if cache is not None and seed is not None:
+        cache.seeded(seed)
     return PredictivePolicy(
         predictor, engines, cache, config.tpot_target_s, reserve, config.ttft_budget_s
     )

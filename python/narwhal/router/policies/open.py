@@ -8,7 +8,8 @@ from typing import Any
 from narwhal.router.decisions import Decision
 from narwhal.router.engines import Engine
 from narwhal.router.lease import Events, Lease
-from narwhal.router.policies import OPEN_PLAN, Plan, least_loaded
+from narwhal.router.peering.wire import Picture, Placed
+from narwhal.router.policies import OPEN_PLAN, PeerHold, Plan, least_loaded
 from narwhal.router.request import Request
 
 
@@ -44,6 +45,25 @@ class OpenPolicy:
 
     def instead(self, room: list[Engine]) -> Engine:
         return least_loaded(room)
+
+    # It places by seats alone: another router's work is in the seats (Admission).
+    def footprint(self, lease: Lease) -> tuple[float | None, int | None]:
+        return None, None
+
+    def placed_elsewhere(self, p: Placed, e: Engine) -> PeerHold | None:
+        return None
+
+    def elsewhere_decoding(self, w: PeerHold) -> None:
+        pass
+
+    def elsewhere_ended(self, w: PeerHold, output_tokens: int, decode_s: float) -> None:
+        pass
+
+    def picture(self) -> Picture | None:
+        return None
+
+    def take_picture(self, p: Picture) -> None:
+        pass
 
     def warming(self, req: Request, engines: list[Engine]) -> Plan | None:
         return None  # it refuses nothing for its TTFT

@@ -22,7 +22,8 @@ from narwhal.router import decisions as why
 from narwhal.router.decisions import Decision
 from narwhal.router.engines import Engine
 from narwhal.router.lease import Events, Lease
-from narwhal.router.policies import Plan, least_loaded
+from narwhal.router.peering.wire import Picture, Placed
+from narwhal.router.policies import PeerHold, Plan, least_loaded
 from narwhal.router.policies.lengths import Lengths
 from narwhal.router.policies.prefix_cache import NOTHING_HELD, Expectation, PrefixCache
 from narwhal.router.policies.sessions import Sessions
@@ -78,8 +79,8 @@ class PredictivePolicy:
         self.lengths = Lengths()
         self.streams = {e.name: Streams(len(CLASSES)) for e in engines}
         # Placed requests, until released: their stream's entry in the ledger (None for an
-        # answer of one token) and their prompt's charge.
-        self._entries: dict[Lease, tuple[int | None, Charge]] = {}
+        # answer of one token), their prompt's charge, and the length it is held to.
+        self._entries: dict[Lease, tuple[int | None, Charge, int | None]] = {}
         # Per placed lease, the blocks placed and what the engine's cache was expected to
         # serve of them, until its engine reports what it did (or the lease is released).
         self._expected: dict[Lease, tuple[PromptBlocks, Expectation]] = {}
@@ -359,7 +360,67 @@ class PredictivePolicy:
             aim = TPOT_AIM * self.tpot_target_s
             tau0 = self._tau0(name, aim)
             entry = ledger.joined(aim, tau0, n or 2, lease.request.standing.rank, lengths, cap)
-        self._entries[lease] = (entry, charge)
+        self._entries[lease] = (entry, charge, n)
+
+    def footprint(self, lease: Lease) -> tuple[float | None, int | None]:
+        """What placing `lease` charged its engine's TPOT ledger: its prefill's seconds,
+        and the length its stream is held to (Nones: nothing charged)."""
+        placed = self._entries.get(lease)
+        if placed is None:
+            return None, None
+        return placed[1].stall_s, placed[2]
+
+    # -- work another active router placed (router/peering) -----------------------------
+    def placed_elsewhere(self, p: Placed, e: Engine) -> PeerHold | None:
+        """Another router placed `p` on `e`: its blocks are in `e`'s cache from now on, its
+        conversation is there, and its prefill and stream are in `e`'s ledger as this
+        router's own would be."""
+        if p.blocks is not None and self.cache is not None:
+            self.cache.placed(e.name, PromptBlocks.unpacked(p.blocks))
+        self.sessions.placed(p.session, e.name)
+        ledger = self.streams.get(e.name)
+        if self.tpot_target_s is None or ledger is None or p.stall_s is None:
+            return None
+        charge = ledger.charge(p.stall_s)
+        entry = None
+        if p.n is None or p.n > 1:
+            aim = TPOT_AIM * self.tpot_target_s
+            lengths = self.lengths.of(p.tenant or "")
+            entry = ledger.joined(aim, self._tau0(e.name, aim), p.n or 2, p.rank, lengths, p.cap)
+        return PeerHold(ledger, charge, entry)
+
+    def elsewhere_decoding(self, w: PeerHold) -> None:
+        w.charge.settle()
+        if w.entry is not None:
+            w.ledger.decoding(w.entry, time.monotonic())
+
+    def elsewhere_ended(self, w: PeerHold, output_tokens: int, decode_s: float) -> None:
+        w.charge.settle()
+        if w.entry is not None:
+            w.ledger.ended(w.entry, output_tokens, decode_s)
+            self._wake()
+
+    def picture(self) -> Picture:
+        """What this router holds of the fleet, for a router that joins."""
+        cache = {}
+        if self.cache is not None:
+            for name in self._engines:
+                held = self.cache.held(name)
+                if held:
+                    cache[name] = held
+        return Picture(cache, self.sessions.recent(), self.predictor.export())
+
+    def take_picture(self, p: Picture) -> None:
+        """A joining router's start: another router's picture of the fleet."""
+        if self.cache is not None:
+            for name, held in p.cache.items():
+                if name in self._engines:
+                    self.cache.placed(name, PromptBlocks.unpacked(held))
+        for key, name in p.sessions:
+            if name in self._engines:
+                self.sessions.placed(key, name)
+        if p.profiles is not None:
+            self.predictor.load(p.profiles)
 
     def _tau0(self, name: str, aim: float) -> float:
         """The engine's step without prefill: learned from its clean streams, else its
@@ -407,7 +468,7 @@ class PredictivePolicy:
         placed = self._entries.get(lease)
         if placed is None:
             return
-        entry, charge = placed
+        entry, charge, _ = placed
         charge.settle()  # its prefill has run
         ledger = self.streams.get(lease.on.name)
         if entry is not None and ledger is not None:
@@ -429,12 +490,16 @@ class PredictivePolicy:
         placed = self._entries.pop(lease, None)
         if placed is None:
             return
-        entry, charge = placed
+        entry, charge, _ = placed
         charge.settle()
         ledger = self.streams.get(lease.on.name)
         if entry is None or ledger is None:
             return
         ledger.ended(entry, lease.measured.output_tokens, lease.measured.decode_s)
+        self._wake()
+
+    def _wake(self) -> None:
+        """A stream left a ledger: those waiting for pace are judged again."""
         for order, ended in enumerate(self._ended):
             if ended is not None:
                 if not ended.done():

@@ -125,6 +125,16 @@ class PrefixCache:
         if i is not None:
             self.map.record(i, blocks)
 
+    def held(self, engine: str) -> bytes:
+        """`engine`'s blocks, newest first, packed (for another router's picture)."""
+        i = self.index.get(engine)
+        return self.map.held(i) if i is not None else b""
+
+    def seeded(self, seed: int) -> None:
+        """Active routers hash prompts with one seed (from their shared secret), so that
+        the blocks one places are the blocks the others look up."""
+        self._seed = seed
+
     def cut(self, engine: str, blocks: PromptBlocks, keep: int) -> None:
         """`engine` holds no more of the prompt than its first `keep` blocks (a prefill cut
         short, whose progress is not known)."""

@@ -17,6 +17,10 @@ class Sessions:
             return None
         return self._engine.get(key)
 
+    def recent(self) -> list[tuple[str, str]]:
+        """Every conversation kept, least recently seen first."""
+        return list(self._engine.items())
+
     def placed(self, key: str | None, engine: str) -> None:
         if key is None:
             return

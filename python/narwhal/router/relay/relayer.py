@@ -57,6 +57,12 @@ class Relayer:
         self.upstreams: dict[str, Upstream] = {}
         # The header line that lets this router's fencing tokens raise engines' floors.
         self.fence_secret = f"x-narwhal-fence-secret: {fence_secret}\r\n" if fence_secret else ""
+        # `mode: active`: whose token it is (each router has its own), beside the token.
+        self.fence_router = ""
+
+    def fencing_as(self, router: str) -> None:
+        """Tokens go out with the name of the active router they are `router`'s."""
+        self.fence_router = f"x-narwhal-fence-router: {router}\r\n"
 
     def upstream(self, e: Engine) -> Upstream:
         # By name: two engines at one URL with different keys are two pools.
@@ -99,7 +105,7 @@ class Relayer:
         lease.measured.sent_at = time.monotonic()
         headers = ""
         if lease.fence is not None:
-            headers = f"x-narwhal-fence: {lease.fence}\r\n"
+            headers = f"x-narwhal-fence: {lease.fence}\r\n{self.fence_router}"
             # The secret lets a token raise an engine's floor: it goes to the engines the
             # operator named (the config file, its DNS name), never to one a registrant
             # chose (etcd, the admin API), which could use it to fence the leader out of

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import time
+from typing import Protocol
 
 import orjson
 
@@ -20,6 +21,14 @@ from narwhal.router.tenants.fair_queue import CLASSES, RANK
 from narwhal.router.tenants.limits import Limits, Tenant, TenantLimited, Ticket
 from narwhal.router.tenants.reserve import CriticalReserve
 from narwhal.router.tenants.shares import Shares
+
+
+class Told(Protocol):
+    """What hears of every request a tenant's limits let in, and of its end."""
+
+    def admitted(self, ticket: Ticket, tenant: str, estimate: int) -> None: ...
+
+    def ended(self, ticket: Ticket, tokens: int | None) -> None: ...
 
 
 class Tenants:
@@ -49,6 +58,9 @@ class Tenants:
         self._queue_time = metrics.tenant_queue_time
         for name, rank in self.ceiling.items():
             self._requests.labels(name, CLASSES[rank], "admitted")
+        # `ha.mode: active`: told of every request let in and ended here, for the other
+        # routers' windows (router/peering).
+        self.told: Told | None = None
 
     def may_use(self, name: str | None, model: str) -> None:
         """403 `model_not_allowed` where tenant `name`'s keys list the models they may use
@@ -89,7 +101,18 @@ class Tenants:
             self._requests.labels(name, CLASSES[rank], f"refused_{e.reason}").inc()
             raise
         self._requests.labels(name, CLASSES[rank], "admitted").inc()
+        if self.told is not None:
+            self.told.admitted(ticket, name, estimate)
         return ticket
+
+    def admitted_elsewhere(self, name: str, estimate: int) -> Ticket | None:
+        """Another active router let a request of tenant `name` in: it counts here too (a
+        tenant unknown here counts nowhere: the routers' configs differ)."""
+        tenant = self.by_name.get(name)
+        return tenant.count(estimate) if tenant is not None else None
+
+    def ended_elsewhere(self, ticket: Ticket, tokens: int | None) -> None:
+        ticket.end(tokens)
 
     def export(self) -> bytes:
         """Every tenant's last minute, for the next leader."""
@@ -118,6 +141,8 @@ class Tenants:
         if ticket is None:
             return
         ticket.end(tokens)
+        if self.told is not None:
+            self.told.ended(ticket, tokens)
         if tokens:
             self._tokens.labels(ticket.tenant.name).inc(tokens)
             self.shares.served(ticket.tenant.name, tokens)

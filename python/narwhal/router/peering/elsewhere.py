@@ -1,0 +1,187 @@
+"""The other active routers' work, folded into this router's picture of the fleet.
+
+Each peer's live work is kept by its id until that router says it ended, or the router is
+gone: a seat on its engine (Admission counts it beside this router's own), its prefill and
+stream in the engine's TPOT ledger and its blocks in the engine's cache picture (the
+policy), its tenant's request in the tenant's window. A peer's deltas are folded in only in
+order: a batch that does not start where the last one ended (a delta lost, the peer
+restarted under a new token) is refused, and the peer sends a snapshot of everything it
+has live instead, which replaces what was held of it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from dataclasses import dataclass, field
+
+from narwhal.router.admission import Admission
+from narwhal.router.engines import Pool
+from narwhal.router.lease import PeerSeat
+from narwhal.router.metrics import RouterMetrics
+from narwhal.router.peering.wire import (
+    Admitted,
+    Batch,
+    Ended,
+    First,
+    Placed,
+    Released,
+    Snapshot,
+)
+from narwhal.router.policies import PeerHold, Policy
+from narwhal.router.tenants.limits import Ticket
+from narwhal.router.tenants.registry import Tenants
+
+log = logging.getLogger("narwhal.peering")
+
+# A peer's work and tenants' requests held at most: past it, the oldest go (a peer that
+# never says its work ended cannot grow this router's memory).
+MAX_HELD = 1_000_000
+
+
+@dataclass
+class Work:
+    """One piece of a peer's work held here."""
+
+    seat: PeerSeat | None  # None: its engine is not in this router's pool
+    held: PeerHold | None  # what the policy holds of it
+    at: float  # when it was placed, as this router heard
+
+
+@dataclass
+class Peer:
+    """What this router holds of one other router: its term, the next delta it expects
+    of it, and its live work and tenants' requests by id."""
+
+    token: int
+    next_seq: int
+    work: dict[int, Work] = field(default_factory=dict)
+    tickets: dict[int, Ticket] = field(default_factory=dict)
+
+
+class Elsewhere:
+    """Every peer's work held here (one owner: the exchange feeds it, in order)."""
+
+    def __init__(
+        self,
+        pool: Pool,
+        admission: Admission,
+        policy: Policy,
+        tenants: Tenants,
+        metrics: RouterMetrics,
+    ) -> None:
+        self.pool = pool
+        self.admission = admission
+        self.policy = policy
+        self.tenants = tenants
+        self.metrics = metrics
+        self.peers: dict[str, Peer] = {}
+
+    def expected(self, sender: str, token: int) -> int | None:
+        """The sequence number the next batch of `sender` in term `token` must start at;
+        None: none is held of that term (a snapshot must come first)."""
+        peer = self.peers.get(sender)
+        return peer.next_seq if peer is not None and peer.token == token else None
+
+    def batch(self, b: Batch) -> int | None:
+        """Folds `b` in; None when it was, else the sequence number it should have
+        started at (0: a snapshot must come first)."""
+        peer = self.peers.get(b.sender)
+        if peer is None or peer.token != b.token:
+            return 0
+        if b.seq != peer.next_seq:
+            return peer.next_seq
+        for d in b.deltas:
+            self._fold(b.sender, peer, d)
+        peer.next_seq += len(b.deltas)
+        self.metrics.peer_deltas.labels("received").inc(len(b.deltas))
+        return None
+
+    def snapshot(self, s: Snapshot) -> None:
+        """What router `s.sender` has live now replaces what was held of it."""
+        self.drop(s.sender)
+        peer = self.peers[s.sender] = Peer(s.token, s.seq)
+        for p in s.placed:
+            self._placed(s.sender, peer, p)
+        for i in s.decoding:
+            self._first(peer, i)
+        for a in s.admitted:
+            self._admitted(peer, a)
+        self.metrics.peer_snapshots.labels("received").inc()
+
+    def drop(self, sender: str) -> None:
+        """Router `sender` is gone (or starts again): everything held of it is let go."""
+        peer = self.peers.pop(sender, None)
+        if peer is None:
+            return
+        for w in peer.work.values():
+            self._end(w, 0, 0.0)
+        for t in peer.tickets.values():
+            self.tenants.ended_elsewhere(t, None)
+        with contextlib.suppress(KeyError):  # a series per router standing, not per one ever
+            self.metrics.placements.remove(sender)
+
+    def held(self) -> int:
+        return sum(len(p.work) + len(p.tickets) for p in self.peers.values())
+
+    def sweep(self, older_than_s: float) -> int:
+        """Work a peer has not said the end of within `older_than_s` (longer than any
+        request may run) is let go: a lost delta never holds a seat for good."""
+        cut = time.monotonic() - older_than_s
+        gone = 0
+        for peer in self.peers.values():
+            for i in [i for i, w in peer.work.items() if w.at < cut]:
+                self._end(peer.work.pop(i), 0, 0.0)
+                gone += 1
+        return gone
+
+    # -- one delta ------------------------------------------------------------------------
+    def _fold(self, sender: str, peer: Peer, d: object) -> None:
+        if isinstance(d, Placed):
+            self._placed(sender, peer, d)
+        elif isinstance(d, First):
+            self._first(peer, d.id)
+        elif isinstance(d, Ended):
+            w = peer.work.pop(d.id, None)
+            if w is not None:
+                self._end(w, d.output_tokens, d.decode_s)
+        elif isinstance(d, Admitted):
+            self._admitted(peer, d)
+        elif isinstance(d, Released):
+            t = peer.tickets.pop(d.id, None)
+            if t is not None:
+                self.tenants.ended_elsewhere(t, d.tokens)
+
+    def _placed(self, sender: str, peer: Peer, p: Placed) -> None:
+        self.metrics.placements.labels(sender).inc()
+        if p.id in peer.work or len(peer.work) >= MAX_HELD:
+            return
+        e = self.pool.named(p.engine)
+        if e is None:  # not one of this router's engines (configs differ): no seat here
+            peer.work[p.id] = Work(None, None, time.monotonic())
+            return
+        seat = PeerSeat(e, p.tokens)
+        self.admission.seat_elsewhere(seat, p.predicted_s)
+        peer.work[p.id] = Work(seat, self.policy.placed_elsewhere(p, e), time.monotonic())
+
+    def _first(self, peer: Peer, i: int) -> None:
+        w = peer.work.get(i)
+        if w is None or w.seat is None:
+            return
+        self.admission.elsewhere_decoding(w.seat)
+        if w.held is not None:
+            self.policy.elsewhere_decoding(w.held)
+
+    def _admitted(self, peer: Peer, a: Admitted) -> None:
+        if a.id in peer.tickets or len(peer.tickets) >= MAX_HELD:
+            return
+        t = self.tenants.admitted_elsewhere(a.tenant, a.tokens)
+        if t is not None:
+            peer.tickets[a.id] = t
+
+    def _end(self, w: Work, output_tokens: int, decode_s: float) -> None:
+        if w.seat is not None:
+            self.admission.elsewhere_done(w.seat)
+        if w.held is not None:
+            self.policy.elsewhere_ended(w.held, output_tokens, decode_s)

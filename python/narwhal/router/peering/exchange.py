@@ -1,0 +1,387 @@
+"""The picture exchange between active routers (`ha.mode: active`).
+
+Every router tells every other what it places, when each first token comes and when each
+request ends, and which tenants' requests it lets in and when they end: compact deltas
+(`wire`), batched while a send is out, posted straight to each peer's
+`/internal/v1/picture` with the routers' shared secret. Each peer gets them in order, each
+numbered in this router's term (its fencing token); a peer that missed one answers 409 and
+gets a snapshot of everything live here instead. A peer not reached keeps its deltas
+queued up to a bound, then a snapshot replaces them.
+
+Routers find each other in etcd (their member keys say where each is reached, `Leadership`);
+one whose key is gone is dropped, and what it held here with it. A router that joins (or
+starts a new term) takes, before it places anything, every peer's live work and one peer's
+whole picture (each engine's cached blocks, the conversations' engines, the predictor's
+profiles): its first placements see what the fleet holds.
+
+How old the others' picture of this router's work is, at most, is measured per delta from
+its placement to the peer's acknowledgement (`narwhal_peer_lag_seconds`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import time
+from collections import deque
+
+import aiohttp
+
+from narwhal import asgi, bearer
+from narwhal.asgi import Receive, Scope, Send
+from narwhal.errors import ApiError
+from narwhal.etcd import EtcdError
+from narwhal.router.ha.leadership import Leadership
+from narwhal.router.lease import Events, Lease
+from narwhal.router.metrics import RouterMetrics
+from narwhal.router.peering.elsewhere import Elsewhere
+from narwhal.router.peering.wire import (
+    MAX_BODY,
+    MAX_DELTAS,
+    Admitted,
+    Batch,
+    Delta,
+    Ended,
+    First,
+    Picture,
+    Placed,
+    Released,
+    Snapshot,
+    WireError,
+    decode,
+    encode_batch,
+    encode_snapshot,
+)
+from narwhal.router.policies import Plan, Policy
+from narwhal.router.tenants.limits import Ticket
+
+log = logging.getLogger("narwhal.peering")
+
+PATH = "/internal/v1/picture"
+# Deltas queued for one peer at most; past it they are dropped and a snapshot sent instead.
+MAX_PENDING = 100_000
+# A send's timeout, and the pause after one that failed (doubling up to the last).
+SEND_TIMEOUT_S = 2.0
+RETRY_S = (0.05, 0.1, 0.25, 0.5, 1.0)
+# How often the routers' keys are read (a peer that joined is sent to from then on; one
+# whose key went is dropped).
+DISCOVER_S = 0.5
+# Work a peer never said the end of is let go after the longest a request may run and this.
+SWEEP_SLACK_S = 60.0
+
+
+class Outbox:
+    """The deltas one peer has not acknowledged yet, and its sender."""
+
+    def __init__(self, name: str, url: str) -> None:
+        self.name = name
+        self.url = url.rstrip("/") + PATH
+        self.pending: deque[tuple[int, float, Delta]] = deque()  # (seq, made at, delta)
+        self.resync = True  # a snapshot goes first: the peer holds nothing of this term yet
+        self.wake = asyncio.Event()
+        self.task: asyncio.Task[None] | None = None
+
+
+class Exchange:
+    def __init__(
+        self,
+        leadership: Leadership,
+        policy: Policy,
+        elsewhere: Elsewhere,
+        metrics: RouterMetrics,
+        secret: str,
+        request_timeout_s: float,
+    ) -> None:
+        self.leadership = leadership
+        self.policy = policy
+        self.elsewhere = elsewhere
+        self.metrics = metrics
+        self._secret = secret
+        self._keys = (secret.encode(),)
+        self._auth = {"authorization": f"Bearer {secret}", "content-type": "application/json"}
+        self.request_timeout_s = request_timeout_s
+        self.session: aiohttp.ClientSession | None = None
+        self.outboxes: dict[str, Outbox] = {}
+        # This router's live work and tenants' requests, by the id its deltas give them.
+        self._ids = itertools.count(1)
+        self._seq = 1  # the next delta's number in this term
+        self._term: int | None = None
+        self._live: dict[Lease, tuple[Placed, bool]] = {}  # (its placement, decoding)
+        self._tickets: dict[Ticket, Admitted] = {}
+
+    # -- this router's work, as it happens ------------------------------------------------
+    def watch(self, events: Events) -> None:
+        events.subscribe(first_output=self._first, released=self._released)
+
+    def placed(self, lease: Lease, plan: Plan) -> None:
+        """`lease` was seated (after the policy heard of it)."""
+        req = lease.request
+        stall_s, n = self.policy.footprint(lease)
+        p = Placed(
+            next(self._ids),
+            lease.on.name,
+            lease.tokens,
+            lease.predicted_s,
+            plan.blocks.packed() if plan.blocks is not None else None,
+            plan.session,
+            stall_s,
+            n,
+            req.standing.rank,
+            req.max_tokens,
+            req.standing.tenant or None,
+        )
+        self._live[lease] = (p, False)
+        self.metrics.placements.labels(self.leadership.name).inc()
+        self._tell(p)
+
+    def _first(self, lease: Lease) -> None:
+        held = self._live.get(lease)
+        if held is not None:
+            self._live[lease] = (held[0], True)
+            self._tell(First(held[0].id))
+
+    def _released(self, lease: Lease) -> None:
+        held = self._live.pop(lease, None)
+        if held is not None:
+            m = lease.measured
+            self._tell(Ended(held[0].id, m.output_tokens, m.decode_s))
+
+    def admitted(self, ticket: Ticket, tenant: str, estimate: int) -> None:
+        a = Admitted(next(self._ids), tenant, estimate)
+        self._tickets[ticket] = a
+        self._tell(a)
+
+    def ended(self, ticket: Ticket, tokens: int | None) -> None:
+        a = self._tickets.pop(ticket, None)
+        if a is not None:
+            self._tell(Released(a.id, tokens))
+
+    def _tell(self, d: Delta) -> None:
+        seq, self._seq = self._seq, self._seq + 1
+        now = time.monotonic()
+        for box in self.outboxes.values():
+            if box.resync:
+                continue  # its snapshot, when it goes, holds this
+            if len(box.pending) >= MAX_PENDING:
+                self.metrics.peer_deltas.labels("dropped").inc(len(box.pending))
+                box.pending.clear()
+                box.resync = True
+            else:
+                box.pending.append((seq, now, d))
+            box.wake.set()
+
+    def _snapshot(self) -> Snapshot:
+        """Everything live here now; the next delta is numbered `seq`."""
+        token = self._term or 0
+        placed = [p for p, _ in self._live.values()]
+        decoding = [p.id for p, dec in self._live.values() if dec]
+        return Snapshot(
+            self.leadership.name, token, self._seq, placed, decoding, list(self._tickets.values())
+        )
+
+    # -- sending ----------------------------------------------------------------------
+    async def _send_forever(self, box: Outbox) -> None:
+        failures = 0
+        while True:
+            if not box.pending and not box.resync:
+                box.wake.clear()
+                await box.wake.wait()
+            if self._term is None:
+                await asyncio.sleep(RETRY_S[-1])
+                continue
+            if box.resync:
+                # Built and the queue cleared at one moment: what is queued after it follows.
+                snap = self._snapshot()
+                box.pending.clear()
+                body, sent = encode_snapshot(snap), None
+            else:
+                sent = [box.pending[i] for i in range(min(MAX_DELTAS, len(box.pending)))]
+                batch = Batch(self.leadership.name, self._term, sent[0][0], [d for _, _, d in sent])
+                body = encode_batch(batch)
+            status = await self._post(box, body)
+            if status == 200:
+                failures = 0
+                if sent is None:
+                    box.resync = False
+                    self.metrics.peer_snapshots.labels("sent").inc()
+                    continue
+                now = time.monotonic()
+                for _ in sent:
+                    _, made, _ = box.pending.popleft()
+                    self.metrics.peer_lag.observe(now - made)
+                self.metrics.peer_deltas.labels("sent").inc(len(sent))
+            elif status == 409:
+                box.resync = True  # it missed some, or holds nothing of this term
+            else:
+                await asyncio.sleep(RETRY_S[min(failures, len(RETRY_S) - 1)])
+                failures += 1
+
+    async def _post(self, box: Outbox, body: bytes) -> int:
+        assert self.session is not None
+        try:
+            async with self.session.post(
+                box.url,
+                data=body,
+                headers=self._auth,
+                timeout=aiohttp.ClientTimeout(total=SEND_TIMEOUT_S),
+            ) as resp:
+                await resp.read()
+                if resp.status not in (200, 409):
+                    log.warning("peer %s answered the picture exchange %d", box.name, resp.status)
+                return resp.status
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+            log.debug("peer %s not reached: %s", box.name, e)
+            return 0
+
+    # -- who the peers are ------------------------------------------------------------
+    async def run_forever(self) -> None:
+        """Follows the routers' keys: a sender for each peer standing, and what a peer
+        whose key went held here let go; work never ended swept."""
+        while True:
+            await asyncio.sleep(DISCOVER_S)
+            self._term_check()
+            self.elsewhere.sweep(self.request_timeout_s + SWEEP_SLACK_S)
+            if self._term is None:
+                continue
+            try:
+                peers = await self.leadership.peers()
+            except EtcdError as e:
+                log.debug("the routers' keys could not be read: %s", e)
+                continue
+            self._follow(peers)
+
+    def _follow(self, peers: dict[str, str]) -> None:
+        for name, url in peers.items():
+            box = self.outboxes.get(name)
+            if box is not None and box.url == url.rstrip("/") + PATH:
+                continue
+            if box is not None and box.task is not None:
+                box.task.cancel()
+            box = self.outboxes[name] = Outbox(name, url)
+            box.task = asyncio.create_task(self._supervised(box), name=f"peer-{name}")
+            box.wake.set()
+            log.info("exchanging the picture with router %s at %s", name, url)
+        for name in [n for n in self.outboxes if n not in peers]:
+            box = self.outboxes.pop(name)
+            if box.task is not None:
+                box.task.cancel()
+            log.info("router %s left: what it held here is let go", name)
+        for name in [n for n in self.elsewhere.peers if n not in peers]:
+            self.elsewhere.drop(name)
+        self.metrics.peers.set(len(self.outboxes))
+
+    async def _supervised(self, box: Outbox) -> None:
+        """A sender that raises is said, counted, and started again."""
+        while True:
+            try:
+                await self._send_forever(box)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("sending to router %s failed", box.name)
+                self.metrics.background_errors.labels(f"peer_sender:{box.name}"[:64]).inc()
+                box.resync = True
+                await asyncio.sleep(RETRY_S[-1])
+
+    def _term_check(self) -> None:
+        """A new fencing token is a new term: every peer gets a snapshot first."""
+        token = self.leadership.token if self.leadership.serving() is None else None
+        if token == self._term:
+            return
+        self._term = token
+        self._seq = 1
+        for box in self.outboxes.values():
+            box.pending.clear()
+            box.resync = True
+            box.wake.set()
+
+    async def join(self) -> None:
+        """Before this router places in a new term: every peer's live work, and one peer's
+        whole picture of the fleet."""
+        self._term = None  # the term starts when its token is in hand (`_term_check`)
+        try:
+            peers = await self.leadership.peers()
+        except EtcdError as e:
+            log.warning("joining: the routers' keys could not be read: %s", e)
+            return
+        pictured = False
+        for name, url in peers.items():
+            got = await self._fetch(url, picture=not pictured)
+            if got is None:
+                continue
+            snap, picture = got
+            if snap.sender != name:
+                continue
+            self.elsewhere.snapshot(snap)
+            if picture is not None:
+                self.policy.take_picture(picture)
+                pictured = True
+                log.info("took router %s's picture of the fleet", name)
+
+    async def _fetch(self, url: str, picture: bool) -> tuple[Snapshot, Picture | None] | None:
+        assert self.session is not None
+        target = url.rstrip("/") + PATH + ("?picture=1" if picture else "")
+        try:
+            async with self.session.get(
+                target, headers=self._auth, timeout=aiohttp.ClientTimeout(total=SEND_TIMEOUT_S)
+            ) as resp:
+                raw = await resp.content.read(MAX_BODY + 1)
+                if resp.status != 200:
+                    return None
+            msg, pic = decode(raw)
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, WireError) as e:
+            log.warning("joining: %s's picture not taken: %s", url, e)
+            return None
+        return (msg, pic) if isinstance(msg, Snapshot) else None
+
+    # -- receiving --------------------------------------------------------------------
+    async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """`/internal/v1/picture`: POST folds a peer's deltas or snapshot in; GET answers
+        with what is live here (and, with `?picture=1`, this router's whole picture)."""
+        bearer.require(scope, self._keys, "peer secret (ha.peer_secret_env)")
+        method = scope["method"]
+        if method == "GET":
+            picture = b"picture=1" in scope.get("query_string", b"")
+            body = encode_snapshot(self._snapshot(), self.policy.picture() if picture else None)
+            await asgi.send_bytes(send, 200, body)
+            return
+        if method != "POST":
+            raise asgi.method_not_allowed(method, PATH, "GET, POST")
+        try:
+            raw = await asgi.read_body(receive, MAX_BODY, SEND_TIMEOUT_S * 5)
+        except asgi.BodyTooLarge:
+            raise ApiError(
+                413, "a picture message is too large", code="request_too_large"
+            ) from None
+        try:
+            msg, _ = decode(raw)
+        except WireError as e:
+            raise ApiError(400, f"not a picture message: {e}", code="invalid_request") from None
+        if msg.sender == self.leadership.name:
+            raise ApiError(400, "a router does not send itself its picture", code="invalid_request")
+        if isinstance(msg, Snapshot):
+            self.elsewhere.snapshot(msg)
+            await asgi.send_bytes(send, 200, b'{"ok":true}')
+            return
+        expected = self.elsewhere.batch(msg)
+        if expected is None:
+            await asgi.send_bytes(send, 200, b'{"ok":true}')
+            return
+        raise ApiError(
+            409,
+            f"deltas from {msg.sender[:64]} start at {msg.seq}, not {expected}: send a snapshot",
+            code="picture_out_of_order",
+        )
+
+    def start(self, session: aiohttp.ClientSession) -> None:
+        self.session = session
+
+    async def close(self) -> None:
+        for box in self.outboxes.values():
+            if box.task is not None:
+                box.task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await box.task
+        self.outboxes.clear()

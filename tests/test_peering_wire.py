@@ -1,0 +1,135 @@
+"""What active routers send each other (router/peering/wire.py): every message a router
+writes reads back as it was, and anything else is refused whole with WireError, never
+another exception."""
+
+from __future__ import annotations
+
+import contextlib
+
+import orjson
+from hypothesis import given
+from hypothesis import strategies as st
+
+from narwhal._native import PrefixMap, PromptBlocks
+from narwhal.router.peering.wire import (
+    Admitted,
+    Batch,
+    Ended,
+    First,
+    Picture,
+    Placed,
+    Released,
+    Snapshot,
+    WireError,
+    decode,
+    encode_batch,
+    encode_snapshot,
+    seed_of,
+)
+
+ids = st.integers(1, 2**63 - 1)
+counts = st.integers(0, 2**40)
+names = st.text(min_size=1, max_size=40)
+seconds = st.floats(0, 1e6, allow_nan=False)
+packed = st.binary(max_size=80).map(lambda b: b[: len(b) - len(b) % 8])
+
+placed = st.builds(
+    Placed,
+    ids,
+    names,
+    counts,
+    st.none() | seconds,
+    st.none() | packed,
+    st.none() | st.text(max_size=50),
+    st.none() | seconds,
+    st.none() | counts,
+    st.integers(0, 2),
+    st.none() | counts,
+    st.none() | names,
+)
+deltas = st.lists(
+    st.one_of(
+        placed,
+        st.builds(First, ids),
+        st.builds(Ended, ids, counts, seconds),
+        st.builds(Admitted, ids, names, counts),
+        st.builds(Released, ids, st.none() | counts),
+    ),
+    max_size=20,
+)
+
+
+@given(names, ids, ids, deltas)
+def test_a_batch_reads_back_as_it_was_written(sender: str, token: int, seq: int, ds: list) -> None:
+    b = Batch(sender, token, seq, ds)
+    msg, picture = decode(encode_batch(b))
+    assert msg == b
+    assert picture is None
+
+
+@given(names, ids, ids, st.lists(placed, max_size=5), st.lists(ids, max_size=5))
+def test_a_snapshot_and_a_picture_read_back(
+    sender: str, token: int, seq: int, ps: list[Placed], decoding: list[int]
+) -> None:
+    snap = Snapshot(sender, token, seq, ps, decoding, [Admitted(1, "team", 5)])
+    pic = Picture({"gpu0": b"\x01" * 16}, [("conv", "gpu0")], b'{"gpu0": {}}')
+    msg, got = decode(encode_snapshot(snap, pic))
+    assert msg == snap
+    assert got == pic
+
+
+json_values = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**63), 2**64 - 1)
+    | st.floats()
+    | st.text(max_size=8),
+    lambda inner: (
+        st.lists(inner, max_size=5) | st.dictionaries(st.text(max_size=8), inner, max_size=5)
+    ),
+    max_leaves=30,
+)
+
+
+@given(json_values)
+def test_anything_else_is_refused_whole(value: object) -> None:
+    try:
+        raw = orjson.dumps(value)
+    except (TypeError, orjson.JSONEncodeError):
+        return
+    with contextlib.suppress(WireError):
+        decode(raw)
+
+
+@given(st.lists(st.sampled_from(["p", "f", "e", "t", "u", 1, None, "x"])), json_values)
+def test_a_delta_of_any_shape_is_read_or_refused(head: list[object], tail: object) -> None:
+    body = {"from": "r", "token": 1, "seq": 1, "deltas": [[*head, tail], head]}
+    with contextlib.suppress(WireError):
+        decode(orjson.dumps(body))
+
+
+@given(st.binary(max_size=200))
+def test_bytes_are_read_or_refused(raw: bytes) -> None:
+    with contextlib.suppress(WireError):
+        decode(raw)
+
+
+def test_blocks_travel_as_the_same_prompt() -> None:
+    text = b"the same system prompt, long enough for several blocks of text " * 8
+    seed = seed_of("shared")
+    assert seed == seed_of("shared") != seed_of("other")
+    here = PromptBlocks(text, 16, seed)
+    there = PromptBlocks.unpacked(here.packed())
+    m = PrefixMap(1, 1000)
+    m.record(0, there)
+    assert m.matched(here) == [len(here)]
+    # An engine's picture, held and given to another map, matches as the first did.
+    copy = PrefixMap(1, 1000)
+    copy.record(0, PromptBlocks.unpacked(m.held(0)))
+    assert copy.matched(here) == [len(here)]
+    try:
+        PromptBlocks.unpacked(b"\x00" * 7)
+    except ValueError:
+        pass
+    else:
+        raise AssertionError("7 bytes are no hash")
