@@ -272,3 +272,26 @@ def test_a_fencing_engine_serves_every_active_router_and_refuses_one_whose_key_w
             )
     finally:
         lexi.stop()
+
+
+def test_admin_edits_on_any_active_router_apply_on_every_router(
+    etcd: EtcdServer, engines: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("NARWHAL_TEST_ADMIN", "admin-token")
+    admin = {"authorization": "Bearer admin-token"}
+    text = config(
+        etcd, engines[:1], "/act6/leader", "admin: {token_env: NARWHAL_TEST_ADMIN}\n"
+    ).replace("admission: predictive", "admission: open")
+    with routers(tmp_path, text, 2) as (a, b):
+        add = {"name": "gpu1", "url": engines[1], "dialect": "vllm"}
+        r = httpx.post(b.url + "/admin/engines", headers=admin, json=add, timeout=5)
+        assert r.status_code == 201, r.text
+        r = httpx.post(
+            a.url + "/admin/maintenance", headers=admin, json={"engines": ["gpu0"]}, timeout=5
+        )
+        assert r.status_code == 200, r.text
+        for r in (a, b):
+            wait_until(lambda r=r: engines_of(r).get("gpu1", {}).get("state") == "serving", 10)
+            wait_until(
+                lambda r=r: httpx.get(r.url + "/ready").json()["maintenance"] == ["gpu0"], 10
+            )

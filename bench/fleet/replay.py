@@ -32,7 +32,9 @@ Peers run as their operators run them: `sglang-POLICY@CAP` and `vllm-POLICY@CAP`
 or `@defaults` for a peer with nothing set; a peer named with neither is refused.
 `--runs N` repeats every cell N times, every door in each run, and the table gives each
 figure's median and range. `narwhal-MODE@base` is Narwhal from `--baseline-tree` (a worktree
-of an older commit): a router change A/B'd in one run. The simulated engines' realism is
+of an older commit): a router change A/B'd in one run. `narwhal-MODE@activeN` is N active
+routers (`ha.mode: active`) on an etcd the bench starts, the clients spread over them round
+robin; the door's CPU is all N processes'. The simulated engines' realism is
 `--sim-args`: `--kv-on-demand` (KV as output grows, preemption), `--prefill-half-context
 12000` (prefill slowing with the context, the H200 calibration), `--jitter 0.1`, `--speeds
 1,1,1,0.5` (a mixed fleet); without them the engines are the older figures' model.
@@ -47,6 +49,7 @@ import asyncio
 import math
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -404,9 +407,16 @@ class Door:
     health: str = "/health"
     port: int = 0
     env: dict[str, str] | None = None  # the process's environment (None: this one's)
+    # More routers of the same door (`@activeN`): each its command and port.
+    replicas: list[tuple[list[str], int]] = field(default_factory=list)
 
 
-def doors(a: argparse.Namespace, engines: list[str], tmp: Path) -> list[Door]:
+PEER_SECRET_ENV = "NARWHAL_BENCH_PEER_SECRET"
+
+
+def doors(
+    a: argparse.Namespace, engines: list[str], tmp: Path, etcd: str | None = None
+) -> list[Door]:
     out: list[Door] = []
     wanted = a.doors.split(",")
     for name in wanted:
@@ -420,9 +430,18 @@ def doors(a: argparse.Namespace, engines: list[str], tmp: Path) -> list[Door]:
                 if a.baseline_tree is None:
                     raise SystemExit(f"{name}: --baseline-tree names the tree it runs")
                 env = {**os.environ, "PYTHONPATH": str(a.baseline_tree.resolve() / "python")}
+            elif variant.startswith("active") and variant[6:].isdigit() and etcd is not None:
+                env = {**os.environ, PEER_SECRET_ENV: "bench-peer-secret"}
             elif variant:
-                raise SystemExit(f"{name}: the only variant of Narwhal's door is @base")
-            cfg = tmp / f"{name}.yaml"
+                raise SystemExit(f"{name}: Narwhal's door variants are @base and @activeN")
+            n = int(variant[6:]) if variant.startswith("active") else 1
+            ports = [port] + [free_port() for _ in range(n - 1)]
+            ha = ""
+            if n > 1 or variant.startswith("active"):
+                ha = (
+                    f"ha: {{etcd: ['{etcd}'], key: /bench/{name}-{port}/leader, lease_ttl_s: 5, "
+                    f"mode: active, peer_secret_env: {PEER_SECRET_ENV}}}\n"
+                )
             lines = "\n".join(
                 f'  - {{name: e{i}, url: "{u}", dialect: vllm{engine_models(i, a)}}}'
                 for i, u in enumerate(engines)
@@ -438,17 +457,24 @@ def doors(a: argparse.Namespace, engines: list[str], tmp: Path) -> list[Door]:
                 )
                 auth = f"auth: {{api_keys: [{keys}]}}\n"
             served = models(a)
-            cfg.write_text(
-                auth + f"model: {served[0].name if served else 'main'}\n"
-                f"listen: {{port: {port}}}\nadmission: {mode}\n"
-                f"predictive: {{ttft_budget_s: {a.ttft_budget_s * a.time_scale}{tpot}}}\n"
-                "serving: {http_retention_limit: 8192, request_timeout_s: 3600}\n"
-                "queue: {size: 4096, wait_s: 600}\n"
-                "phases: {prefill_concurrency: 64, decode_concurrency: 512}\n"
-                f"engines:\n{lines}\n"
+            cmds = []
+            for p in ports:
+                cfg = tmp / f"{name}-{p}.yaml"
+                cfg.write_text(
+                    auth + ha + f"model: {served[0].name if served else 'main'}\n"
+                    f"listen: {{port: {p}}}\nadmission: {mode}\n"
+                    f"predictive: {{ttft_budget_s: {a.ttft_budget_s * a.time_scale}{tpot}}}\n"
+                    "serving: {http_retention_limit: 8192, request_timeout_s: 3600}\n"
+                    "queue: {size: 4096, wait_s: 600}\n"
+                    "phases: {prefill_concurrency: 64, decode_concurrency: 512}\n"
+                    f"engines:\n{lines}\n"
+                )
+                cmds.append([str(BIN / "narwhal"), "serve", "--config", str(cfg)])
+            out.append(
+                Door(
+                    name, cmds[0], "/ready", port, env, list(zip(cmds[1:], ports[1:], strict=True))
+                )
             )
-            cmd = [str(BIN / "narwhal"), "serve", "--config", str(cfg)]
-            out.append(Door(name, cmd, "/ready", port, env))
         elif models(a):
             raise SystemExit(f"{name}: --models is for Narwhal's doors (placement by model)")
         elif (name.startswith("sglang-") and a.sglang) or (name.startswith("vllm-") and a.vllm):
@@ -502,29 +528,35 @@ def run_door(
 ) -> Result:
     asyncio.run(reset(engines))
     res = Result(door.name, load, run=run)
-    proc = None
+    procs: list[subprocess.Popen[bytes]] = []
+    urls = engines
     try:
         if door.cmd is not None:
-            proc = subprocess.Popen(
-                door.cmd,
-                cwd=ROOT,
-                env=door.env,
-                start_new_session=True,
-                stdout=subprocess.DEVNULL,
-                # One log a cell, kept (beside the dump where there is one): the access lines
-                # say what each request was projected and measured (`projected_ms`,
-                # `own_ms`, `due_ms`, `tokens_sized` beside `ttfb_ms`, `tokens_in`); the
-                # dump has the client's side.
-                stderr=open(  # noqa: SIM115
-                    cell_log(a.dump, door.name, load, run), "wb"
-                ),
-            )
-            url = f"http://127.0.0.1:{door.port}"
-            wait_http(url + door.health, proc, 60)
-            asyncio.run(warm(url, a.warmup, a.time_scale, bool(a.classes), models(a) or None))
+            urls = []
+            for k, (cmd, port) in enumerate([(door.cmd, door.port), *door.replicas]):
+                name = door.name if k == 0 else f"{door.name}.{k}"
+                procs.append(
+                    subprocess.Popen(
+                        cmd,
+                        cwd=ROOT,
+                        env=door.env,
+                        start_new_session=True,
+                        stdout=subprocess.DEVNULL,
+                        # One log a cell, kept (beside the dump where there is one): the
+                        # access lines say what each request was projected and measured
+                        # (`projected_ms`, `own_ms`, `due_ms`, `tokens_sized` beside
+                        # `ttfb_ms`, `tokens_in`); the dump has the client's side.
+                        stderr=open(  # noqa: SIM115
+                            cell_log(a.dump, name, load, run), "wb"
+                        ),
+                    )
+                )
+                urls.append(f"http://127.0.0.1:{port}")
+                wait_http(urls[-1] + door.health, procs[-1], 60)
+            for url in urls:
+                asyncio.run(warm(url, a.warmup, a.time_scale, bool(a.classes), models(a) or None))
         asyncio.run(reset_counters_only(engines))
-        cpu0 = tree_cpu(proc.pid) if proc else 0.0
-        urls = engines if door.cmd is None else [f"http://127.0.0.1:{door.port}"]
+        cpu0 = sum(tree_cpu(p.pid) for p in procs)
         res.outcomes, res.span_s = asyncio.run(
             offer(
                 urls,
@@ -537,11 +569,13 @@ def run_door(
                 models(a) or None,
             )
         )
-        res.cpu_s = (tree_cpu(proc.pid) - cpu0) if proc else 0.0
+        res.cpu_s = sum(tree_cpu(p.pid) for p in procs) - cpu0
         res.prompt_tokens, res.cached_tokens = asyncio.run(engine_stats(engines))
     finally:
-        if proc is not None and proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+        for proc in procs:
             try:
                 proc.wait(20)
             except subprocess.TimeoutExpired:
@@ -744,6 +778,30 @@ def start_fleet(a: argparse.Namespace) -> tuple[subprocess.Popen[bytes], list[st
     raise RuntimeError("no run of free ports for the simulated engines")
 
 
+def start_etcd() -> tuple[subprocess.Popen[bytes], str]:
+    """An etcd of its own on loopback, for doors of several active routers."""
+    exe = shutil.which("etcd")
+    if exe is None:
+        raise SystemExit("@activeN doors need etcd (make setup installs etcd-server)")
+    port, peer = free_port(), free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen(
+        [
+            *(exe, "--data-dir", tempfile.mkdtemp(prefix="bench-etcd-")),
+            *("--listen-client-urls", url, "--advertise-client-urls", url),
+            *("--listen-peer-urls", f"http://127.0.0.1:{peer}"),
+            *("--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}"),
+            "--initial-cluster",
+            f"default=http://127.0.0.1:{peer}",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    wait_http(url + "/health", proc, 30)
+    return proc, url
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--trace", type=Path, required=True)
@@ -814,13 +872,14 @@ def main() -> None:
     if a.requests:
         trace = trace[: a.requests]
     sim, engines = start_fleet(a)
+    etcd = start_etcd() if "@active" in a.doors else None
     rows = []
     try:
         with tempfile.TemporaryDirectory() as tmp:
             for run, load in [
                 (k, float(x)) for k in range(1, a.runs + 1) for x in a.loads.split(",")
             ]:
-                for door in doors(a, engines, Path(tmp)):
+                for door in doors(a, engines, Path(tmp), etcd[1] if etcd else None):
                     res = run_door(door, engines, trace, load, a, run)
                     row = res.summary(
                         a.ttft_budget_s, a.tpot_target_ms / 1000, duration_s(trace, load)
@@ -837,6 +896,9 @@ def main() -> None:
     finally:
         os.killpg(sim.pid, signal.SIGTERM)
         sim.wait()
+        if etcd is not None:
+            os.killpg(etcd[0].pid, signal.SIGTERM)
+            etcd[0].wait()
     title = (
         f"{a.trace.name}: {len(trace)} requests, {a.engines} engines, TTFT budget "
         f"{a.ttft_budget_s:g} s, TPOT target {a.tpot_target_ms:g} ms"

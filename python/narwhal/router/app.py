@@ -183,7 +183,10 @@ class Router:
         """`ha.mode: active`: this router's picture exchange with the others."""
         ha = config.ha
         assert ha is not None
-        self.leadership.url = ha.advertise_url or f"http://{config.host}:{config.port}"
+        advertised = os.environ.get(ha.advertise_url_env, "") if ha.advertise_url_env else ""
+        self.leadership.url = (
+            advertised or ha.advertise_url or f"http://{config.host}:{config.port}"
+        ).rstrip("/")
         self.relayer.fencing_as(self.leadership.name)
         elsewhere = Elsewhere(self.pool, self.admission, self.policy, self.tenants, self.metrics)
         exchange = Exchange(

@@ -185,6 +185,7 @@ def _unfit(config: RouterConfig) -> str | None:
         *((f"auth.api_keys[{t.tenant}].key_env", t.key_env) for t in config.tenant_keys),
         ("ha.fence_secret_env", config.ha.fence_secret_env if config.ha else None),
         ("ha.peer_secret_env", config.ha.peer_secret_env if config.ha else None),
+        ("ha.advertise_url_env", config.ha.advertise_url_env if config.ha else None),
     ]:
         if name and not os.environ.get(name):
             return f"config error: {where}: the environment variable {name} is not set"

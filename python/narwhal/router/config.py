@@ -112,6 +112,7 @@ class HA:
     # Active: where the other routers reach this one (http://host:port); default: the
     # listen address, which must then not be a wildcard.
     advertise_url: str | None = None
+    advertise_url_env: str | None = None  # ...or the variable that holds it (a pod's address)
 
     @property
     def active(self) -> bool:
@@ -340,6 +341,7 @@ def parse(data: Any) -> RouterConfig:
             h.get("mode", HA.mode),
             h.get("peer_secret_env"),
             h.get("advertise_url"),
+            h.get("advertise_url_env"),
         )
     if "admin" in data:
         given["admin_token_env"] = data["admin"]["token_env"]
@@ -375,7 +377,9 @@ def _check_active(ha: HA, host: str) -> None:
             "ha.peer_secret_env: `mode: active` needs a secret the routers share (their "
             "picture exchange is refused without it): name the variable that holds it"
         )
-    if ha.advertise_url is None and host in ("0.0.0.0", "::", ""):
+    if ha.advertise_url is not None and ha.advertise_url_env is not None:
+        raise RouterConfigError("ha: advertise_url or advertise_url_env, not both")
+    if ha.advertise_url is None and ha.advertise_url_env is None and host in ("0.0.0.0", "::", ""):
         raise RouterConfigError(
             f"ha.advertise_url: the router listens on every address ({host}): say where "
             "the other routers reach this one (http://host:port)"

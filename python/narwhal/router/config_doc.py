@@ -136,6 +136,8 @@ MEANINGS = {
     "ha.advertise_url": "`active`: where the other routers reach this one "
     "(`http://10.0.0.5:8000`); default: the listen address (required when that is a "
     "wildcard)",
+    "ha.advertise_url_env": "`active`: an environment variable holding `advertise_url` (on "
+    "Kubernetes, `http://$(POD_IP):8080` from the downward API)",
     "ha.fence_secret_env": "an environment variable holding the fence secret: sent beside "
     "the fencing token (`x-narwhal-fence-secret`) to engines run with `--fence-secret`, "
     "which let only it raise their floor",

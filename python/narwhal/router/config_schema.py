@@ -117,6 +117,7 @@ SCHEMA: dict[str, Any] = {
                 "mode": {"enum": ["standby", "active"]},
                 "peer_secret_env": _env_name,
                 "advertise_url": {"type": "string", "pattern": "^https?://[^/?#]+$"},
+                "advertise_url_env": _env_name,
             },
         },
         "auth": {

@@ -83,6 +83,10 @@ class Leadership:
         self.on_step_aside: Callable[[], None] | None = None  # after stepping aside
         self._peers = ha.sibling("routers").encode() + b"/" if ha is not None else b""
         self._me = self._peers + self.name.encode()  # this router's member key
+        if ha is not None and ha.active:
+            # What guards this router's writes to etcd (admin edits): the key its token is
+            # the creation revision of.
+            self.key = self._me
         self._said: tuple[int, bool] | None = None  # (lease, reaches) last put in etcd
         self._unreached_since: float | None = None  # leading, and no healthy engine since
         self._out_until = 0.0  # stepped aside: no campaigning before this, if others stand by

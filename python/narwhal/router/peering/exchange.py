@@ -31,7 +31,7 @@ import aiohttp
 
 from narwhal import asgi, bearer
 from narwhal.asgi import Receive, Scope, Send
-from narwhal.errors import ApiError
+from narwhal.errors import ApiError, unavailable
 from narwhal.etcd import EtcdError
 from narwhal.router.ha.leadership import Leadership
 from narwhal.router.lease import Events, Lease
@@ -192,9 +192,11 @@ class Exchange:
                 await asyncio.sleep(RETRY_S[-1])
                 continue
             if box.resync:
-                # Built and the queue cleared at one moment: what is queued after it follows.
+                # Built and the queue cleared at one moment: what is told while it is out is
+                # queued behind it, numbered from where it ends.
                 snap = self._snapshot()
                 box.pending.clear()
+                box.resync = False
                 body, sent = encode_snapshot(snap), None
             else:
                 sent = [box.pending[i] for i in range(min(MAX_DELTAS, len(box.pending)))]
@@ -204,7 +206,6 @@ class Exchange:
             if status == 200:
                 failures = 0
                 if sent is None:
-                    box.resync = False
                     self.metrics.peer_snapshots.labels("sent").inc()
                     continue
                 now = time.monotonic()
@@ -215,6 +216,8 @@ class Exchange:
             elif status == 409:
                 box.resync = True  # it missed some, or holds nothing of this term
             else:
+                if sent is None:
+                    box.resync = True  # the snapshot did not land: another, when it can
                 await asyncio.sleep(RETRY_S[min(failures, len(RETRY_S) - 1)])
                 failures += 1
 
@@ -342,7 +345,10 @@ class Exchange:
         with what is live here (and, with `?picture=1`, this router's whole picture)."""
         bearer.require(scope, self._keys, "peer secret (ha.peer_secret_env)")
         method = scope["method"]
+        self._term_check()
         if method == "GET":
+            if self._term is None:
+                raise unavailable("this router is not placing yet", "standby")
             picture = b"picture=1" in scope.get("query_string", b"")
             body = encode_snapshot(self._snapshot(), self.policy.picture() if picture else None)
             await asgi.send_bytes(send, 200, body)
