@@ -262,6 +262,7 @@ class Router:
         if self.exchange is not None:
             self.exchange.start(session)
             bg.start("picture_exchange", self.exchange.run_forever)
+            bg.start("picture_progress", self.exchange.progress_forever)
         if self.profiles is not None:
             bg.start("profile_sharing", self.profiles.publish_forever)
         if self.tenant_windows is not None:

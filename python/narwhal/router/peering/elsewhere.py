@@ -26,6 +26,7 @@ from narwhal.router.peering.wire import (
     Ended,
     First,
     Placed,
+    Progress,
     Released,
     Snapshot,
 )
@@ -142,6 +143,10 @@ class Elsewhere:
             self._placed(sender, peer, d)
         elif isinstance(d, First):
             self._first(peer, d.id)
+        elif isinstance(d, Progress):
+            w = peer.work.get(d.id)
+            if w is not None and w.held is not None:
+                w.held.tally.counted = max(w.held.tally.counted, d.tokens)
         elif isinstance(d, Ended):
             w = peer.work.pop(d.id, None)
             if w is not None:

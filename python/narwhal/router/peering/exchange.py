@@ -47,6 +47,7 @@ from narwhal.router.peering.wire import (
     First,
     Picture,
     Placed,
+    Progress,
     Released,
     Snapshot,
     WireError,
@@ -70,6 +71,9 @@ RETRY_S = (0.05, 0.1, 0.25, 0.5, 1.0)
 DISCOVER_S = 0.5
 # Work a peer never said the end of is let go after the longest a request may run and this.
 SWEEP_SLACK_S = 60.0
+# Each decoding stream's tokens so far are told this often (where they changed): the peers'
+# ledgers measure it as this router's does, at most this much behind.
+PROGRESS_S = 0.1
 
 
 class Outbox:
@@ -109,6 +113,7 @@ class Exchange:
         self._seq = 1  # the next delta's number in this term
         self._term: int | None = None
         self._live: dict[Lease, tuple[Placed, bool]] = {}  # (its placement, decoding)
+        self._told: dict[Lease, int] = {}  # decoding: the tokens last told
         self._tickets: dict[Ticket, Admitted] = {}
 
     # -- this router's work, as it happens ------------------------------------------------
@@ -140,13 +145,27 @@ class Exchange:
         held = self._live.get(lease)
         if held is not None:
             self._live[lease] = (held[0], True)
+            self._told[lease] = 0
             self._tell(First(held[0].id))
 
     def _released(self, lease: Lease) -> None:
         held = self._live.pop(lease, None)
+        self._told.pop(lease, None)
         if held is not None:
             m = lease.measured
             self._tell(Ended(held[0].id, m.output_tokens, m.decode_s))
+
+    async def progress_forever(self) -> None:
+        """Every decoding stream's tokens so far, told where they changed."""
+        while True:
+            await asyncio.sleep(PROGRESS_S)
+            if not self.outboxes:
+                continue
+            for lease, told in self._told.items():
+                tally = lease.measured.tally
+                if tally is not None and tally.counted != told:
+                    self._told[lease] = tally.counted
+                    self._tell(Progress(self._live[lease][0].id, tally.counted))
 
     def admitted(self, ticket: Ticket, tenant: str, estimate: int) -> None:
         a = Admitted(next(self._ids), tenant, estimate)
@@ -234,6 +253,15 @@ class Exchange:
                 if resp.status not in (200, 409):
                     log.warning("peer %s answered the picture exchange %d", box.name, resp.status)
                 return resp.status
+        except aiohttp.ClientConnectorError as e:
+            if isinstance(e.os_error, ConnectionRefusedError) and box.name in self.elsewhere.peers:
+                # Nothing listens where it was: the process is gone, and its streams with it
+                # (the engines saw its connections close). Its seats are let go now, not when
+                # its key lapses a TTL later; were it alive after all, its next batch finds
+                # nothing held of it and a snapshot puts its work back.
+                log.info("router %s refuses connections: what it held here is let go", box.name)
+                self.elsewhere.drop(box.name)
+            return 0
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
             log.debug("peer %s not reached: %s", box.name, e)
             return 0

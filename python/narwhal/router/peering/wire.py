@@ -13,6 +13,8 @@ Deltas (lists, the kind first):
   seconds charged to the engine's TPOT ledger and the length its stream is held to (None:
   no TPOT target), its class, its max_tokens, its tenant;
 - `["f", id]`: its first token came (its prefill has run; it decodes);
+- `["k", id, tokens]`: its stream has made `tokens` output tokens so far (told every
+  PROGRESS_S while it decodes: the TPOT ledger's measured kind, as at the placing router);
 - `["e", id, output_tokens, decode_s]`: it ended (its seat is free);
 - `["t", id, tenant, tokens]`: a request of `tenant` was let in, its prompt's estimate;
 - `["u", id, tokens]`: that request ended, with what it measured (None: nothing).
@@ -91,6 +93,15 @@ class First:
 
 
 @dataclass(frozen=True, slots=True)
+class Progress:
+    id: int
+    tokens: int
+
+    def row(self) -> list[Any]:
+        return ["k", self.id, self.tokens]
+
+
+@dataclass(frozen=True, slots=True)
 class Ended:
     id: int
     output_tokens: int
@@ -119,7 +130,7 @@ class Released:
         return ["u", self.id, self.tokens]
 
 
-Delta = Placed | First | Ended | Admitted | Released
+Delta = Placed | First | Progress | Ended | Admitted | Released
 
 
 @dataclass(frozen=True, slots=True)
@@ -222,6 +233,8 @@ def _delta(r: Any) -> Delta:
         return _placed(r)
     if kind == "f" and len(r) == 2:
         return First(_id(r[1], "id"))
+    if kind == "k" and len(r) == 3:
+        return Progress(_id(r[1], "id"), _count(r[2], "tokens"))
     if kind == "e" and len(r) == 4:
         return Ended(_id(r[1], "id"), _count(r[2], "output_tokens"), _seconds(r[3], "decode_s"))
     if kind == "t":

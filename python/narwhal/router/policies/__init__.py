@@ -58,14 +58,24 @@ class Plan:
 OPEN_PLAN = Plan()
 
 
+class PeerTally:
+    """A peer's stream's output tokens, as that router last told them."""
+
+    __slots__ = ("counted",)
+
+    def __init__(self) -> None:
+        self.counted = 0
+
+
 @dataclass(frozen=True, slots=True)
 class PeerHold:
     """What another active router's work holds of an engine's TPOT ledger here: its
-    prefill's charge, and its stream (None: an answer of one token)."""
+    prefill's charge, its stream (None: an answer of one token), and its tokens so far."""
 
     ledger: Streams
     charge: Charge
     entry: int | None
+    tally: PeerTally = field(default_factory=PeerTally)
 
 
 class Policy(Protocol):

@@ -390,9 +390,13 @@ class PredictivePolicy:
         return PeerHold(ledger, charge, entry)
 
     def elsewhere_decoding(self, w: PeerHold) -> None:
+        # Measured by the tokens its router tells (`Progress`), as that router measures it:
+        # bounded by its decode time alone, a peer's stream looked slower than it was, and
+        # two active routers refused an eighth of the chat trace for pace where one refused
+        # none (bench/README.md, "Active routers").
         w.charge.settle()
         if w.entry is not None:
-            w.ledger.decoding(w.entry, time.monotonic())
+            w.ledger.decoding(w.entry, time.monotonic(), w.tally)
 
     def elsewhere_ended(self, w: PeerHold, output_tokens: int, decode_s: float) -> None:
         w.charge.settle()
