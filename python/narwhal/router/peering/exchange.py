@@ -73,7 +73,7 @@ DISCOVER_S = 0.5
 SWEEP_SLACK_S = 60.0
 # Each decoding stream's tokens so far are told this often (where they changed): the peers'
 # ledgers measure it as this router's does, at most this much behind.
-PROGRESS_S = 0.1
+PROGRESS_S = 0.5
 
 
 class Outbox:
