@@ -15,9 +15,11 @@ from narwhal.router.peering.wire import (
     Admitted,
     Batch,
     Ended,
+    Evicted,
     First,
     Picture,
     Placed,
+    Progress,
     Released,
     Snapshot,
     WireError,
@@ -51,8 +53,13 @@ deltas = st.lists(
     st.one_of(
         placed,
         st.builds(First, ids),
+        st.builds(
+            Progress,
+            st.lists(st.integers(1, 2**40), max_size=6).map(lambda x: x[: len(x) - len(x) % 2]),
+        ),
         st.builds(Ended, ids, counts, seconds),
         st.builds(Admitted, ids, names, counts),
+        st.builds(Evicted, names, packed, counts),
         st.builds(Released, ids, st.none() | counts),
     ),
     max_size=20,
@@ -101,7 +108,7 @@ def test_anything_else_is_refused_whole(value: object) -> None:
         decode(raw)
 
 
-@given(st.lists(st.sampled_from(["p", "f", "e", "t", "u", 1, None, "x"])), json_values)
+@given(st.lists(st.sampled_from(["p", "f", "k", "e", "x", "t", "u", 1, None, "y"])), json_values)
 def test_a_delta_of_any_shape_is_read_or_refused(head: list[object], tail: object) -> None:
     body = {"from": "r", "token": 1, "seq": 1, "deltas": [[*head, tail], head]}
     with contextlib.suppress(WireError):

@@ -194,6 +194,9 @@ class Router:
         )
         exchange.watch(events)
         self.tenants.told = exchange
+        cache = getattr(self.policy, "cache", None)
+        if cache is not None:
+            cache.told = exchange.evicted
         return exchange
 
     def _flow(self, config: RouterConfig) -> Flow:

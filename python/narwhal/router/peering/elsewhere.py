@@ -24,6 +24,7 @@ from narwhal.router.peering.wire import (
     Admitted,
     Batch,
     Ended,
+    Evicted,
     First,
     Placed,
     Progress,
@@ -144,13 +145,17 @@ class Elsewhere:
         elif isinstance(d, First):
             self._first(peer, d.id)
         elif isinstance(d, Progress):
-            w = peer.work.get(d.id)
-            if w is not None and w.held is not None:
-                w.held.tally.counted = max(w.held.tally.counted, d.tokens)
+            work, c = peer.work, d.counts
+            for i in range(0, len(c), 2):
+                w = work.get(c[i])
+                if w is not None and w.held is not None and c[i + 1] > w.held.tally.counted:
+                    w.held.tally.counted = c[i + 1]
         elif isinstance(d, Ended):
             w = peer.work.pop(d.id, None)
             if w is not None:
                 self._end(w, d.output_tokens, d.decode_s)
+        elif isinstance(d, Evicted):
+            self.policy.evicted_elsewhere(d)
         elif isinstance(d, Admitted):
             self._admitted(peer, d)
         elif isinstance(d, Released):

@@ -30,6 +30,7 @@ from collections import deque
 import aiohttp
 
 from narwhal import asgi, bearer
+from narwhal._native import PromptBlocks
 from narwhal.asgi import Receive, Scope, Send
 from narwhal.errors import ApiError, unavailable
 from narwhal.etcd import EtcdError
@@ -44,6 +45,7 @@ from narwhal.router.peering.wire import (
     Batch,
     Delta,
     Ended,
+    Evicted,
     First,
     Picture,
     Placed,
@@ -73,7 +75,7 @@ DISCOVER_S = 0.5
 SWEEP_SLACK_S = 60.0
 # Each decoding stream's tokens so far are told this often (where they changed): the peers'
 # ledgers measure it as this router's does, at most this much behind.
-PROGRESS_S = 0.5
+PROGRESS_S = 0.1
 
 
 class Outbox:
@@ -161,11 +163,19 @@ class Exchange:
             await asyncio.sleep(PROGRESS_S)
             if not self.outboxes:
                 continue
+            counts: list[int] = []
             for lease, told in self._told.items():
                 tally = lease.measured.tally
                 if tally is not None and tally.counted != told:
                     self._told[lease] = tally.counted
-                    self._tell(Progress(self._live[lease][0].id, tally.counted))
+                    counts += (self._live[lease][0].id, tally.counted)
+            if counts:
+                self._tell(Progress(counts))
+
+    def evicted(self, engine: str, blocks: PromptBlocks, keep: int) -> None:
+        """This router found `engine` holding only `keep` of `blocks` (its picture dropped
+        the rest): the others' pictures drop them too."""
+        self._tell(Evicted(engine, blocks.packed(), keep))
 
     def admitted(self, ticket: Ticket, tenant: str, estimate: int) -> None:
         a = Admitted(next(self._ids), tenant, estimate)

@@ -13,9 +13,12 @@ Deltas (lists, the kind first):
   seconds charged to the engine's TPOT ledger and the length its stream is held to (None:
   no TPOT target), its class, its max_tokens, its tenant;
 - `["f", id]`: its first token came (its prefill has run; it decodes);
-- `["k", id, tokens]`: its stream has made `tokens` output tokens so far (told every
-  PROGRESS_S while it decodes: the TPOT ledger's measured kind, as at the placing router);
+- `["k", [id, tokens, id, tokens, ...]]`: the decoding streams whose output tokens so far
+  changed since the last such delta, each with its count (told every PROGRESS_S: the TPOT
+  ledger measures them as the placing router does);
 - `["e", id, output_tokens, decode_s]`: it ended (its seat is free);
+- `["x", engine, blocks, keep]`: `engine` was found to hold only the first `keep` of these
+  blocks (its answer's cached tokens said so): the picture drops the rest;
 - `["t", id, tenant, tokens]`: a request of `tenant` was let in, its prompt's estimate;
 - `["u", id, tokens]`: that request ended, with what it measured (None: nothing).
 """
@@ -94,11 +97,10 @@ class First:
 
 @dataclass(frozen=True, slots=True)
 class Progress:
-    id: int
-    tokens: int
+    counts: list[int]  # id, tokens, id, tokens, ...
 
     def row(self) -> list[Any]:
-        return ["k", self.id, self.tokens]
+        return ["k", self.counts]
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,6 +111,16 @@ class Ended:
 
     def row(self) -> list[Any]:
         return ["e", self.id, self.output_tokens, self.decode_s]
+
+
+@dataclass(frozen=True, slots=True)
+class Evicted:
+    engine: str
+    blocks: bytes  # packed hashes
+    keep: int
+
+    def row(self) -> list[Any]:
+        return ["x", self.engine, base64.b64encode(self.blocks).decode(), self.keep]
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,7 +142,7 @@ class Released:
         return ["u", self.id, self.tokens]
 
 
-Delta = Placed | First | Progress | Ended | Admitted | Released
+Delta = Placed | First | Progress | Ended | Evicted | Admitted | Released
 
 
 @dataclass(frozen=True, slots=True)
@@ -233,10 +245,18 @@ def _delta(r: Any) -> Delta:
         return _placed(r)
     if kind == "f" and len(r) == 2:
         return First(_id(r[1], "id"))
-    if kind == "k" and len(r) == 3:
-        return Progress(_id(r[1], "id"), _count(r[2], "tokens"))
+    if kind == "k" and len(r) == 2:
+        counts = r[1]
+        if not isinstance(counts, list) or len(counts) % 2 or len(counts) > 2 * MAX_DELTAS * 16:
+            raise WireError("progress: [id, tokens, ...] pairs")
+        for i in range(0, len(counts), 2):
+            _id(counts[i], "progress id")
+            _count(counts[i + 1], "progress tokens")
+        return Progress(counts)
     if kind == "e" and len(r) == 4:
         return Ended(_id(r[1], "id"), _count(r[2], "output_tokens"), _seconds(r[3], "decode_s"))
+    if kind == "x" and len(r) == 4:
+        return Evicted(_name(r[1], "engine"), _blocks(r[2]), _count(r[3], "keep"))
     if kind == "t":
         return _admitted(r)
     if kind == "u" and len(r) == 3:
@@ -247,16 +267,7 @@ def _delta(r: Any) -> Delta:
 def _placed(r: Any) -> Placed:
     if not isinstance(r, list) or len(r) != 12 or r[0] != "p":
         raise WireError("a placement is ['p', and 11 members]")
-    blocks = None
-    if r[5] is not None:
-        if not isinstance(r[5], str) or len(r[5]) > MAX_BLOCKS_B64:
-            raise WireError("blocks: not base64 of packed hashes")
-        try:
-            blocks = base64.b64decode(r[5], validate=True)
-        except binascii.Error:
-            raise WireError("blocks: not base64") from None
-        if len(blocks) % 8:
-            raise WireError("blocks: 8 bytes a hash")
+    blocks = None if r[5] is None else _blocks(r[5])
     session = r[6]
     if session is not None and not (isinstance(session, str) and len(session) <= MAX_SESSION):
         raise WireError("session: not a conversation's key")
@@ -276,6 +287,18 @@ def _placed(r: Any) -> Placed:
         None if r[10] is None else _count(r[10], "cap"),
         None if r[11] is None else _name(r[11], "tenant"),
     )
+
+
+def _blocks(v: Any) -> bytes:
+    if not isinstance(v, str) or len(v) > MAX_BLOCKS_B64:
+        raise WireError("blocks: not base64 of packed hashes")
+    try:
+        blocks = base64.b64decode(v, validate=True)
+    except binascii.Error:
+        raise WireError("blocks: not base64") from None
+    if len(blocks) % 8:
+        raise WireError("blocks: 8 bytes a hash")
+    return blocks
 
 
 def _admitted(r: Any) -> Admitted:

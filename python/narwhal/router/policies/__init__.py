@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from narwhal.router.decisions import Decision
     from narwhal.router.engines import Engine
     from narwhal.router.lease import Events, Lease
-    from narwhal.router.peering.wire import Picture, Placed
+    from narwhal.router.peering.wire import Evicted, Picture, Placed
     from narwhal.router.policies.prefix_cache import Expectation
     from narwhal.router.policies.tpot import Charge, Streams
     from narwhal.router.request import Request
@@ -129,6 +129,9 @@ class Policy(Protocol):
     def elsewhere_decoding(self, w: PeerHold) -> None: ...
 
     def elsewhere_ended(self, w: PeerHold, output_tokens: int, decode_s: float) -> None: ...
+
+    def evicted_elsewhere(self, d: Evicted) -> None:
+        """Another router found an engine holding less of a prompt than the picture said."""
 
     def picture(self) -> Picture | None:
         """What this router holds of the fleet, for an active router that joins."""

@@ -8,7 +8,7 @@ from typing import Any
 from narwhal.router.decisions import Decision
 from narwhal.router.engines import Engine
 from narwhal.router.lease import Events, Lease
-from narwhal.router.peering.wire import Picture, Placed
+from narwhal.router.peering.wire import Evicted, Picture, Placed
 from narwhal.router.policies import OPEN_PLAN, PeerHold, Plan, least_loaded
 from narwhal.router.request import Request
 
@@ -57,6 +57,9 @@ class OpenPolicy:
         pass
 
     def elsewhere_ended(self, w: PeerHold, output_tokens: int, decode_s: float) -> None:
+        pass
+
+    def evicted_elsewhere(self, d: Evicted) -> None:
         pass
 
     def picture(self) -> Picture | None:

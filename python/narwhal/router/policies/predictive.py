@@ -22,7 +22,7 @@ from narwhal.router import decisions as why
 from narwhal.router.decisions import Decision
 from narwhal.router.engines import Engine
 from narwhal.router.lease import Events, Lease
-from narwhal.router.peering.wire import Picture, Placed
+from narwhal.router.peering.wire import Evicted, Picture, Placed
 from narwhal.router.policies import PeerHold, Plan, least_loaded
 from narwhal.router.policies.lengths import Lengths
 from narwhal.router.policies.prefix_cache import NOTHING_HELD, Expectation, PrefixCache
@@ -403,6 +403,10 @@ class PredictivePolicy:
         if w.entry is not None:
             w.ledger.ended(w.entry, output_tokens, decode_s)
             self._wake()
+
+    def evicted_elsewhere(self, d: Evicted) -> None:
+        if self.cache is not None:
+            self.cache.cut_elsewhere(d.engine, PromptBlocks.unpacked(d.blocks), d.keep)
 
     def picture(self) -> Picture:
         """What this router holds of the fleet, for a router that joins."""

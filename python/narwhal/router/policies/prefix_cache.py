@@ -24,6 +24,7 @@ blocks (resized as bytes per token is learned): what a KV pool of that many toke
 from __future__ import annotations
 
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from narwhal._native import PrefixMap, PromptBlocks
@@ -58,6 +59,10 @@ class PrefixCache:
         self._bpt = [DEFAULT_BYTES_PER_TOKEN] * len(engines)
         # Per process: a client cannot aim a hash collision at another tenant's prefix.
         self._seed = int.from_bytes(secrets.token_bytes(8), "little")
+        # `ha.mode: active`: told when an engine is found to hold less than the picture
+        # said (the other routers' pictures drop it too): the engine, the prompt's blocks,
+        # how many of them it still holds.
+        self.told: Callable[[str, PromptBlocks, int], None] | None = None
 
     def add(self, name: str) -> None:
         """A new engine, holding nothing yet: the slot of one that left, or a new one."""
@@ -141,6 +146,14 @@ class PrefixCache:
         i = self.index.get(engine)
         if i is not None:
             self.map.forget_after(i, blocks, keep)
+            if self.told is not None:
+                self.told(engine, blocks, keep)
+
+    def cut_elsewhere(self, engine: str, blocks: PromptBlocks, keep: int) -> None:
+        """Another router found `engine` holding only the first `keep` of these blocks."""
+        i = self.index.get(engine)
+        if i is not None:
+            self.map.forget_after(i, blocks, keep)
 
     def reported(
         self,
@@ -166,3 +179,5 @@ class PrefixCache:
             # It no longer holds what the picture says: keep only what it reported.
             keep = int(expected.blocks * min(1.0, ratio))
             self.map.forget_after(i, blocks, keep)
+            if self.told is not None:
+                self.told(engine, blocks, keep)
