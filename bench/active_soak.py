@@ -85,7 +85,9 @@ def main() -> None:
     ap.add_argument("--time-scale", type=float, default=2.0)
     ap.add_argument("--ttft-budget-s", type=float, default=5.0)
     ap.add_argument("--tpot-target-ms", type=float, default=100.0)
-    ap.add_argument("--kill-at", type=float, default=0.35, help="share of the trace")
+    ap.add_argument(
+        "--kill-at", type=float, default=0.35, help="share of the trace (1: none, a baseline)"
+    )
     ap.add_argument("--restart-at", type=float, default=0.55, help="share of the trace")
     ap.add_argument(
         "--sim-args", default="--kv-on-demand --jitter 0.1 --prefill-half-context 12000"
@@ -140,6 +142,8 @@ def main() -> None:
             asyncio.run(warm(url, 24, a.time_scale, False, None))
 
         async def chaos() -> None:
+            if a.kill_at >= 1:
+                return  # the baseline: nobody killed
             await asyncio.sleep(kill_s * a.time_scale)
             os.killpg(procs[1].pid, signal.SIGKILL)
             print(f"router 1 killed at {kill_s:.1f} s", flush=True)
@@ -174,11 +178,11 @@ def main() -> None:
     print("|---|---|---|---|---|---|")
     for k in range(len(urls)):
         mine = [(trace[i], outs[i], at[i]) for i in range(len(trace)) if i % len(urls) == k]
-        report["routers"][k] = {}
+        report["routers"][str(k)] = {}
         for phase in ("before", "down", "after"):
             rows = [row for row in mine if phase_of(row[2], kill_s, restart_s) == phase]
             f = figures(rows, budget, tpot)
-            report["routers"][k][phase] = f
+            report["routers"][str(k)][phase] = f
             slo = "-" if f["within_slo"] is None else f"{100 * f['within_slo']:.1f} %"
             hit = "-" if f["hit_rate"] is None else f"{100 * f['hit_rate']:.0f} %"
             print(f"| {k} | {phase} | {f['requests']} | {slo} | {f['failed']} | {hit} |")
@@ -189,7 +193,7 @@ def main() -> None:
         first = answered[0][2]
         early = [row for row in answered if row[2] < first + RESTARTED_WINDOW_S]
         e = figures(early, budget, tpot)
-        before = report["routers"][1]["before"]["hit_rate"]
+        before = report["routers"]["1"]["before"]["hit_rate"]
         report["restarted"] = {
             "first_answer_s": first,
             "after_restart_s": first - restart_s,

@@ -295,3 +295,39 @@ def test_admin_edits_on_any_active_router_apply_on_every_router(
             wait_until(
                 lambda r=r: httpx.get(r.url + "/ready").json()["maintenance"] == ["gpu0"], 10
             )
+
+
+def test_a_router_restarted_at_its_address_replaces_its_dead_self_at_the_others(
+    etcd: EtcdServer, engines: list[str], tmp_path: Path
+) -> None:
+    text = config(etcd, engines, "/act7/leader", "").replace("lease_ttl_s: 2", "lease_ttl_s: 30")
+    with routers(tmp_path, text, 2) as (a, b):
+        wait_until(lambda: metric(a, "narwhal_peers") == 1 and metric(b, "narwhal_peers") == 1, 10)
+        os.killpg(a.proc.pid, signal.SIGKILL)
+        a.proc.wait()
+        # Started again at the same address, as a pod or a unit restarts: a new name, a new
+        # key, while the dead one's key lives on for its TTL.
+        again = Server(a.proc.args, "/ready", a.port, timeout=60)
+        try:
+            received = lambda: metric(again, 'narwhal_peer_snapshots_total{direction="received"}')  # noqa: E731
+            name = leadership(again)["key"].rsplit("/", 1)[1]
+            from_b = lambda: metric(  # noqa: E731
+                again,
+                f'narwhal_placements_total{{router="{leadership(b)["key"].rsplit("/", 1)[1]}"}}',
+            )
+            # B follows the new router's key (and lets the dead one's go)...
+            wait_until(lambda: name in b.stderr(), 10)
+            for i in range(6):
+                assert ask((again, b)[i % 2], f"warm {i}").status_code == 200
+            # ... and what B placed reached it (after the snapshot B sent it first).
+            wait_until(lambda: from_b() >= 3, 10)
+            before = received()
+            for i in range(10):
+                assert ask(b, f"q {i}").status_code == 200
+            wait_until(lambda: from_b() >= 13, 10)
+            # B's deltas reach the new router once, in order: no snapshot asked for (B
+            # posting to that address for the dead name and the live one, each batch twice,
+            # would have one copy refused and a snapshot sent after every batch).
+            assert received() == before
+        finally:
+            again.stop()

@@ -245,20 +245,23 @@ class Leadership:
         self._watch_key(self._me, token)
 
     async def peers(self) -> dict[str, str]:
-        """`mode: active`: the other routers standing now, by name: where each is reached."""
+        """`mode: active`: the other routers standing now, by name: where each is reached.
+        Where two keys say one address, only the newer is a router: one address is one
+        listening process, and the older key is a dead router's that has not lapsed yet
+        (a router restarted at its address has a new name)."""
         assert self.etcd is not None
-        out = {}
+        newest: dict[str, tuple[int, str]] = {}  # url -> (create revision, name)
         for k, kv in await self.etcd.under(self._peers):
             name = k[len(self._peers) :].decode(errors="replace")
-            if name == self.name:
-                continue
             try:
                 url = orjson.loads(kv.value).get("url")
             except (orjson.JSONDecodeError, AttributeError):
                 continue
-            if isinstance(url, str) and url.startswith(("http://", "https://")):
-                out[name] = url
-        return out
+            if not (isinstance(url, str) and url.startswith(("http://", "https://"))):
+                continue
+            if url not in newest or newest[url][0] < kv.create_revision:
+                newest[url] = (kv.create_revision, name)
+        return {name: url for url, (_, name) in newest.items() if name != self.name}
 
     async def _revoke_quietly(self) -> None:
         assert self.etcd is not None
