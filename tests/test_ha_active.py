@@ -128,9 +128,12 @@ def test_every_router_serves_and_each_places_on_the_cache_another_filled(
     text = config(etcd, engines, "/act1/leader")
     with routers(tmp_path, text, 1) as (a,):
         teach(a)
-        # Two long prompts at once through A: one on each engine.
+        # Two long prompts at once through A: one on each engine; and enough more that A's
+        # picture of the engines' caches comes in more than one piece to a router joining.
         first = [words("a", LONG), words("b", LONG)]
         assert all(cached(r) == 0 for r in at_once(a, first))
+        for i in range(6):
+            at_once(a, [words(f"more{i}x", LONG), words(f"more{i}y", LONG)])
         with routers(tmp_path, text, 1) as (b,):
             # B joined after A placed them: it took A's picture before its first placement.
             ra, rb = leadership(a), leadership(b)

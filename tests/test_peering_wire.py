@@ -140,3 +140,47 @@ def test_blocks_travel_as_the_same_prompt() -> None:
         pass
     else:
         raise AssertionError("7 bytes are no hash")
+
+
+def test_a_joiner_reads_a_picture_that_comes_in_pieces() -> None:
+    """A loaded fleet's picture is hundreds of kilobytes: it arrives in pieces, and the
+    joiner must read them all (reading what had arrived took the first piece alone)."""
+    import asyncio
+    from typing import Any, cast
+
+    import aiohttp
+    from aiohttp import web
+
+    from narwhal.router.peering.exchange import PATH, Exchange
+
+    snap = Snapshot("peer", 7, 3, [], [], [Admitted(1, "team", 5)])
+    pic = Picture({f"gpu{i}": bytes(range(8)) * 2000 for i in range(8)}, [("c", "gpu0")], None)
+    body = encode_snapshot(snap, pic)
+    assert len(body) > 100_000
+
+    async def serve(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse()
+        await resp.prepare(request)
+        third = len(body) // 3
+        for piece in (body[:third], body[third : 2 * third], body[2 * third :]):
+            await resp.write(piece)
+            await asyncio.sleep(0.05)  # apart on the wire: three reads, not one
+        await resp.write_eof()
+        return resp
+
+    async def main() -> Any:
+        app = web.Application()
+        app.router.add_get(PATH, serve)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = cast(Any, site._server).sockets[0].getsockname()[1]
+        ex = Exchange(cast(Any, None), cast(Any, None), cast(Any, None), cast(Any, None), "s", 60)
+        async with aiohttp.ClientSession() as session:
+            ex.start(session)
+            got = await ex._fetch(f"http://127.0.0.1:{port}", picture=True)
+        await runner.cleanup()
+        return got
+
+    assert asyncio.run(main()) == (snap, pic)

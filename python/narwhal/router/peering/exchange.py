@@ -68,6 +68,8 @@ MAX_PENDING = 100_000
 # A send's timeout, and the pause after one that failed (doubling up to the last).
 SEND_TIMEOUT_S = 2.0
 RETRY_S = (0.05, 0.1, 0.25, 0.5, 1.0)
+# A joiner's wait for one peer's picture (it may be megabytes: every engine's blocks).
+JOIN_TIMEOUT_S = 5.0
 # How often the routers' keys are read (a peer that joined is sent to from then on; one
 # whose key went is dropped).
 DISCOVER_S = 0.5
@@ -366,11 +368,19 @@ class Exchange:
         target = url.rstrip("/") + PATH + ("?picture=1" if picture else "")
         try:
             async with self.session.get(
-                target, headers=self._auth, timeout=aiohttp.ClientTimeout(total=SEND_TIMEOUT_S)
+                target, headers=self._auth, timeout=aiohttp.ClientTimeout(total=JOIN_TIMEOUT_S)
             ) as resp:
-                raw = await resp.content.read(MAX_BODY + 1)
                 if resp.status != 200:
                     return None
+                # The whole body, at most MAX_BODY (`read(n)` returns what has arrived: a
+                # picture of a loaded fleet came in pieces, and the first alone is no JSON).
+                chunks, size = [], 0
+                async for chunk in resp.content.iter_any():
+                    size += len(chunk)
+                    if size > MAX_BODY:
+                        raise WireError(f"a picture is at most {MAX_BODY} bytes")
+                    chunks.append(chunk)
+                raw = b"".join(chunks)
             msg, pic = decode(raw)
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError, WireError) as e:
             log.warning("joining: %s's picture not taken: %s", url, e)
