@@ -227,9 +227,7 @@ class Admission:
 
     def _take(self, lease: Lease, e: Engine) -> None:
         """The one place a seat is taken."""
-        e.prefill += 1
-        e.prefill_tokens += lease.tokens
-        e.prefill_sq += lease.tokens * lease.tokens
+        _into_prefill(e, lease.tokens)
         lease.engine = e
         lease.ahead = e.prefill - 1
         lease.firsts_seen = e.firsts
@@ -241,10 +239,7 @@ class Admission:
 
     def to_decode(self, lease: Lease) -> None:
         e = lease.on
-        e.prefill -= 1
-        e.prefill_tokens -= lease.tokens
-        e.prefill_sq -= lease.tokens * lease.tokens
-        e.prefill_due.pop(lease, None)
+        _out_of_prefill(e, lease, lease.tokens)
         e.decode += 1
         m = lease.measured
         # Prefill is first come, first served: where every prompt ahead of it had its first
@@ -277,10 +272,7 @@ class Admission:
             # Cut before its first token: its prefill takes longer than it ran.
             if lease.measured.sent_at:
                 lease.prefill_cut = self._own_prefill(lease, time.monotonic())
-            e.prefill -= 1
-            e.prefill_tokens -= lease.tokens
-            e.prefill_sq -= lease.tokens * lease.tokens
-            e.prefill_due.pop(lease, None)
+            _out_of_prefill(e, lease, lease.tokens)
         elif lease.phase is Phase.DECODE:
             e.decode -= 1
         lease.phase = Phase.DONE
@@ -291,9 +283,7 @@ class Admission:
         """Another router placed work on `w.on`: it holds a seat there as this router's own
         would, and its prompt is prefill ahead of what this router places next."""
         e = w.on
-        e.prefill += 1
-        e.prefill_tokens += w.tokens
-        e.prefill_sq += w.tokens * w.tokens
+        _into_prefill(e, w.tokens)
         if predicted_s is not None:
             e.prefill_due[w] = time.monotonic() + predicted_s
         w.phase = Phase.PREFILL
@@ -303,10 +293,7 @@ class Admission:
         if w.phase is not Phase.PREFILL:
             return
         e = w.on
-        e.prefill -= 1
-        e.prefill_tokens -= w.tokens
-        e.prefill_sq -= w.tokens * w.tokens
-        e.prefill_due.pop(w, None)
+        _out_of_prefill(e, w, w.tokens)
         e.decode += 1
         e.firsts += 1  # the prompts ahead of this router's own had their first token
         e.first_at = max(e.first_at, time.monotonic())
@@ -316,10 +303,7 @@ class Admission:
         """It ended, or its router is gone: its seat is free."""
         e = w.on
         if w.phase is Phase.PREFILL:
-            e.prefill -= 1
-            e.prefill_tokens -= w.tokens
-            e.prefill_sq -= w.tokens * w.tokens
-            e.prefill_due.pop(w, None)
+            _out_of_prefill(e, w, w.tokens)
         elif w.phase is Phase.DECODE:
             e.decode -= 1
         w.phase = Phase.DONE
@@ -362,6 +346,21 @@ class Admission:
             await self.pool.changed.wait()
             self.pool.changed.clear()
             self._drain()
+
+
+def _into_prefill(e: Engine, tokens: int) -> None:
+    """A prompt of `tokens` takes a prefill seat on `e`."""
+    e.prefill += 1
+    e.prefill_tokens += tokens
+    e.prefill_sq += tokens * tokens
+
+
+def _out_of_prefill(e: Engine, seat: Lease | PeerSeat, tokens: int) -> None:
+    """It leaves its prefill seat on `e` (its first token came, or it ended)."""
+    e.prefill -= 1
+    e.prefill_tokens -= tokens
+    e.prefill_sq -= tokens * tokens
+    e.prefill_due.pop(seat, None)
 
 
 class Placing:
