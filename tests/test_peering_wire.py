@@ -151,7 +151,10 @@ def test_a_joiner_reads_a_picture_that_comes_in_pieces() -> None:
     import aiohttp
     from aiohttp import web
 
+    from narwhal.router.ha.leadership import Leadership
+    from narwhal.router.metrics import RouterMetrics
     from narwhal.router.peering.exchange import PATH, Exchange
+    from narwhal.router.policies.open import OpenPolicy
 
     snap = Snapshot("peer", 7, 3, [], [], [Admitted(1, "team", 5)])
     pic = Picture({f"gpu{i}": bytes(range(8)) * 2000 for i in range(8)}, [("c", "gpu0")], None)
@@ -176,7 +179,7 @@ def test_a_joiner_reads_a_picture_that_comes_in_pieces() -> None:
         site = web.TCPSite(runner, "127.0.0.1", 0)
         await site.start()
         port = cast(Any, site._server).sockets[0].getsockname()[1]
-        ex = Exchange(cast(Any, None), cast(Any, None), cast(Any, None), cast(Any, None), "s", 60)
+        ex = Exchange(Leadership(None), OpenPolicy(), cast(Any, None), RouterMetrics(), "s", 60)
         async with aiohttp.ClientSession() as session:
             ex.start(session)
             got = await ex._fetch(f"http://127.0.0.1:{port}", picture=True)

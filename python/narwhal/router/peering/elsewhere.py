@@ -59,7 +59,7 @@ class Peer:
     token: int
     next_seq: int
     work: dict[int, Work] = field(default_factory=dict)
-    tickets: dict[int, Ticket] = field(default_factory=dict)
+    tickets: dict[int, tuple[Ticket, float]] = field(default_factory=dict)  # (it, when)
 
 
 class Elsewhere:
@@ -80,12 +80,6 @@ class Elsewhere:
         self.metrics = metrics
         self.peers: dict[str, Peer] = {}
 
-    def expected(self, sender: str, token: int) -> int | None:
-        """The sequence number the next batch of `sender` in term `token` must start at;
-        None: none is held of that term (a snapshot must come first)."""
-        peer = self.peers.get(sender)
-        return peer.next_seq if peer is not None and peer.token == token else None
-
     def batch(self, b: Batch) -> int | None:
         """Folds `b` in; None when it was, else the sequence number it should have
         started at (0: a snapshot must come first)."""
@@ -102,7 +96,9 @@ class Elsewhere:
 
     def snapshot(self, s: Snapshot) -> None:
         """What router `s.sender` has live now replaces what was held of it."""
-        self.drop(s.sender)
+        old = self.peers.pop(s.sender, None)
+        if old is not None:
+            self._let_go(old)
         peer = self.peers[s.sender] = Peer(s.token, s.seq)
         for p in s.placed:
             self._placed(s.sender, peer, p)
@@ -115,28 +111,27 @@ class Elsewhere:
     def drop(self, sender: str) -> None:
         """Router `sender` is gone (or starts again): everything held of it is let go."""
         peer = self.peers.pop(sender, None)
-        if peer is None:
-            return
-        for w in peer.work.values():
-            self._end(w, 0, 0.0)
-        for t in peer.tickets.values():
-            self.tenants.ended_elsewhere(t, None)
+        if peer is not None:
+            self._let_go(peer)
         with contextlib.suppress(KeyError):  # a series per router standing, not per one ever
             self.metrics.placements.remove(sender)
 
-    def held(self) -> int:
-        return sum(len(p.work) + len(p.tickets) for p in self.peers.values())
+    def _let_go(self, peer: Peer) -> None:
+        for w in peer.work.values():
+            self._end(w, 0, 0.0)
+        for t, _ in peer.tickets.values():
+            self.tenants.ended_elsewhere(t, None)
 
-    def sweep(self, older_than_s: float) -> int:
-        """Work a peer has not said the end of within `older_than_s` (longer than any
-        request may run) is let go: a lost delta never holds a seat for good."""
+    def sweep(self, older_than_s: float) -> None:
+        """Work and tenants' requests a peer has not said the end of within `older_than_s`
+        (longer than any request may run) are let go: a lost delta never holds a seat, or
+        a place among a tenant's requests at once, for good."""
         cut = time.monotonic() - older_than_s
-        gone = 0
         for peer in self.peers.values():
             for i in [i for i, w in peer.work.items() if w.at < cut]:
                 self._end(peer.work.pop(i), 0, 0.0)
-                gone += 1
-        return gone
+            for i in [i for i, (_, at) in peer.tickets.items() if at < cut]:
+                self.tenants.ended_elsewhere(peer.tickets.pop(i)[0], None)
 
     # -- one delta ------------------------------------------------------------------------
     def _fold(self, sender: str, peer: Peer, d: object) -> None:
@@ -159,9 +154,9 @@ class Elsewhere:
         elif isinstance(d, Admitted):
             self._admitted(peer, d)
         elif isinstance(d, Released):
-            t = peer.tickets.pop(d.id, None)
-            if t is not None:
-                self.tenants.ended_elsewhere(t, d.tokens)
+            held = peer.tickets.pop(d.id, None)
+            if held is not None:
+                self.tenants.ended_elsewhere(held[0], d.tokens)
 
     def _placed(self, sender: str, peer: Peer, p: Placed) -> None:
         self.metrics.placements.labels(sender).inc()
@@ -188,7 +183,7 @@ class Elsewhere:
             return
         t = self.tenants.admitted_elsewhere(a.tenant, a.tokens)
         if t is not None:
-            peer.tickets[a.id] = t
+            peer.tickets[a.id] = (t, time.monotonic())
 
     def _end(self, w: Work, output_tokens: int, decode_s: float) -> None:
         if w.seat is not None:

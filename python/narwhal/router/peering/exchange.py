@@ -65,7 +65,7 @@ log = logging.getLogger("narwhal.peering")
 PATH = "/internal/v1/picture"
 # Deltas queued for one peer at most; past it they are dropped and a snapshot sent instead.
 MAX_PENDING = 100_000
-# A send's timeout, and the pause after one that failed (doubling up to the last).
+# A send's timeout, and the pauses after sends that failed in a row (then the last again).
 SEND_TIMEOUT_S = 2.0
 RETRY_S = (0.05, 0.1, 0.25, 0.5, 1.0)
 # A joiner's wait for one peer's picture (it may be megabytes: every engine's blocks).
@@ -106,7 +106,6 @@ class Exchange:
         self.policy = policy
         self.elsewhere = elsewhere
         self.metrics = metrics
-        self._secret = secret
         self._keys = (secret.encode(),)
         self._auth = {"authorization": f"Bearer {secret}", "content-type": "application/json"}
         self.request_timeout_s = request_timeout_s
@@ -119,6 +118,7 @@ class Exchange:
         self._live: dict[Lease, tuple[Placed, bool]] = {}  # (its placement, decoding)
         self._told: dict[Lease, int] = {}  # decoding: the tokens last told
         self._tickets: dict[Ticket, Admitted] = {}
+        self._placed_here = metrics.placements.labels(leadership.name)  # looked up once
 
     # -- this router's work, as it happens ------------------------------------------------
     def watch(self, events: Events) -> None:
@@ -142,7 +142,7 @@ class Exchange:
             req.standing.tenant or None,
         )
         self._live[lease] = (p, False)
-        self.metrics.placements.labels(self.leadership.name).inc()
+        self._placed_here.inc()
         self._tell(p)
 
     def _first(self, lease: Lease) -> None:
