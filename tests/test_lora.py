@@ -67,12 +67,25 @@ def test_base_and_adapter_requests_decode_in_turns_and_answer_as_alone(engine: S
     assert all(text == alone[m] for m, text in pair), pair
     # Two of each (four slots): a step holds both requests of one adapter. A batch of two
     # may round differently from a batch of one on some CPUs (llama.cpp's kernels differ
-    # by batch size), so the two of a model answer alike, and never as the other model.
+    # by batch size, and the second request may join the first mid-answer), so a late token
+    # may differ; each answer still follows its own model's answer further than the other's
+    # (an adapter applied to the wrong request answers as the other model from the start).
     four = at_once(engine.url, ["smol", "smol-sql"] * 2)
-    by_model = {m: {t for n, t in four if n == m} for m in alone}
-    assert all(len(texts) == 1 for texts in by_model.values()), four
-    assert alone["smol-sql"] not in by_model["smol"], four
-    assert alone["smol"] not in by_model["smol-sql"], four
+    other = {"smol": "smol-sql", "smol-sql": "smol"}
+    assert all(common(text, alone[m]) > common(text, alone[other[m]]) for m, text in four), (
+        alone,
+        four,
+    )
+
+
+def common(a: str, b: str) -> int:
+    """How many leading characters two answers share."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 def test_a_router_following_the_engine_serves_its_adapter(engine: Server, tmp_path: Path) -> None:
