@@ -79,7 +79,32 @@ def figures(
         "within_slo": len(ok) / n if n else None,
         "failed": sum(1 for _, o, _ in rows if o.failed or o.status == 0),
         "hit_rate": cached / prompt if prompt else None,
+        "misses_by": misses_by(rows, budget, tpot),
     }
+
+
+def misses_by(
+    rows: list[tuple[Request, Outcome, float]], budget: float, tpot: float
+) -> dict[str, int]:
+    """Why each request that missed did: refused (with its code), failed, abandoned (no
+    first token within the client's patience), late (first token past the budget), or slow
+    (mean TPOT past the target)."""
+    out: dict[str, int] = {}
+    for _, o, _ in rows:
+        if o.status not in (0, 200):
+            why = f"refused {o.status} {o.code or ''}".strip()
+        elif o.failed or o.status == 0:
+            why = "failed"
+        elif o.abandoned or o.ttft_s is None:
+            why = "abandoned"
+        elif o.ttft_s > budget:
+            why = "late"
+        elif o.tpot_s is not None and o.tpot_s > tpot:
+            why = "slow"
+        else:
+            continue
+        out[why] = out.get(why, 0) + 1
+    return out
 
 
 def main() -> None:
@@ -129,7 +154,7 @@ def main() -> None:
     span = (trace[-1].timestamp_ms - trace[0].timestamp_ms) / 1000 / a.load
     kill_s, restart_s = a.kill_at * span, a.restart_at * span
     # Router 1's outages: (killed, started again), in trace seconds.
-    downs = [(kill_s, restart_s)]
+    downs = [(kill_s, restart_s)] if a.kill_at < 1 else [(span + 1, span + 1)]
     while a.every > 0 and downs[-1][0] + a.every < span:
         at = downs[-1][0] + a.every
         downs.append((at, at + restart_s - kill_s))
@@ -198,8 +223,8 @@ def main() -> None:
     at = [(r.timestamp_ms - t0) / 1000 / a.load for r in trace]
     budget, tpot = a.ttft_budget_s, a.tpot_target_ms / 1000
     report: dict[str, Any] = {"kill_s": kill_s, "restart_s": restart_s, "routers": {}}
-    print("| router | phase | requests | within SLO (of offered) | failed | prefix hit |")
-    print("|---|---|---|---|---|---|")
+    print("| router | phase | requests | within SLO (of offered) | failed | prefix hit | misses |")
+    print("|---|---|---|---|---|---|---|")
     for k in range(len(urls)):
         mine = [(trace[i], outs[i], at[i]) for i in range(len(trace)) if i % len(urls) == k]
         report["routers"][str(k)] = {}
@@ -209,7 +234,8 @@ def main() -> None:
             report["routers"][str(k)][phase] = f
             slo = "-" if f["within_slo"] is None else f"{100 * f['within_slo']:.1f} %"
             hit = "-" if f["hit_rate"] is None else f"{100 * f['hit_rate']:.0f} %"
-            print(f"| {k} | {phase} | {f['requests']} | {slo} | {f['failed']} | {hit} |")
+            why = ", ".join(f"{n} {w}" for w, n in sorted(f["misses_by"].items())) or "-"
+            print(f"| {k} | {phase} | {f['requests']} | {slo} | {f['failed']} | {hit} | {why} |")
     # The restarted router: its hit rate in its first seconds of answers after each start,
     # against its rate before the first kill.
     mine = [(trace[i], outs[i], at[i]) for i in range(len(trace)) if i % len(urls) == 1]

@@ -96,6 +96,7 @@ class Result:
     cpu_s: float = 0.0
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    preemptions: int = 0  # the engines' own count (a sequence's KV freed to be recomputed)
     run: int = 1
 
     def summary(self, budget_s: float, tpot_s: float, duration_s: float) -> dict[str, Any]:
@@ -143,6 +144,7 @@ class Result:
             "missed_ttft": sum(1 for x in served if x.ttft_s is None or x.ttft_s > budget_s),
             "missed_tpot": sum(1 for x in served if (x.tpot_s or 0.0) > tpot_s),
             "prefix_hit": self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0,
+            "preemptions": self.preemptions,
             "cpu_ms_per_request": 1000 * self.cpu_s / len(o) if o else 0.0,
             "by_class": _breakdown(o, refused, met, served, lambda x: x.klass),
             "by_model": _breakdown(o, refused, met, served, lambda x: x.model),
@@ -379,15 +381,17 @@ async def warm(
     await offer([url], warmup, 1.0, scale, critical, None, EXACT, served)
 
 
-async def engine_stats(urls: list[str]) -> tuple[int, int]:
+async def engine_stats(urls: list[str]) -> tuple[int, int, int]:
+    """The fleet's prompt tokens, cached tokens and preemptions since the last reset."""
     async with aiohttp.ClientSession() as s:
-        p = c = 0
+        p = c = k = 0
         for u in urls:
             async with s.get(u + "/sim/stats") as r:
                 d = await r.json()
                 p += d["prompt_tokens"]
                 c += d["cached_tokens"]
-        return p, c
+                k += d.get("preemptions", 0)
+        return p, c, k
 
 
 async def reset(urls: list[str]) -> None:
@@ -570,7 +574,7 @@ def run_door(
             )
         )
         res.cpu_s = sum(tree_cpu(p.pid) for p in procs) - cpu0
-        res.prompt_tokens, res.cached_tokens = asyncio.run(engine_stats(engines))
+        res.prompt_tokens, res.cached_tokens, res.preemptions = asyncio.run(engine_stats(engines))
     finally:
         for proc in procs:
             if proc.poll() is None:

@@ -206,7 +206,7 @@ def make_app(engine: SimEngine) -> web.Application:
         g = engine.gpu
         engine.busy_s = 0.0
         if request.query.get("counters"):  # the counters only; the cache stays
-            g.prompt_tokens = g.cached_tokens = g.served = 0
+            g.prompt_tokens = g.cached_tokens = g.served = g.preemptions = 0
             return web.json_response({"reset": "counters"})
         if not g.idle:
             return _error(409, "requests in flight")
