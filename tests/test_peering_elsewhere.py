@@ -1,19 +1,43 @@
 """The other active routers' work folded into this router's picture (router/peering/
 elsewhere.py), in process: what a peer placed holds a seat here and what it let in counts
 against its tenant, and both are let go however that peer's work ends, a lost delta
-included."""
+included; an eviction one router finds leaves every router's picture; room for pace goes
+to the fleet's oldest waiter."""
 
 from __future__ import annotations
 
+import asyncio
+import time
+
+import pytest
+
+from narwhal.errors import ApiError
 from narwhal.router.admission import Admission
 from narwhal.router.config import EngineSpec, TenantKey
 from narwhal.router.engines import Engine, Pool
+from narwhal.router.ha.leadership import Leadership
+from narwhal.router.lease import Lease
 from narwhal.router.metrics import RouterMetrics
 from narwhal.router.peering.elsewhere import Elsewhere
-from narwhal.router.peering.wire import Admitted, Batch, Ended, Placed, Snapshot
-from narwhal.router.policies import least_loaded
+from narwhal.router.peering.exchange import Exchange
+from narwhal.router.peering.wire import (
+    Admitted,
+    Batch,
+    Ended,
+    Evicted,
+    First,
+    Placed,
+    Snapshot,
+    Waited,
+)
+from narwhal.router.pipeline.judge import Judge
+from narwhal.router.policies import Plan, least_loaded
 from narwhal.router.policies.open import OpenPolicy
+from narwhal.router.policies.predictive import PredictivePolicy
+from narwhal.router.policies.prefix_cache import PrefixCache
+from narwhal.router.predict import Predictor
 from narwhal.router.tenants.registry import Tenants
+from tests.test_placement import BUDGET, Fleet, request, words
 
 
 def setup() -> tuple[Elsewhere, Engine, Tenants, RouterMetrics]:
@@ -58,3 +82,96 @@ def test_a_snapshot_replaces_what_was_held_and_keeps_the_peers_series() -> None:
     assert metrics.placements.labels("peer")._value.get() == 3
     elsewhere.drop("peer")
     assert gpu.prefill == 0
+
+
+def _router(fleet: list[Engine]) -> tuple[PredictivePolicy, PrefixCache]:
+    predictor = Predictor(fleet)
+    for prof in predictor.profiles.values():
+        prof.prefill_tps, prof.bytes_per_token = 1000.0, 5.0
+    cache = PrefixCache(fleet, tokens_per_engine=100_000, block_bytes=256)
+    cache.seeded(7)  # active routers hash prompts alike (the peer secret's seed)
+    return PredictivePolicy(predictor, fleet, cache, tpot_target_s=0.1), cache
+
+
+def test_an_eviction_one_router_finds_drops_from_every_routers_picture() -> None:
+    fleet = [
+        Engine(EngineSpec(n, url=f"http://{n}"), f"http://{n}", healthy=True) for n in ("e0", "e1")
+    ]
+    a, a_cache = _router(fleet)
+    b, b_cache = _router(fleet)
+    told: list[Evicted] = []
+    a.tell_evictions(
+        lambda engine, blocks, keep: told.append(Evicted(engine, blocks.packed(), keep))
+    )
+    system = words("sys", 1000)
+    blocks = a_cache.blocks(request(system).prefix_text())
+    for cache in (a_cache, b_cache):  # placed on e1 and told: both pictures hold it there
+        cache.placed("e1", blocks)
+    assert b.judge(request(system + " q"), fleet, 5.0).prefer is fleet[1]
+    # e1's answer to A says it held none of it: A's picture drops it, and tells.
+    plan = a.judge(request(system + " q"), fleet, 5.0)
+    a_cache.reported("e1", blocks, plan.expected["e1"], 0, plan.expected["e1"].sized)
+    assert [(d.engine, d.keep) for d in told] == [("e1", 0)]
+    for d in told:
+        b.evicted_elsewhere(d)
+    assert "e1" not in b.judge(request(system + " q"), fleet, 5.0).expected
+
+
+def _waiting_here(f: Fleet) -> tuple[Exchange, Elsewhere, Judge, Lease]:
+    """One engine whose short stream keeps a long prefill out (room when it ends), a judge
+    whose waits the other active routers are told of, and what it holds of router b."""
+    f.learn_tau0(0.02)
+    short = f.open(request(words("s", 10), max_tokens=5), on="e0")
+    short.first_output()
+    metrics = RouterMetrics()
+    elsewhere = Elsewhere(f.pool, f.admission, f.policy, Tenants([], metrics), metrics)
+    exchange = Exchange(Leadership(None, "a"), f.policy, elsewhere, metrics, "secret", 60)
+    return exchange, elsewhere, Judge(f.policy, f.pool, lambda: None, waiters=exchange), short
+
+
+def test_room_goes_first_to_the_fleets_oldest_waiter() -> None:
+    f = Fleet(n=1, tpot_target_s=0.05)
+    exchange, elsewhere, judge, short = _waiting_here(f)
+    # Router b has had a standard request waiting for pace for a second.
+    elsewhere.snapshot(Snapshot("b", 5, 1, [], [], [], [(1, 2, 1.0)]))
+    yields = exchange.metrics.peer_yields
+
+    async def run() -> Plan:
+        # 0.8 s of its budget left after its own second of prefill: time to wait a little.
+        arrived = time.monotonic() - (BUDGET - 1.8)
+        waiting = asyncio.create_task(judge.plan(request(words("L", 1000)), arrived, BUDGET))
+        await asyncio.sleep(0)
+        short.finished(5)
+        short.release()  # room on e0: this router heard first (it relayed the stream)
+        while not yields._value.get():
+            await asyncio.sleep(0.001)
+        # While this one gives way, b's older request takes the room: a short answer whose
+        # stream a second of prefill beside it would break.
+        placed = Placed(2, "e0", 100, None, None, None, 0.1, 5, 1, 5, None)
+        assert elsewhere.batch(Batch("b", 5, 1, [placed, First(2), Waited(1)])) is None
+        return await asyncio.wait_for(waiting, 10)
+
+    with pytest.raises(ApiError) as refused:
+        f.loop.run_until_complete(asyncio.wait_for(run(), 10))
+    assert refused.value.code == "tpot_target_exceeded"  # its wait ran out behind b's
+    assert yields._value.get() == 1
+
+
+def test_a_waiter_gives_way_once_then_takes_room_nobody_older_took() -> None:
+    f = Fleet(n=1, tpot_target_s=0.05)
+    exchange, elsewhere, judge, short = _waiting_here(f)
+    elsewhere.snapshot(Snapshot("b", 5, 1, [], [], [], [(1, 2, 1.0)]))  # older, never placed
+
+    async def run() -> Plan:
+        waiting = asyncio.create_task(
+            judge.plan(request(words("L", 1000)), time.monotonic(), BUDGET)
+        )
+        await asyncio.sleep(0)
+        short.finished(5)
+        short.release()
+        return await asyncio.wait_for(waiting, 10)
+
+    assert f.loop.run_until_complete(run()).prefer is f.engines[0]
+    assert exchange.metrics.peer_yields._value.get() == 1
+    # Its wait was told, and its end: nothing of it is left waiting at the others.
+    assert not exchange._waiting

@@ -22,6 +22,8 @@ from narwhal.router.peering.wire import (
     Progress,
     Released,
     Snapshot,
+    Waited,
+    Waiting,
     WireError,
     decode,
     encode_batch,
@@ -61,6 +63,8 @@ deltas = st.lists(
         st.builds(Admitted, ids, names, counts),
         st.builds(Evicted, names, packed, counts),
         st.builds(Released, ids, st.none() | counts),
+        st.builds(Waiting, ids, st.integers(0, 63)),
+        st.builds(Waited, ids),
     ),
     max_size=20,
 )
@@ -74,11 +78,19 @@ def test_a_batch_reads_back_as_it_was_written(sender: str, token: int, seq: int,
     assert picture is None
 
 
-@given(names, ids, ids, st.lists(placed, max_size=5), st.lists(ids, max_size=5))
+waiters = st.lists(st.tuples(ids, st.integers(0, 63), seconds), max_size=5)
+
+
+@given(names, ids, ids, st.lists(placed, max_size=5), st.lists(ids, max_size=5), waiters)
 def test_a_snapshot_and_a_picture_read_back(
-    sender: str, token: int, seq: int, ps: list[Placed], decoding: list[int]
+    sender: str,
+    token: int,
+    seq: int,
+    ps: list[Placed],
+    decoding: list[int],
+    waiting: list[tuple[int, int, float]],
 ) -> None:
-    snap = Snapshot(sender, token, seq, ps, decoding, [Admitted(1, "team", 5)])
+    snap = Snapshot(sender, token, seq, ps, decoding, [Admitted(1, "team", 5)], waiting)
     pic = Picture({"gpu0": b"\x01" * 16}, [("conv", "gpu0")], b'{"gpu0": {}}')
     msg, got = decode(encode_snapshot(snap, pic))
     assert msg == snap
@@ -108,7 +120,10 @@ def test_anything_else_is_refused_whole(value: object) -> None:
         decode(raw)
 
 
-@given(st.lists(st.sampled_from(["p", "f", "k", "e", "x", "t", "u", 1, None, "y"])), json_values)
+@given(
+    st.lists(st.sampled_from(["p", "f", "k", "e", "x", "t", "u", "w", "v", 1, None, "y"])),
+    json_values,
+)
 def test_a_delta_of_any_shape_is_read_or_refused(head: list[object], tail: object) -> None:
     body = {"from": "r", "token": 1, "seq": 1, "deltas": [[*head, tail], head]}
     with contextlib.suppress(WireError):

@@ -125,6 +125,7 @@ class Router:
             self.metrics.paced_waits.inc,
             self.warmer.offer if self.warmer is not None else None,
             self.warmer.yield_all if self.warmer is not None else None,
+            self.exchange,
         )
         self.fleet = Fleet(
             config,
@@ -194,9 +195,7 @@ class Router:
         )
         exchange.watch(events)
         self.tenants.told = exchange
-        cache = getattr(self.policy, "cache", None)
-        if cache is not None:
-            cache.told = exchange.evicted
+        self.policy.tell_evictions(exchange.evicted)
         return exchange
 
     def _flow(self, config: RouterConfig) -> Flow:

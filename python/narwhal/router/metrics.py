@@ -281,6 +281,12 @@ class RouterMetrics:
             buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5),
             registry=r,
         )
+        self.peer_yields = Counter(
+            "narwhal_peer_yields",
+            "Times a request that waited for pace and found room gave it first to an older "
+            "request waiting at another active router",
+            registry=r,
+        )
         self.peers = Gauge(
             "narwhal_peers",
             "Other active routers this router exchanges its picture with",

@@ -7,6 +7,11 @@ policy), its tenant's request in the tenant's window. A peer's deltas are folded
 order: a batch that does not start where the last one ended (a delta lost, the peer
 restarted under a new token) is refused, and the peer sends a snapshot of everything it
 has live instead, which replaces what was held of it.
+
+Each peer's requests waiting for an engine to keep pace are kept too, with when this router
+heard they began: a request of this router that finds room gives it first to an older one
+waiting elsewhere (`older_waiter`), so the fleet's oldest waiter is served first, as one
+router's own waiters are.
 """
 
 from __future__ import annotations
@@ -30,6 +35,8 @@ from narwhal.router.peering.wire import (
     Progress,
     Released,
     Snapshot,
+    Waited,
+    Waiting,
 )
 from narwhal.router.policies import PeerHold, Policy
 from narwhal.router.tenants.limits import Ticket
@@ -60,6 +67,7 @@ class Peer:
     next_seq: int
     work: dict[int, Work] = field(default_factory=dict)
     tickets: dict[int, tuple[Ticket, float]] = field(default_factory=dict)  # (it, when)
+    waiting: dict[int, tuple[int, float]] = field(default_factory=dict)  # (order, since)
 
 
 class Elsewhere:
@@ -106,7 +114,19 @@ class Elsewhere:
             self._first(peer, i)
         for a in s.admitted:
             self._admitted(peer, a)
+        now = time.monotonic()
+        for i, order, age_s in s.waiting[:MAX_HELD]:
+            peer.waiting[i] = (order, now - age_s)
         self.metrics.peer_snapshots.labels("received").inc()
+
+    def older_waiter(self, order: int, since: float) -> bool:
+        """Whether a peer has a request waiting for pace that goes before one of `order`
+        waiting here since `since` (a lower order, or the same and longer waiting)."""
+        for peer in self.peers.values():
+            for o, at in peer.waiting.values():
+                if o < order or (o == order and at < since):
+                    return True
+        return False
 
     def drop(self, sender: str) -> None:
         """Router `sender` is gone (or starts again): everything held of it is let go."""
@@ -132,6 +152,8 @@ class Elsewhere:
                 self._end(peer.work.pop(i), 0, 0.0)
             for i in [i for i, (_, at) in peer.tickets.items() if at < cut]:
                 self.tenants.ended_elsewhere(peer.tickets.pop(i)[0], None)
+            for i in [i for i, (_, at) in peer.waiting.items() if at < cut]:
+                del peer.waiting[i]
 
     # -- one delta ------------------------------------------------------------------------
     def _fold(self, sender: str, peer: Peer, d: object) -> None:
@@ -157,6 +179,11 @@ class Elsewhere:
             held = peer.tickets.pop(d.id, None)
             if held is not None:
                 self.tenants.ended_elsewhere(held[0], d.tokens)
+        elif isinstance(d, Waiting):
+            if len(peer.waiting) < MAX_HELD:
+                peer.waiting[d.id] = (d.order, time.monotonic())
+        elif isinstance(d, Waited):
+            peer.waiting.pop(d.id, None)
 
     def _placed(self, sender: str, peer: Peer, p: Placed) -> None:
         self.metrics.placements.labels(sender).inc()

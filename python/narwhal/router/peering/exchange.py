@@ -16,6 +16,10 @@ profiles): its first placements see what the fleet holds.
 
 How old the others' picture of this router's work is, at most, is measured per delta from
 its placement to the peer's acknowledgement (`narwhal_peer_lag_seconds`).
+
+Requests waiting for an engine to keep pace are told too (`Waiting`, `Waited`): one here
+that finds room waits a moment first where an older one waits at another router
+(`older`), about twice the measured lag, so that one is placed first.
 """
 
 from __future__ import annotations
@@ -52,6 +56,8 @@ from narwhal.router.peering.wire import (
     Progress,
     Released,
     Snapshot,
+    Waited,
+    Waiting,
     WireError,
     decode,
     encode_batch,
@@ -78,6 +84,10 @@ SWEEP_SLACK_S = 60.0
 # Each decoding stream's tokens so far are told this often (where they changed): the peers'
 # ledgers measure it as this router's does, at most this much behind.
 PROGRESS_S = 0.1
+# How much of the lag's last measurement a new one is (an EWMA): a yield to an older waiter
+# elsewhere lasts about twice the lag, at least the first and at most the second bound.
+LAG_ALPHA = 0.1
+YIELD_BOUNDS_S = (0.005, PROGRESS_S)
 
 
 class Outbox:
@@ -118,6 +128,9 @@ class Exchange:
         self._live: dict[Lease, tuple[Placed, bool]] = {}  # (its placement, decoding)
         self._told: dict[Lease, int] = {}  # decoding: the tokens last told
         self._tickets: dict[Ticket, Admitted] = {}
+        # This router's requests waiting for pace: (id, order, since).
+        self._waiting: dict[object, tuple[int, int, float]] = {}
+        self.lag_s = YIELD_BOUNDS_S[0]  # a delta's time to a peer's acknowledgement (EWMA)
         self._placed_here = metrics.placements.labels(leadership.name)  # looked up once
 
     # -- this router's work, as it happens ------------------------------------------------
@@ -189,6 +202,26 @@ class Exchange:
         if a is not None:
             self._tell(Released(a.id, tokens))
 
+    def waiting(self, key: object, order: int) -> None:
+        """A request of `order` (`key`: its wait) began to wait for pace here."""
+        w = (next(self._ids), order, time.monotonic())
+        self._waiting[key] = w
+        self._tell(Waiting(w[0], order))
+
+    def waited(self, key: object) -> None:
+        """That request no longer waits (placed, refused or gone)."""
+        w = self._waiting.pop(key, None)
+        if w is not None:
+            self._tell(Waited(w[0]))
+
+    def older(self, order: int, since: float) -> float | None:
+        """How long a request of `order` waiting here since `since`, that found room, gives
+        way to an older one waiting at another router (None: none is older)."""
+        if not self.elsewhere.older_waiter(order, since):
+            return None
+        self.metrics.peer_yields.inc()
+        return min(YIELD_BOUNDS_S[1], max(YIELD_BOUNDS_S[0], 2 * self.lag_s))
+
     def _tell(self, d: Delta) -> None:
         seq, self._seq = self._seq, self._seq + 1
         now = time.monotonic()
@@ -208,8 +241,16 @@ class Exchange:
         token = self._term or 0
         placed = [p for p, _ in self._live.values()]
         decoding = [p.id for p, dec in self._live.values() if dec]
+        now = time.monotonic()
+        waiting = [(i, order, now - since) for i, order, since in self._waiting.values()]
         return Snapshot(
-            self.leadership.name, token, self._seq, placed, decoding, list(self._tickets.values())
+            self.leadership.name,
+            token,
+            self._seq,
+            placed,
+            decoding,
+            list(self._tickets.values()),
+            waiting,
         )
 
     # -- sending ----------------------------------------------------------------------
@@ -243,6 +284,7 @@ class Exchange:
                 for _ in sent:
                     _, made, _ = box.pending.popleft()
                     self.metrics.peer_lag.observe(now - made)
+                    self.lag_s += LAG_ALPHA * (now - made - self.lag_s)
                 self.metrics.peer_deltas.labels("sent").inc(len(sent))
             elif status == 409:
                 box.resync = True  # it missed some, or holds nothing of this term

@@ -20,7 +20,10 @@ Deltas (lists, the kind first):
 - `["x", engine, blocks, keep]`: `engine` was found to hold only the first `keep` of these
   blocks (its answer's cached tokens said so): the picture drops the rest;
 - `["t", id, tenant, tokens]`: a request of `tenant` was let in, its prompt's estimate;
-- `["u", id, tokens]`: that request ended, with what it measured (None: nothing).
+- `["u", id, tokens]`: that request ended, with what it measured (None: nothing);
+- `["w", id, order]`: a request of `order` (its place among waiters: lower goes first)
+  began to wait for an engine to keep its streams' pace;
+- `["v", id]`: it no longer waits (placed, refused or gone).
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ import base64
 import binascii
 import hashlib
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
@@ -42,6 +45,7 @@ MAX_NAME = 256  # engines', tenants', routers' names
 MAX_SESSION = 512
 MAX_BLOCKS_B64 = 4 * 1024 * 1024  # a prompt's hashes: 8 bytes a block of 16+ bytes of text
 MAX_ID = 2**63 - 1
+MAX_ORDER = 63  # a waiter's order (the router's own are fewer: a bound, not a meaning)
 
 
 def seed_of(secret: str) -> int:
@@ -142,7 +146,24 @@ class Released:
         return ["u", self.id, self.tokens]
 
 
-Delta = Placed | First | Progress | Ended | Evicted | Admitted | Released
+@dataclass(frozen=True, slots=True)
+class Waiting:
+    id: int
+    order: int
+
+    def row(self) -> list[Any]:
+        return ["w", self.id, self.order]
+
+
+@dataclass(frozen=True, slots=True)
+class Waited:
+    id: int
+
+    def row(self) -> list[Any]:
+        return ["v", self.id]
+
+
+Delta = Placed | First | Progress | Ended | Evicted | Admitted | Released | Waiting | Waited
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,7 +179,8 @@ class Batch:
 @dataclass(frozen=True, slots=True)
 class Snapshot:
     """Everything live at router `sender` now (its work placed, its first tokens, its
-    tenants' requests), the next delta to be numbered `seq`."""
+    tenants' requests, its requests waiting for pace), the next delta to be numbered
+    `seq`."""
 
     sender: str
     token: int
@@ -166,6 +188,7 @@ class Snapshot:
     placed: list[Placed]
     decoding: list[int]  # ids of those whose first token came
     admitted: list[Admitted]
+    waiting: list[tuple[int, int, float]] = field(default_factory=list)  # (id, order, age s)
 
 
 @dataclass(frozen=True, slots=True)
@@ -193,6 +216,7 @@ def encode_snapshot(s: Snapshot, picture: Picture | None = None) -> bytes:
             "placed": [p.row() for p in s.placed],
             "decoding": s.decoding,
             "admitted": [a.row() for a in s.admitted],
+            "waiting": [list(w) for w in s.waiting],
         },
     }
     if picture is not None:
@@ -224,7 +248,8 @@ def decode(raw: bytes) -> tuple[Batch | Snapshot, Picture | None]:
         placed = [_placed(r) for r in _rows(snap.get("placed"), "snapshot.placed")]
         decoding = [_id(i, "snapshot.decoding") for i in _rows(snap.get("decoding"), "decoding")]
         admitted = [_admitted(r) for r in _rows(snap.get("admitted"), "snapshot.admitted")]
-        return Snapshot(sender, token, seq, placed, decoding, admitted), picture
+        waiting = [_waiter(r) for r in _rows(snap.get("waiting", []), "snapshot.waiting")]
+        return Snapshot(sender, token, seq, placed, decoding, admitted, waiting), picture
     deltas = [_delta(r) for r in _rows(data.get("deltas"), "deltas")]
     return Batch(sender, token, seq, deltas), picture
 
@@ -261,6 +286,10 @@ def _delta(r: Any) -> Delta:
         return _admitted(r)
     if kind == "u" and len(r) == 3:
         return Released(_id(r[1], "id"), None if r[2] is None else _count(r[2], "tokens"))
+    if kind == "w" and len(r) == 3:
+        return Waiting(_id(r[1], "id"), _order(r[2]))
+    if kind == "v" and len(r) == 2:
+        return Waited(_id(r[1], "id"))
     raise WireError(f"not a delta: {str(kind)[:20]!r} with {len(r)} members")
 
 
@@ -305,6 +334,18 @@ def _admitted(r: Any) -> Admitted:
     if not isinstance(r, list) or len(r) != 4 or r[0] != "t":
         raise WireError("an admission is ['t', id, tenant, tokens]")
     return Admitted(_id(r[1], "id"), _name(r[2], "tenant"), _count(r[3], "tokens"))
+
+
+def _waiter(r: Any) -> tuple[int, int, float]:
+    if not isinstance(r, list) or len(r) != 3:
+        raise WireError("a waiter is [id, order, age_s]")
+    return _id(r[0], "id"), _order(r[1]), _seconds(r[2], "age_s")
+
+
+def _order(v: Any) -> int:
+    if type(v) is not int or not 0 <= v <= MAX_ORDER:
+        raise WireError(f"order: 0 to {MAX_ORDER}")
+    return v
 
 
 def _picture(p: Any) -> Picture:

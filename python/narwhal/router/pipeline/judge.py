@@ -2,13 +2,17 @@
 
 A request no engine can take without breaking the time per output token of streams
 decoding there waits in the router for one to end, while its TTFT budget allows, and is
-refused with 429 `tpot_target_exceeded` when none has.
+refused with 429 `tpot_target_exceeded` when none has. With active routers the wait is the
+fleet's: a waiter that finds room gives it first, once, to an older one waiting at another
+router (`FleetWaiters`), as the oldest of one router's own waiters goes first.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Awaitable, Callable
+from typing import Protocol
 
 from narwhal.errors import ApiError
 from narwhal.router.decisions import Decision
@@ -22,6 +26,20 @@ MIN_WAIT_S = 0.01
 TTFT_REFUSALS = frozenset({"ttft_budget_exceeded", "prompt_exceeds_ttft_budget"})
 
 
+class FleetWaiters(Protocol):
+    """The other active routers' requests waiting for pace (`peering.Exchange`)."""
+
+    def waiting(self, key: object, order: int) -> None:
+        """A request of `order` began to wait here (`key`: its wait)."""
+
+    def waited(self, key: object) -> None:
+        """It no longer waits."""
+
+    def older(self, order: int, since: float) -> float | None:
+        """How long one of `order` waiting since `since` that found room gives way to an
+        older one waiting elsewhere (None: none is older)."""
+
+
 class Judge:
     def __init__(
         self,
@@ -30,6 +48,7 @@ class Judge:
         on_paced_wait: Callable[[], None],
         on_refused: Callable[[Request, frozenset[str]], None] | None = None,
         make_room: Callable[[], Awaitable[bool]] | None = None,
+        waiters: FleetWaiters | None = None,
     ) -> None:
         self.policy = policy
         self.pool = pool
@@ -40,6 +59,7 @@ class Judge:
         # Before a request is refused for its TTFT: the router's own warms give way, and
         # whether any did (`warming.Warmer.yield_all`); it is then judged again, once.
         self.make_room = make_room
+        self.waiters = waiters
 
     async def plan(
         self,
@@ -52,6 +72,21 @@ class Judge:
         """The policy's plan over the eligible engines not in `cannot` (those that cannot
         serve the request's route), or its refusal (an ApiError); `record`, where given, is
         told what was weighed, chosen and waited for."""
+        wait = _Wait(self.waiters, req.standing.order)
+        try:
+            return await self._plan(req, arrived, budget, wait, record, cannot)
+        finally:
+            wait.over()
+
+    async def _plan(
+        self,
+        req: Request,
+        arrived: float,
+        budget: float,
+        wait: _Wait,
+        record: Decision | None,
+        cannot: frozenset[str],
+    ) -> Plan:
         deferred: ApiError | None = None
         room_made = False
         while True:
@@ -68,6 +103,7 @@ class Judge:
                     raise e.refusal from None
                 if deferred is None:
                     self.on_paced_wait()
+                    wait.began()
                 deferred = e.refusal
                 began = time.monotonic()
                 try:
@@ -75,6 +111,7 @@ class Judge:
                 finally:
                     if record is not None:
                         record.waited_s += time.monotonic() - began
+                wait.woken()
                 continue
             except ApiError as e:
                 # Waiting used up the budget: the reason is still the pace.
@@ -95,4 +132,44 @@ class Judge:
                 # were placed so, 1-2 s over what their wait had left).
                 plan.settle()
                 raise deferred from None
+            pause = wait.give_way(left - (plan.predicted_s or 0.0)) if deferred else None
+            if pause is not None:
+                plan.settle()  # the room is the older waiter's first
+                await asyncio.sleep(pause)
+                continue
             return plan
+
+
+class _Wait:
+    """One request's wait for pace as the other active routers are told of it."""
+
+    __slots__ = ("gave_way", "order", "since", "waiters")
+
+    def __init__(self, waiters: FleetWaiters | None, order: int) -> None:
+        self.waiters = waiters
+        self.order = order
+        self.since: float | None = None  # when it began to wait (None: it has not)
+        self.gave_way = False  # since it was last woken
+
+    def began(self) -> None:
+        if self.waiters is not None:
+            self.since = time.monotonic()
+            self.waiters.waiting(self, self.order)
+
+    def woken(self) -> None:
+        self.gave_way = False
+
+    def give_way(self, left_s: float) -> float | None:
+        """How long to leave the room it found to an older waiter elsewhere, once a wake;
+        None: take it."""
+        if self.waiters is None or self.since is None or self.gave_way:
+            return None
+        pause = self.waiters.older(self.order, self.since)
+        if pause is None or pause >= left_s:
+            return None
+        self.gave_way = True
+        return pause
+
+    def over(self) -> None:
+        if self.waiters is not None and self.since is not None:
+            self.waiters.waited(self)

@@ -13,6 +13,7 @@ how it ended through the lease events it subscribed to at start.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -132,6 +133,11 @@ class Policy(Protocol):
 
     def evicted_elsewhere(self, d: Evicted) -> None:
         """Another router found an engine holding less of a prompt than the picture said."""
+
+    def tell_evictions(self, told: Callable[[str, PromptBlocks, int], None]) -> None:
+        """From now on, where an engine is found to hold less of a prompt than the picture
+        said (engine, the prompt's blocks, how many it holds), `told` is told (the other
+        active routers); a policy with no picture tells nothing."""
 
     def picture(self) -> Picture | None:
         """What this router holds of the fleet, for an active router that joins."""

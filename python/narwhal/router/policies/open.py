@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from narwhal.router.decisions import Decision
 from narwhal.router.engines import Engine
@@ -11,6 +12,9 @@ from narwhal.router.lease import Events, Lease
 from narwhal.router.peering.wire import Evicted, Picture, Placed
 from narwhal.router.policies import OPEN_PLAN, PeerHold, Plan, least_loaded
 from narwhal.router.request import Request
+
+if TYPE_CHECKING:
+    from narwhal._native import PromptBlocks
 
 
 class OpenPolicy:
@@ -61,6 +65,9 @@ class OpenPolicy:
 
     def evicted_elsewhere(self, d: Evicted) -> None:
         pass
+
+    def tell_evictions(self, told: Callable[[str, PromptBlocks, int], None]) -> None:
+        pass  # it keeps no picture of the engines' caches
 
     def picture(self) -> Picture | None:
         return None

@@ -24,7 +24,7 @@ from narwhal.router.engines import Engine
 from narwhal.router.lease import Events, Lease
 from narwhal.router.peering.wire import Evicted, Picture, Placed
 from narwhal.router.policies import PeerHold, Plan, least_loaded
-from narwhal.router.policies.lengths import Lengths
+from narwhal.router.policies.lengths import Histogram, Lengths
 from narwhal.router.policies.prefix_cache import NOTHING_HELD, Expectation, PrefixCache
 from narwhal.router.policies.sessions import Sessions
 from narwhal.router.policies.tpot import Charge, Streams
@@ -355,12 +355,25 @@ class PredictivePolicy:
         elif prof.output_tokens is not None:
             typical = max(2, round(prof.output_tokens))
             n = typical if n is None else min(n, typical)
-        entry = None
-        if n is None or n > 1:
-            aim = TPOT_AIM * self.tpot_target_s
-            tau0 = self._tau0(name, aim)
-            entry = ledger.joined(aim, tau0, n or 2, lease.request.standing.rank, lengths, cap)
+        entry = self._stream(ledger, name, n, lease.request.standing.rank, lengths, cap)
         self._entries[lease] = (entry, charge, n)
+
+    def _stream(
+        self,
+        ledger: Streams,
+        name: str,
+        n: int | None,
+        rank: int,
+        lengths: Histogram | None,
+        cap: int | None,
+    ) -> int | None:
+        """A stream held to `n` tokens joins engine `name`'s ledger (this router's or a
+        peer's); its entry, or None for an answer of one token (no stream to hold)."""
+        if n is not None and n <= 1:
+            return None
+        assert self.tpot_target_s is not None
+        aim = TPOT_AIM * self.tpot_target_s
+        return ledger.joined(aim, self._tau0(name, aim), n or 2, rank, lengths, cap)
 
     def footprint(self, lease: Lease) -> tuple[float | None, int | None]:
         """What placing `lease` charged its engine's TPOT ledger: its prefill's seconds,
@@ -382,12 +395,8 @@ class PredictivePolicy:
         if self.tpot_target_s is None or ledger is None or p.stall_s is None:
             return None
         charge = ledger.charge(p.stall_s)
-        entry = None
-        if p.n is None or p.n > 1:
-            aim = TPOT_AIM * self.tpot_target_s
-            lengths = self.lengths.of(p.tenant or "")
-            entry = ledger.joined(aim, self._tau0(e.name, aim), p.n or 2, p.rank, lengths, p.cap)
-        return PeerHold(ledger, charge, entry)
+        lengths = self.lengths.of(p.tenant or "")
+        return PeerHold(ledger, charge, self._stream(ledger, e.name, p.n, p.rank, lengths, p.cap))
 
     def elsewhere_decoding(self, w: PeerHold) -> None:
         # Measured by the tokens its router tells (`Progress`), as that router measures it:
@@ -407,6 +416,10 @@ class PredictivePolicy:
     def evicted_elsewhere(self, d: Evicted) -> None:
         if self.cache is not None:
             self.cache.cut_elsewhere(d.engine, PromptBlocks.unpacked(d.blocks), d.keep)
+
+    def tell_evictions(self, told: Callable[[str, PromptBlocks, int], None]) -> None:
+        if self.cache is not None:
+            self.cache.told = told
 
     def picture(self) -> Picture:
         """What this router holds of the fleet, for a router that joins."""
