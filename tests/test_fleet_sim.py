@@ -23,6 +23,7 @@ import pytest
 from bench.fleet.gpu import Gpu, GpuModel, Seq, block_hashes
 from bench.fleet.replay import (
     EXACT,
+    PEER_SECRET_ENV,
     Client,
     Outcome,
     Result,
@@ -361,6 +362,12 @@ def test_a_router_change_is_ab_tested_against_an_older_tree_in_the_same_run(
     a.baseline_tree = None  # an A/B with nothing to compare against is refused
     with pytest.raises(SystemExit):
         doors(a, ["http://127.0.0.1:1"], tmp_path)
+    # Several active routers of the older tree: its code, and the routers' shared secret.
+    a = door_args(doors="narwhal-predictive@base-active3", baseline_tree=tmp_path / "old")
+    (active,) = doors(a, ["http://127.0.0.1:1"], tmp_path, "http://127.0.0.1:2379")
+    assert active.env is not None and active.env["PYTHONPATH"] == str(tmp_path / "old" / "python")
+    assert PEER_SECRET_ENV in active.env and len(active.replicas) == 2
+    assert active.cmd is not None and "mode: active" in Path(active.cmd[3]).read_text()
 
 
 def test_several_models_are_served_by_their_engines_and_only_narwhal_places_by_model(

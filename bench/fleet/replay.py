@@ -32,7 +32,8 @@ Peers run as their operators run them: `sglang-POLICY@CAP` and `vllm-POLICY@CAP`
 or `@defaults` for a peer with nothing set; a peer named with neither is refused.
 `--runs N` repeats every cell N times, every door in each run, and the table gives each
 figure's median and range. `narwhal-MODE@base` is Narwhal from `--baseline-tree` (a worktree
-of an older commit): a router change A/B'd in one run. `narwhal-MODE@activeN` is N active
+of an older commit): a router change A/B'd in one run (`@base-activeN`: N active routers of
+that tree). `narwhal-MODE@activeN` is N active
 routers (`ha.mode: active`) on an etcd the bench starts, the clients spread over them round
 robin; the door's CPU is all N processes'. The simulated engines' realism is
 `--sim-args`: `--kv-on-demand` (KV as output grows, preemption), `--prefill-half-context
@@ -429,15 +430,21 @@ def doors(
             out.append(Door(name, None))
         elif name.startswith("narwhal-"):
             mode, _, variant = name.split("-", 1)[1].partition("@")
-            env = None
-            if variant == "base":
+            # `@base`, `@activeN`, or both: `@base-activeN`.
+            based = variant == "base" or variant.startswith("base-")
+            active = variant.removeprefix("base-") if based else variant
+            env: dict[str, str] | None = None
+            if based:
                 if a.baseline_tree is None:
                     raise SystemExit(f"{name}: --baseline-tree names the tree it runs")
                 env = {**os.environ, "PYTHONPATH": str(a.baseline_tree.resolve() / "python")}
-            elif variant.startswith("active") and variant[6:].isdigit() and etcd is not None:
-                env = {**os.environ, PEER_SECRET_ENV: "bench-peer-secret"}
-            elif variant:
-                raise SystemExit(f"{name}: Narwhal's door variants are @base and @activeN")
+            if active.startswith("active") and active[6:].isdigit() and etcd is not None:
+                env = {**(env or os.environ), PEER_SECRET_ENV: "bench-peer-secret"}
+            elif active and active != "base":
+                raise SystemExit(
+                    f"{name}: Narwhal's door variants are @base, @activeN and @base-activeN"
+                )
+            variant = "" if active == "base" else active
             n = int(variant[6:]) if variant.startswith("active") else 1
             ports = [port] + [free_port() for _ in range(n - 1)]
             ha = ""
@@ -876,7 +883,7 @@ def main() -> None:
     if a.requests:
         trace = trace[: a.requests]
     sim, engines = start_fleet(a)
-    etcd = start_etcd() if "@active" in a.doors else None
+    etcd = start_etcd() if re.search(r"@(base-)?active", a.doors) else None
     rows = []
     try:
         with tempfile.TemporaryDirectory() as tmp:
