@@ -25,9 +25,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.fleet.replay import doors, start_etcd, start_fleet, warm
+from bench.fleet.replay import doors, launch, start_etcd, start_fleet, stop, warm
 from bench.router_e2e import tree_cpu
-from tests.support import ROOT, wait_http
+from tests.support import wait_http
 
 
 def idle_cpu(door_name: str, a: argparse.Namespace, engines: list[str], etcd: str) -> float:
@@ -53,16 +53,7 @@ def idle_cpu(door_name: str, a: argparse.Namespace, engines: list[str], etcd: st
     procs: list[subprocess.Popen[bytes]] = []
     try:
         for cmd, port in [(door.cmd, door.port), *door.replicas]:
-            procs.append(
-                subprocess.Popen(
-                    cmd,
-                    cwd=ROOT,
-                    env=door.env,
-                    start_new_session=True,
-                    stdout=subprocess.DEVNULL,
-                    stderr=subprocess.DEVNULL,
-                )
-            )
+            procs.append(launch(cmd, door.env, None))
             wait_http(f"http://127.0.0.1:{port}/ready", procs[-1], 60)
         for _, port in [(door.cmd, door.port), *door.replicas]:
             asyncio.run(warm(f"http://127.0.0.1:{port}", 24, a.time_scale))
@@ -70,11 +61,7 @@ def idle_cpu(door_name: str, a: argparse.Namespace, engines: list[str], etcd: st
         time.sleep(a.seconds)
         return (sum(tree_cpu(p.pid) for p in procs) - cpu0) / (time.monotonic() - t0)
     finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGTERM)
-        for p in procs:
-            p.wait()
+        stop(procs)
 
 
 def main() -> None:

@@ -38,13 +38,15 @@ from bench.fleet.replay import (
     Outcome,
     client_of,
     doors,
+    launch,
     offer,
     start_etcd,
     start_fleet,
+    stop,
     warm,
 )
 from bench.fleet.traces import Request, read
-from tests.support import ROOT, wait_http
+from tests.support import wait_http
 
 RESTARTED_WINDOW_S = 5.0
 
@@ -169,15 +171,7 @@ def main() -> None:
         urls = [f"http://127.0.0.1:{p}" for _, p in members]
 
         def spawn(k: int) -> subprocess.Popen[bytes]:
-            cmd, _ = members[k]
-            return subprocess.Popen(
-                cmd,
-                cwd=ROOT,
-                env=door.env,
-                start_new_session=True,
-                stdout=subprocess.DEVNULL,
-                stderr=open(logs / f"router{k}-{len(procs)}.log", "wb"),
-            )
+            return launch(members[k][0], door.env, logs / f"router{k}-{len(procs)}.log")
 
         for k in range(len(members)):
             procs.append(spawn(k))
@@ -210,11 +204,7 @@ def main() -> None:
         outs = asyncio.run(run())
         print(f"offered in {(time.monotonic() - started) / a.time_scale:.0f} s", flush=True)
     finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGTERM)
-        for p in procs:
-            p.wait()
+        stop(procs)
         os.killpg(sim.pid, signal.SIGTERM)
         sim.wait()
         os.killpg(etcd.pid, signal.SIGTERM)

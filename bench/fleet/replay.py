@@ -546,22 +546,11 @@ def run_door(
             urls = []
             for k, (cmd, port) in enumerate([(door.cmd, door.port), *door.replicas]):
                 name = door.name if k == 0 else f"{door.name}.{k}"
-                procs.append(
-                    subprocess.Popen(
-                        cmd,
-                        cwd=ROOT,
-                        env=door.env,
-                        start_new_session=True,
-                        stdout=subprocess.DEVNULL,
-                        # One log a cell, kept (beside the dump where there is one): the
-                        # access lines say what each request was projected and measured
-                        # (`projected_ms`, `own_ms`, `due_ms`, `tokens_sized` beside
-                        # `ttfb_ms`, `tokens_in`); the dump has the client's side.
-                        stderr=open(  # noqa: SIM115
-                            cell_log(a.dump, name, load, run), "wb"
-                        ),
-                    )
-                )
+                # One log a cell, kept (beside the dump where there is one): the access
+                # lines say what each request was projected and measured (`projected_ms`,
+                # `own_ms`, `due_ms`, `tokens_sized` beside `ttfb_ms`, `tokens_in`); the
+                # dump has the client's side.
+                procs.append(launch(cmd, door.env, cell_log(a.dump, name, load, run)))
                 urls.append(f"http://127.0.0.1:{port}")
                 wait_http(urls[-1] + door.health, procs[-1], 60)
             for url in urls:
@@ -583,16 +572,30 @@ def run_door(
         res.cpu_s = sum(tree_cpu(p.pid) for p in procs) - cpu0
         res.prompt_tokens, res.cached_tokens, res.preemptions = asyncio.run(engine_stats(engines))
     finally:
-        for proc in procs:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGTERM)
-        for proc in procs:
-            try:
-                proc.wait(20)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+        stop(procs)
     return res
+
+
+def launch(cmd: list[str], env: dict[str, str] | None, log: Path | None) -> subprocess.Popen[bytes]:
+    """A door's process, in a session of its own (stopped with its children), its stderr
+    to `log` (None: nowhere)."""
+    err = open(log, "wb") if log is not None else subprocess.DEVNULL  # noqa: SIM115
+    return subprocess.Popen(
+        cmd, cwd=ROOT, env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=err
+    )
+
+
+def stop(procs: list[subprocess.Popen[bytes]]) -> None:
+    """Every process asked to end, then waited for (killed after 20 s)."""
+    for proc in procs:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+    for proc in procs:
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
 
 
 def cell_log(dump: Path | None, door: str, load: float, run: int) -> Path:
