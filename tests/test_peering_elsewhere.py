@@ -132,8 +132,8 @@ def _waiting_here(f: Fleet) -> tuple[Exchange, Elsewhere, Judge, Lease]:
 def test_room_goes_first_to_the_fleets_oldest_waiter() -> None:
     f = Fleet(n=1, tpot_target_s=0.05)
     exchange, elsewhere, judge, short = _waiting_here(f)
-    # Router b has had a standard request waiting for pace for a second.
-    elsewhere.snapshot(Snapshot("b", 5, 1, [], [], [], [(1, 2, 1.0)]))
+    # Router b has had a standard request of a short prompt waiting for pace for a second.
+    elsewhere.snapshot(Snapshot("b", 5, 1, [], [], [], [(1, 2, 500, 1.0)]))
     yields = exchange.metrics.peer_yields
 
     async def run() -> Plan:
@@ -160,7 +160,7 @@ def test_room_goes_first_to_the_fleets_oldest_waiter() -> None:
 def test_a_waiter_gives_way_once_then_takes_room_nobody_older_took() -> None:
     f = Fleet(n=1, tpot_target_s=0.05)
     exchange, elsewhere, judge, short = _waiting_here(f)
-    elsewhere.snapshot(Snapshot("b", 5, 1, [], [], [], [(1, 2, 1.0)]))  # older, never placed
+    elsewhere.snapshot(Snapshot("b", 5, 1, [], [], [], [(1, 2, 500, 1.0)]))  # never placed
 
     async def run() -> Plan:
         waiting = asyncio.create_task(
@@ -175,3 +175,22 @@ def test_a_waiter_gives_way_once_then_takes_room_nobody_older_took() -> None:
     assert exchange.metrics.peer_yields._value.get() == 1
     # Its wait was told, and its end: nothing of it is left waiting at the others.
     assert not exchange._waiting
+
+
+def test_room_is_not_given_to_an_older_waiter_it_would_not_fit() -> None:
+    f = Fleet(n=1, tpot_target_s=0.05)
+    exchange, elsewhere, judge, short = _waiting_here(f)
+    # b's older request is of a longer prompt: room for this one is not room for it.
+    elsewhere.snapshot(Snapshot("b", 5, 1, [], [], [], [(1, 2, 10**6, 1.0)]))
+
+    async def run() -> Plan:
+        waiting = asyncio.create_task(
+            judge.plan(request(words("L", 1000)), time.monotonic(), BUDGET)
+        )
+        await asyncio.sleep(0)
+        short.finished(5)
+        short.release()
+        return await asyncio.wait_for(waiting, 10)
+
+    assert f.loop.run_until_complete(run()).prefer is f.engines[0]
+    assert exchange.metrics.peer_yields._value.get() == 0

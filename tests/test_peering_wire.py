@@ -63,7 +63,7 @@ deltas = st.lists(
         st.builds(Admitted, ids, names, counts),
         st.builds(Evicted, names, packed, counts),
         st.builds(Released, ids, st.none() | counts),
-        st.builds(Waiting, ids, st.integers(0, 63)),
+        st.builds(Waiting, ids, st.integers(0, 63), counts),
         st.builds(Waited, ids),
     ),
     max_size=20,
@@ -78,7 +78,7 @@ def test_a_batch_reads_back_as_it_was_written(sender: str, token: int, seq: int,
     assert picture is None
 
 
-waiters = st.lists(st.tuples(ids, st.integers(0, 63), seconds), max_size=5)
+waiters = st.lists(st.tuples(ids, st.integers(0, 63), counts, seconds), max_size=5)
 
 
 @given(names, ids, ids, st.lists(placed, max_size=5), st.lists(ids, max_size=5), waiters)
@@ -88,7 +88,7 @@ def test_a_snapshot_and_a_picture_read_back(
     seq: int,
     ps: list[Placed],
     decoding: list[int],
-    waiting: list[tuple[int, int, float]],
+    waiting: list[tuple[int, int, int, float]],
 ) -> None:
     snap = Snapshot(sender, token, seq, ps, decoding, [Admitted(1, "team", 5)], waiting)
     pic = Picture({"gpu0": b"\x01" * 16}, [("conv", "gpu0")], b'{"gpu0": {}}')

@@ -8,10 +8,11 @@ order: a batch that does not start where the last one ended (a delta lost, the p
 restarted under a new token) is refused, and the peer sends a snapshot of everything it
 has live instead, which replaces what was held of it.
 
-Each peer's requests waiting for an engine to keep pace are kept too, with when this router
-heard they began: a request of this router that finds room gives it first to an older one
-waiting elsewhere (`older_waiter`), so the fleet's oldest waiter is served first, as one
-router's own waiters are.
+Each peer's requests waiting for an engine to keep pace are kept too, with their prompts'
+sizes and when this router heard they began: a request of this router that finds room
+gives it first to an older one waiting elsewhere that the room would fit as well
+(`older_waiter`), so the fleet's oldest waiter is served first, as one router's own
+waiters are.
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ class Peer:
     next_seq: int
     work: dict[int, Work] = field(default_factory=dict)
     tickets: dict[int, tuple[Ticket, float]] = field(default_factory=dict)  # (it, when)
-    waiting: dict[int, tuple[int, float]] = field(default_factory=dict)  # (order, since)
+    waiting: dict[int, tuple[int, int, float]] = field(default_factory=dict)  # order, size, since
 
 
 class Elsewhere:
@@ -115,16 +116,18 @@ class Elsewhere:
         for a in s.admitted:
             self._admitted(peer, a)
         now = time.monotonic()
-        for i, order, age_s in s.waiting[:MAX_HELD]:
-            peer.waiting[i] = (order, now - age_s)
+        for i, order, size, age_s in s.waiting[:MAX_HELD]:
+            peer.waiting[i] = (order, size, now - age_s)
         self.metrics.peer_snapshots.labels("received").inc()
 
-    def older_waiter(self, order: int, since: float) -> bool:
+    def older_waiter(self, order: int, size: int, since: float) -> bool:
         """Whether a peer has a request waiting for pace that goes before one of `order`
-        waiting here since `since` (a lower order, or the same and longer waiting)."""
+        waiting here since `since` (a lower order, or the same and longer waiting) and
+        that room for a prompt of `size` bytes would fit too (its prompt no larger: one
+        the room cannot fit would only hold it from this one)."""
         for peer in self.peers.values():
-            for o, at in peer.waiting.values():
-                if o < order or (o == order and at < since):
+            for o, n, at in peer.waiting.values():
+                if n <= size and (o < order or (o == order and at < since)):
                     return True
         return False
 
@@ -152,7 +155,7 @@ class Elsewhere:
                 self._end(peer.work.pop(i), 0, 0.0)
             for i in [i for i, (_, at) in peer.tickets.items() if at < cut]:
                 self.tenants.ended_elsewhere(peer.tickets.pop(i)[0], None)
-            for i in [i for i, (_, at) in peer.waiting.items() if at < cut]:
+            for i in [i for i, (_, _, at) in peer.waiting.items() if at < cut]:
                 del peer.waiting[i]
 
     # -- one delta ------------------------------------------------------------------------
@@ -181,7 +184,7 @@ class Elsewhere:
                 self.tenants.ended_elsewhere(held[0], d.tokens)
         elif isinstance(d, Waiting):
             if len(peer.waiting) < MAX_HELD:
-                peer.waiting[d.id] = (d.order, time.monotonic())
+                peer.waiting[d.id] = (d.order, d.size, time.monotonic())
         elif isinstance(d, Waited):
             peer.waiting.pop(d.id, None)
 

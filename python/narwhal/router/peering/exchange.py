@@ -18,8 +18,9 @@ How old the others' picture of this router's work is, at most, is measured per d
 its placement to the peer's acknowledgement (`narwhal_peer_lag_seconds`).
 
 Requests waiting for an engine to keep pace are told too (`Waiting`, `Waited`): one here
-that finds room waits a moment first where an older one waits at another router
-(`older`), about twice the measured lag, so that one is placed first.
+that finds room waits a moment first, once, where an older one that the room would fit
+waits at another router (`older`), about twice the measured lag, so that one is placed
+first.
 """
 
 from __future__ import annotations
@@ -128,8 +129,8 @@ class Exchange:
         self._live: dict[Lease, tuple[Placed, bool]] = {}  # (its placement, decoding)
         self._told: dict[Lease, int] = {}  # decoding: the tokens last told
         self._tickets: dict[Ticket, Admitted] = {}
-        # This router's requests waiting for pace: (id, order, since).
-        self._waiting: dict[object, tuple[int, int, float]] = {}
+        # This router's requests waiting for pace: (id, order, prompt bytes, since).
+        self._waiting: dict[object, tuple[int, int, int, float]] = {}
         self.lag_s = YIELD_BOUNDS_S[0]  # a delta's time to a peer's acknowledgement (EWMA)
         self._placed_here = metrics.placements.labels(leadership.name)  # looked up once
 
@@ -202,11 +203,12 @@ class Exchange:
         if a is not None:
             self._tell(Released(a.id, tokens))
 
-    def waiting(self, key: object, order: int) -> None:
-        """A request of `order` (`key`: its wait) began to wait for pace here."""
-        w = (next(self._ids), order, time.monotonic())
+    def waiting(self, key: object, order: int, size: int) -> None:
+        """A request of `order` and a prompt of `size` bytes (`key`: its wait) began to
+        wait for pace here."""
+        w = (next(self._ids), order, size, time.monotonic())
         self._waiting[key] = w
-        self._tell(Waiting(w[0], order))
+        self._tell(Waiting(w[0], order, size))
 
     def waited(self, key: object) -> None:
         """That request no longer waits (placed, refused or gone)."""
@@ -214,10 +216,11 @@ class Exchange:
         if w is not None:
             self._tell(Waited(w[0]))
 
-    def older(self, order: int, since: float) -> float | None:
-        """How long a request of `order` waiting here since `since`, that found room, gives
-        way to an older one waiting at another router (None: none is older)."""
-        if not self.elsewhere.older_waiter(order, since):
+    def older(self, order: int, size: int, since: float) -> float | None:
+        """How long a request of `order` and a prompt of `size` bytes, waiting here since
+        `since`, that found room, gives way to an older one waiting at another router that
+        the room would fit too (None: none)."""
+        if not self.elsewhere.older_waiter(order, size, since):
             return None
         self.metrics.peer_yields.inc()
         return min(YIELD_BOUNDS_S[1], max(YIELD_BOUNDS_S[0], 2 * self.lag_s))
@@ -242,7 +245,7 @@ class Exchange:
         placed = [p for p, _ in self._live.values()]
         decoding = [p.id for p, dec in self._live.values() if dec]
         now = time.monotonic()
-        waiting = [(i, order, now - since) for i, order, since in self._waiting.values()]
+        waiting = [(i, o, size, now - at) for i, o, size, at in self._waiting.values()]
         return Snapshot(
             self.leadership.name,
             token,

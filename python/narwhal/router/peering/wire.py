@@ -21,8 +21,9 @@ Deltas (lists, the kind first):
   blocks (its answer's cached tokens said so): the picture drops the rest;
 - `["t", id, tenant, tokens]`: a request of `tenant` was let in, its prompt's estimate;
 - `["u", id, tokens]`: that request ended, with what it measured (None: nothing);
-- `["w", id, order]`: a request of `order` (its place among waiters: lower goes first)
-  began to wait for an engine to keep its streams' pace;
+- `["w", id, order, size]`: a request of `order` (its place among waiters: lower goes
+  first) and a prompt of `size` bytes began to wait for an engine to keep its streams'
+  pace;
 - `["v", id]`: it no longer waits (placed, refused or gone).
 """
 
@@ -150,9 +151,10 @@ class Released:
 class Waiting:
     id: int
     order: int
+    size: int  # its prompt's bytes
 
     def row(self) -> list[Any]:
-        return ["w", self.id, self.order]
+        return ["w", self.id, self.order, self.size]
 
 
 @dataclass(frozen=True, slots=True)
@@ -188,7 +190,8 @@ class Snapshot:
     placed: list[Placed]
     decoding: list[int]  # ids of those whose first token came
     admitted: list[Admitted]
-    waiting: list[tuple[int, int, float]] = field(default_factory=list)  # (id, order, age s)
+    # Its requests waiting for pace: (id, order, prompt bytes, seconds waited so far).
+    waiting: list[tuple[int, int, int, float]] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
@@ -286,8 +289,8 @@ def _delta(r: Any) -> Delta:
         return _admitted(r)
     if kind == "u" and len(r) == 3:
         return Released(_id(r[1], "id"), None if r[2] is None else _count(r[2], "tokens"))
-    if kind == "w" and len(r) == 3:
-        return Waiting(_id(r[1], "id"), _order(r[2]))
+    if kind == "w" and len(r) == 4:
+        return Waiting(_id(r[1], "id"), _order(r[2]), _count(r[3], "size"))
     if kind == "v" and len(r) == 2:
         return Waited(_id(r[1], "id"))
     raise WireError(f"not a delta: {str(kind)[:20]!r} with {len(r)} members")
@@ -336,10 +339,10 @@ def _admitted(r: Any) -> Admitted:
     return Admitted(_id(r[1], "id"), _name(r[2], "tenant"), _count(r[3], "tokens"))
 
 
-def _waiter(r: Any) -> tuple[int, int, float]:
-    if not isinstance(r, list) or len(r) != 3:
-        raise WireError("a waiter is [id, order, age_s]")
-    return _id(r[0], "id"), _order(r[1]), _seconds(r[2], "age_s")
+def _waiter(r: Any) -> tuple[int, int, int, float]:
+    if not isinstance(r, list) or len(r) != 4:
+        raise WireError("a waiter is [id, order, size, age_s]")
+    return _id(r[0], "id"), _order(r[1]), _count(r[2], "size"), _seconds(r[3], "age_s")
 
 
 def _order(v: Any) -> int:
