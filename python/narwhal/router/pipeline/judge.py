@@ -133,7 +133,9 @@ class Judge:
                 # were placed so, 1-2 s over what their wait had left).
                 plan.settle()
                 raise deferred from None
-            pause = wait.give_way(left - (plan.predicted_s or 0.0)) if deferred else None
+            pause = (
+                wait.give_way(left - (plan.predicted_s or 0.0)) if deferred is not None else None
+            )
             if pause is not None:
                 plan.settle()  # the room is the older waiter's first
                 await asyncio.sleep(pause)
