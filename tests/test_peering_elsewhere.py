@@ -129,6 +129,21 @@ def _waiting_here(f: Fleet) -> tuple[Exchange, Elsewhere, Judge, Lease]:
     return exchange, elsewhere, Judge(f.policy, f.pool, lambda: None, waiters=exchange), short
 
 
+def _plan_once_room_comes(f: Fleet, judge: Judge, short: Lease) -> Plan:
+    """A long prompt waits for pace on e0 until `short`'s stream there ends: its plan."""
+
+    async def run() -> Plan:
+        waiting = asyncio.create_task(
+            judge.plan(request(words("L", 1000)), time.monotonic(), BUDGET)
+        )
+        await asyncio.sleep(0)
+        short.finished(5)
+        short.release()
+        return await asyncio.wait_for(waiting, 10)
+
+    return f.loop.run_until_complete(run())
+
+
 def test_room_goes_first_to_the_fleets_oldest_waiter() -> None:
     f = Fleet(n=1, tpot_target_s=0.05)
     exchange, elsewhere, judge, short = _waiting_here(f)
@@ -162,19 +177,10 @@ def test_a_waiter_gives_way_once_then_takes_room_nobody_older_took() -> None:
     exchange, elsewhere, judge, short = _waiting_here(f)
     elsewhere.snapshot(Snapshot("b", 5, 1, [], [], [], [(1, 2, 500, 1.0)]))  # never placed
 
-    async def run() -> Plan:
-        waiting = asyncio.create_task(
-            judge.plan(request(words("L", 1000)), time.monotonic(), BUDGET)
-        )
-        await asyncio.sleep(0)
-        short.finished(5)
-        short.release()
-        return await asyncio.wait_for(waiting, 10)
-
-    assert f.loop.run_until_complete(run()).prefer is f.engines[0]
+    assert _plan_once_room_comes(f, judge, short).prefer is f.engines[0]
     assert exchange.metrics.peer_yields._value.get() == 1
-    # Its wait was told, and its end: nothing of it is left waiting at the others.
-    assert not exchange._waiting
+    # Its wait was told, and its end: a snapshot for the others holds no waiter of it.
+    assert exchange._snapshot().waiting == []
 
 
 def test_room_is_not_given_to_an_older_waiter_it_would_not_fit() -> None:
@@ -183,14 +189,5 @@ def test_room_is_not_given_to_an_older_waiter_it_would_not_fit() -> None:
     # b's older request is of a longer prompt: room for this one is not room for it.
     elsewhere.snapshot(Snapshot("b", 5, 1, [], [], [], [(1, 2, 10**6, 1.0)]))
 
-    async def run() -> Plan:
-        waiting = asyncio.create_task(
-            judge.plan(request(words("L", 1000)), time.monotonic(), BUDGET)
-        )
-        await asyncio.sleep(0)
-        short.finished(5)
-        short.release()
-        return await asyncio.wait_for(waiting, 10)
-
-    assert f.loop.run_until_complete(run()).prefer is f.engines[0]
+    assert _plan_once_room_comes(f, judge, short).prefer is f.engines[0]
     assert exchange.metrics.peer_yields._value.get() == 0
