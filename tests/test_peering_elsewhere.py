@@ -2,7 +2,8 @@
 elsewhere.py), in process: what a peer placed holds a seat here and what it let in counts
 against its tenant, and both are let go however that peer's work ends, a lost delta
 included; an eviction one router finds leaves every router's picture; room for pace goes
-to the fleet's oldest waiter."""
+to the fleet's oldest waiter; the answers another router relayed in full teach this one's
+answer lengths."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from narwhal.router.ha.leadership import Leadership
 from narwhal.router.lease import Lease
 from narwhal.router.metrics import RouterMetrics
 from narwhal.router.peering.elsewhere import Elsewhere
-from narwhal.router.peering.exchange import Exchange
+from narwhal.router.peering.exchange import Exchange, Outbox
 from narwhal.router.peering.wire import (
     Admitted,
     Batch,
@@ -29,9 +30,12 @@ from narwhal.router.peering.wire import (
     Placed,
     Snapshot,
     Waited,
+    decode,
+    encode_batch,
 )
 from narwhal.router.pipeline.judge import Judge
 from narwhal.router.policies import Plan, least_loaded
+from narwhal.router.policies.lengths import MIN_SAMPLES
 from narwhal.router.policies.open import OpenPolicy
 from narwhal.router.policies.predictive import PredictivePolicy
 from narwhal.router.policies.prefix_cache import PrefixCache
@@ -191,3 +195,44 @@ def test_room_is_not_given_to_an_older_waiter_it_would_not_fit() -> None:
 
     assert _plan_once_room_comes(f, judge, short).prefer is f.engines[0]
     assert exchange.metrics.peer_yields._value.get() == 0
+
+
+def test_answers_another_router_relayed_in_full_teach_this_routers_lengths() -> None:
+    a = Fleet(n=1, tpot_target_s=0.05, answers_seen=False)
+    b = Fleet(n=1, tpot_target_s=0.05, answers_seen=False)
+    metrics = RouterMetrics()
+    a_elsewhere = Elsewhere(a.pool, a.admission, a.policy, Tenants([], metrics), metrics)
+    exchange = Exchange(Leadership(None, "a"), a.policy, a_elsewhere, metrics, "secret", 60)
+    exchange.watch(a.events)
+    box = exchange.outboxes["b"] = Outbox("b", "http://b")
+    box.resync = False  # b holds this term's picture: what follows goes as deltas
+    e0 = a.engines[0]
+
+    def relay(i: int, answered: bool) -> None:
+        req = request(words(f"q{i}", 10))
+        plan = Plan(e0, a.predictor.size(req.prompt_bytes, e0), None)
+        lease = a.open(req, on="e0", plan=plan)
+        exchange.placed(lease, plan)
+        lease.first_output()
+        if answered:
+            lease.finished(8 + 4 * i)
+        else:
+            lease.measured.output_tokens = 3  # its client left: three tokens, no end of text
+        lease.release()
+
+    for i in range(MIN_SAMPLES):
+        relay(i, answered=True)
+    relay(MIN_SAMPLES, answered=False)
+    # Router b folds what a told, as it travels.
+    b_metrics = RouterMetrics()
+    b_elsewhere = Elsewhere(b.pool, b.admission, b.policy, Tenants([], b_metrics), b_metrics)
+    b_elsewhere.snapshot(Snapshot("a", 5, 1, [], [], []))
+    told = [d for _, _, d in box.pending]
+    assert told
+    batch, _ = decode(encode_batch(Batch("a", 5, 1, told)))
+    assert isinstance(batch, Batch)
+    assert b_elsewhere.batch(batch) is None
+    # b never relayed an answer, and holds a new stream to what a's answers ran to (the
+    # cut one says nothing of its length), as a does: its /ready says so.
+    assert a.policy.lengths.describe()["ended"] == MIN_SAMPLES
+    assert b.policy.lengths.describe() == a.policy.lengths.describe()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 
 import orjson
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -59,7 +60,7 @@ deltas = st.lists(
             Progress,
             st.lists(st.integers(1, 2**40), max_size=6).map(lambda x: x[: len(x) - len(x) % 2]),
         ),
-        st.builds(Ended, ids, counts, seconds),
+        st.builds(Ended, ids, counts, seconds, st.booleans()),
         st.builds(Admitted, ids, names, counts),
         st.builds(Evicted, names, packed, counts),
         st.builds(Released, ids, st.none() | counts),
@@ -127,6 +128,16 @@ def test_anything_else_is_refused_whole(value: object) -> None:
 def test_a_delta_of_any_shape_is_read_or_refused(head: list[object], tail: object) -> None:
     body = {"from": "r", "token": 1, "seq": 1, "deltas": [[*head, tail], head]}
     with contextlib.suppress(WireError):
+        decode(orjson.dumps(body))
+
+
+def test_an_end_from_a_router_that_does_not_say_finished_reads_as_not() -> None:
+    # Routers before 2026-12-06 wrote four members: such an end teaches no answer length.
+    body = {"from": "r", "token": 1, "seq": 1, "deltas": [["e", 7, 40, 0.5]]}
+    msg, _ = decode(orjson.dumps(body))
+    assert isinstance(msg, Batch) and msg.deltas == [Ended(7, 40, 0.5, False)]
+    body["deltas"] = [["e", 7, 40, 0.5, 1]]  # not a boolean: refused whole
+    with pytest.raises(WireError):
         decode(orjson.dumps(body))
 
 

@@ -173,7 +173,7 @@ class Elsewhere:
         elif isinstance(d, Ended):
             w = peer.work.pop(d.id, None)
             if w is not None:
-                self._end(w, d.output_tokens, d.decode_s)
+                self._end(w, d.output_tokens, d.decode_s, d.finished)
         elif isinstance(d, Evicted):
             self.policy.evicted_elsewhere(d)
         elif isinstance(d, Admitted):
@@ -215,8 +215,8 @@ class Elsewhere:
         if t is not None:
             peer.tickets[a.id] = (t, time.monotonic())
 
-    def _end(self, w: Work, output_tokens: int, decode_s: float) -> None:
+    def _end(self, w: Work, output_tokens: int, decode_s: float, finished: bool = False) -> None:
         if w.seat is not None:
             self.admission.elsewhere_done(w.seat)
         if w.held is not None:
-            self.policy.elsewhere_ended(w.held, output_tokens, decode_s)
+            self.policy.elsewhere_ended(w.held, output_tokens, decode_s, finished)

@@ -16,7 +16,9 @@ Deltas (lists, the kind first):
 - `["k", [id, tokens, id, tokens, ...]]`: the decoding streams whose output tokens so far
   changed since the last such delta, each with its count (told every PROGRESS_S: the TPOT
   ledger measures them as the placing router does);
-- `["e", id, output_tokens, decode_s]`: it ended (its seat is free);
+- `["e", id, output_tokens, decode_s, finished]`: it ended (its seat is free); `finished`
+  (absent from routers before 2026-12-06: false) when the engine answered in full, so that
+  its length teaches every router's answer lengths, not a cut answer's;
 - `["x", engine, blocks, keep]`: `engine` was found to hold only the first `keep` of these
   blocks (its answer's cached tokens said so): the picture drops the rest;
 - `["t", id, tenant, tokens]`: a request of `tenant` was let in, its prompt's estimate;
@@ -113,9 +115,10 @@ class Ended:
     id: int
     output_tokens: int
     decode_s: float
+    finished: bool = False
 
     def row(self) -> list[Any]:
-        return ["e", self.id, self.output_tokens, self.decode_s]
+        return ["e", self.id, self.output_tokens, self.decode_s, self.finished]
 
 
 @dataclass(frozen=True, slots=True)
@@ -281,8 +284,13 @@ def _delta(r: Any) -> Delta:
             _id(counts[i], "progress id")
             _count(counts[i + 1], "progress tokens")
         return Progress(counts)
-    if kind == "e" and len(r) == 4:
-        return Ended(_id(r[1], "id"), _count(r[2], "output_tokens"), _seconds(r[3], "decode_s"))
+    if kind == "e" and len(r) in (4, 5):
+        finished = r[4] if len(r) == 5 else False
+        if type(finished) is not bool:
+            raise WireError("finished: true or false")
+        return Ended(
+            _id(r[1], "id"), _count(r[2], "output_tokens"), _seconds(r[3], "decode_s"), finished
+        )
     if kind == "x" and len(r) == 4:
         return Evicted(_name(r[1], "engine"), _blocks(r[2]), _count(r[3], "keep"))
     if kind == "t":

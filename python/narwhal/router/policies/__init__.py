@@ -71,11 +71,13 @@ class PeerTally:
 @dataclass(frozen=True, slots=True)
 class PeerHold:
     """What another active router's work holds of an engine's TPOT ledger here: its
-    prefill's charge, its stream (None: an answer of one token), and its tokens so far."""
+    prefill's charge, its stream (None: an answer of one token), its tenant, and its tokens
+    so far."""
 
     ledger: Streams
     charge: Charge
     entry: int | None
+    tenant: str = ""
     tally: PeerTally = field(default_factory=PeerTally)
 
 
@@ -129,7 +131,11 @@ class Policy(Protocol):
 
     def elsewhere_decoding(self, w: PeerHold) -> None: ...
 
-    def elsewhere_ended(self, w: PeerHold, output_tokens: int, decode_s: float) -> None: ...
+    def elsewhere_ended(
+        self, w: PeerHold, output_tokens: int, decode_s: float, finished: bool
+    ) -> None:
+        """That work ended; `finished` where the engine answered in full (its length is one
+        of the fleet's answer lengths)."""
 
     def evicted_elsewhere(self, d: Evicted) -> None:
         """Another router found an engine holding less of a prompt than the picture said."""

@@ -60,7 +60,9 @@ class OpenPolicy:
     def elsewhere_decoding(self, w: PeerHold) -> None:
         pass
 
-    def elsewhere_ended(self, w: PeerHold, output_tokens: int, decode_s: float) -> None:
+    def elsewhere_ended(
+        self, w: PeerHold, output_tokens: int, decode_s: float, finished: bool
+    ) -> None:
         pass
 
     def evicted_elsewhere(self, d: Evicted) -> None:

@@ -395,8 +395,10 @@ class PredictivePolicy:
         if self.tpot_target_s is None or ledger is None or p.stall_s is None:
             return None
         charge = ledger.charge(p.stall_s)
-        lengths = self.lengths.of(p.tenant or "")
-        return PeerHold(ledger, charge, self._stream(ledger, e.name, p.n, p.rank, lengths, p.cap))
+        tenant = p.tenant or ""
+        lengths = self.lengths.of(tenant)
+        entry = self._stream(ledger, e.name, p.n, p.rank, lengths, p.cap)
+        return PeerHold(ledger, charge, entry, tenant)
 
     def elsewhere_decoding(self, w: PeerHold) -> None:
         # Measured by the tokens its router tells (`Progress`), as that router measures it:
@@ -407,7 +409,13 @@ class PredictivePolicy:
         if w.entry is not None:
             w.ledger.decoding(w.entry, time.monotonic(), w.tally)
 
-    def elsewhere_ended(self, w: PeerHold, output_tokens: int, decode_s: float) -> None:
+    def elsewhere_ended(
+        self, w: PeerHold, output_tokens: int, decode_s: float, finished: bool
+    ) -> None:
+        if finished:
+            # Answer lengths are the fleet's: each router holds new streams to the quantile
+            # of every answer, not of the share it relayed itself.
+            self.lengths.observe(w.tenant, output_tokens)
         w.charge.settle()
         if w.entry is not None:
             w.ledger.ended(w.entry, output_tokens, decode_s)
