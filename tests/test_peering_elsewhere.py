@@ -3,7 +3,8 @@ elsewhere.py), in process: what a peer placed holds a seat here and what it let 
 against its tenant, and both are let go however that peer's work ends, a lost delta
 included; an eviction one router finds leaves every router's picture; room for pace goes
 to the fleet's oldest waiter; the answers another router relayed in full teach this one's
-answer lengths."""
+answer lengths; what a router placed that the others have not heard of yet spends only its
+share of an engine's room for pace."""
 
 from __future__ import annotations
 
@@ -39,6 +40,7 @@ from narwhal.router.policies.lengths import MIN_SAMPLES
 from narwhal.router.policies.open import OpenPolicy
 from narwhal.router.policies.predictive import PredictivePolicy
 from narwhal.router.policies.prefix_cache import PrefixCache
+from narwhal.router.policies.ttft import NoEngineKeepsPace
 from narwhal.router.predict import Predictor
 from narwhal.router.tenants.registry import Tenants
 from tests.test_placement import BUDGET, Fleet, request, words
@@ -236,3 +238,59 @@ def test_answers_another_router_relayed_in_full_teach_this_routers_lengths() -> 
     # cut one says nothing of its length), as a does: its /ready says so.
     assert a.policy.lengths.describe()["ended"] == MIN_SAMPLES
     assert b.policy.lengths.describe() == a.policy.lengths.describe()
+
+
+def _one_of_three(share: bool) -> tuple[Fleet, Exchange]:
+    """One engine whose stream leaves about 5 s of prefill room, judged by a router that
+    has two active peers (told, with `share`, to spend only its share of unheard room)."""
+    f = Fleet(n=1, tpot_target_s=0.05)
+    f.learn_tau0(0.02)
+    f.open(request(words("s", 10), max_tokens=200), on="e0").first_output()
+    metrics = RouterMetrics()
+    elsewhere = Elsewhere(f.pool, f.admission, f.policy, Tenants([], metrics), metrics)
+    exchange = Exchange(Leadership(None, "a"), f.policy, elsewhere, metrics, "secret", 60)
+    for peer in ("b", "c"):
+        exchange.outboxes[peer] = Outbox(peer, f"http://{peer}")
+    if share:
+        f.policy.share_headroom(exchange)
+    return f, exchange
+
+
+@pytest.mark.parametrize("share", [True, False])
+def test_a_burst_at_one_router_spends_only_its_share_of_an_engines_room(share: bool) -> None:
+    f, exchange = _one_of_three(share)
+    # A prompt whose prefill takes two fifths of the room: more than a third, but the
+    # first placement the others have not heard of may take what fits.
+    big = request(words("a", 2000))
+    plan = f.judge(big)
+    assert plan.prefer is f.engines[0]
+    exchange.placed(f.open(big, on="e0", plan=plan), plan)
+    # A second one at once would fit what is left, but the other two routers may be
+    # filling the same room this moment: it waits for the others to hear (or a stream to
+    # end) rather than spend more than this router's third.
+    small = request(words("b", 500))
+    if not share:
+        assert f.judge(small).prefer is f.engines[0]
+        return
+    with pytest.raises(NoEngineKeepsPace):
+        f.judge(small)
+
+    # Once both peers acknowledge (their answers are the process boundary), they hold the
+    # first placement, judge by it, and the second one fits what is left.
+    async def acknowledged(box: Outbox, body: bytes) -> int:
+        return 200
+
+    exchange._post = acknowledged  # type: ignore[method-assign]
+    exchange._term = 5  # this router's term, as its member key's lease proved
+
+    async def heard() -> None:
+        boxes = list(exchange.outboxes.values())
+        senders = [asyncio.create_task(exchange._send_forever(b)) for b in boxes]
+        while min(b.heard for b in boxes) < 1:  # the placement was this term's first delta
+            await asyncio.sleep(0)
+        for t in senders:
+            t.cancel()
+        await asyncio.gather(*senders, return_exceptions=True)
+
+    f.loop.run_until_complete(asyncio.wait_for(heard(), 10))
+    assert f.judge(small).prefer is f.engines[0]

@@ -196,6 +196,7 @@ class Router:
         exchange.watch(events)
         self.tenants.told = exchange
         self.policy.tell_evictions(exchange.evicted)
+        self.policy.share_headroom(exchange)
         return exchange
 
     def _flow(self, config: RouterConfig) -> Flow:

@@ -89,6 +89,9 @@ PROGRESS_S = 0.1
 # elsewhere lasts about twice the lag, at least the first and at most the second bound.
 LAG_ALPHA = 0.1
 YIELD_BOUNDS_S = (0.005, PROGRESS_S)
+# A placement the peers have not acknowledged spends only this router's share of an
+# engine's room for pace (`unheard_s`), for at most this long.
+UNHEARD_MAX_S = 1.0
 
 
 class Outbox:
@@ -99,6 +102,7 @@ class Outbox:
         self.url = url.rstrip("/") + PATH
         self.pending: deque[tuple[int, float, Delta]] = deque()  # (seq, made at, delta)
         self.resync = True  # a snapshot goes first: the peer holds nothing of this term yet
+        self.heard = 0  # the last delta of this term the peer acknowledged
         self.wake = asyncio.Event()
         self.task: asyncio.Task[None] | None = None
 
@@ -134,6 +138,9 @@ class Exchange:
         self._waiting: dict[object, tuple[int, int, int, float]] = {}
         self.lag_s = YIELD_BOUNDS_S[0]  # a delta's time to a peer's acknowledgement (EWMA)
         self._placed_here = metrics.placements.labels(leadership.name)  # looked up once
+        # Per engine, this router's placements the peers may not have heard of: (the delta's
+        # number, when, the prefill seconds charged to its TPOT ledger).
+        self._unheard: dict[str, deque[tuple[int, float, float]]] = {}
 
     # -- this router's work, as it happens ------------------------------------------------
     def watch(self, events: Events) -> None:
@@ -158,7 +165,28 @@ class Exchange:
         )
         self._live[lease] = (p, False)
         self._placed_here.inc()
+        seq = self._seq
         self._tell(p)
+        if stall_s and self.outboxes:
+            now = time.monotonic()
+            self.unheard_s(p.engine, now)  # what every peer has heard by now leaves
+            self._unheard.setdefault(p.engine, deque()).append((seq, now, stall_s))
+
+    @property
+    def routers(self) -> int:
+        return len(self.outboxes) + 1
+
+    def unheard_s(self, engine: str, now: float) -> float:
+        """Prefill seconds this router charged `engine`'s TPOT ledger that some peer has
+        not acknowledged yet (for at most UNHEARD_MAX_S: a peer that cannot be reached is
+        placing nothing there from what it heard of this router)."""
+        unheard = self._unheard.get(engine)
+        if not unheard:
+            return 0.0
+        heard = min((box.heard for box in self.outboxes.values()), default=self._seq)
+        while unheard and (unheard[0][0] <= heard or unheard[0][1] < now - UNHEARD_MAX_S):
+            unheard.popleft()
+        return sum(stall for _, _, stall in unheard)
 
     def _first(self, lease: Lease) -> None:
         held = self._live.get(lease)
@@ -281,13 +309,18 @@ class Exchange:
                 box.pending.clear()
                 box.resync = False
                 body, sent = encode_snapshot(snap), None
+                holds = snap.seq - 1  # every delta told before it, once it lands
             else:
                 sent = [box.pending[i] for i in range(min(MAX_DELTAS, len(box.pending)))]
+                holds = sent[-1][0]
                 batch = Batch(self.leadership.name, self._term, sent[0][0], [d for _, _, d in sent])
                 body = encode_batch(batch)
+            term = self._term
             status = await self._post(box, body)
             if status == 200:
                 failures = 0
+                if term == self._term:  # numbers of the term it was sent in
+                    box.heard = max(box.heard, holds)
                 if sent is None:
                     self.metrics.peer_snapshots.labels("sent").inc()
                     continue
@@ -391,6 +424,7 @@ class Exchange:
         for box in self.outboxes.values():
             box.pending.clear()
             box.resync = True
+            box.heard = 0
             box.wake.set()
 
     async def join(self) -> None:

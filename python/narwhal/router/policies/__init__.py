@@ -81,6 +81,19 @@ class PeerHold:
     tally: PeerTally = field(default_factory=PeerTally)
 
 
+class Unheard(Protocol):
+    """What this router placed that the other active routers may not have heard of yet
+    (`peering.Exchange`)."""
+
+    @property
+    def routers(self) -> int:
+        """The active routers placing on the engines, this one included."""
+
+    def unheard_s(self, engine: str, now: float) -> float:
+        """Prefill seconds this router charged `engine`'s TPOT ledger that the others may
+        not hold yet (placed within about twice the exchange's lag)."""
+
+
 class Policy(Protocol):
     def judge(
         self, req: Request, engines: list[Engine], budget_s: float, record: Decision | None = None
@@ -139,6 +152,11 @@ class Policy(Protocol):
 
     def evicted_elsewhere(self, d: Evicted) -> None:
         """Another router found an engine holding less of a prompt than the picture said."""
+
+    def share_headroom(self, unheard: Unheard) -> None:
+        """From now on, an engine's room for pace is shared with the other active routers:
+        what this router places there before they have heard of it spends at most its share
+        (a policy with no TPOT ledger shares nothing)."""
 
     def tell_evictions(self, told: Callable[[str, PromptBlocks, int], None]) -> None:
         """From now on, where an engine is found to hold less of a prompt than the picture

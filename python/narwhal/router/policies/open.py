@@ -10,7 +10,7 @@ from narwhal.router.decisions import Decision
 from narwhal.router.engines import Engine
 from narwhal.router.lease import Events, Lease
 from narwhal.router.peering.wire import Evicted, Picture, Placed
-from narwhal.router.policies import OPEN_PLAN, PeerHold, Plan, least_loaded
+from narwhal.router.policies import OPEN_PLAN, PeerHold, Plan, Unheard, least_loaded
 from narwhal.router.request import Request
 
 if TYPE_CHECKING:
@@ -67,6 +67,9 @@ class OpenPolicy:
 
     def evicted_elsewhere(self, d: Evicted) -> None:
         pass
+
+    def share_headroom(self, unheard: Unheard) -> None:
+        pass  # it keeps no TPOT ledger
 
     def tell_evictions(self, told: Callable[[str, PromptBlocks, int], None]) -> None:
         pass  # it keeps no picture of the engines' caches
