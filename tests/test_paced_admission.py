@@ -46,11 +46,13 @@ engines:
         )
         try:
             # The router learns the engine's prefill rate, its time per output token and how
-            # long answers run (it waits or refuses for pace only once it has seen enough).
+            # long answers run (it waits or refuses for pace only once it has seen enough):
+            # answers that end on their own after 8 tokens (`stop@8`, the simulated end of
+            # text), short of their max_tokens.
             for i in range(MIN_SAMPLES):
                 got = httpx.post(
                     r.url + "/v1/chat/completions",
-                    json=chat(words(f"w{i}-", 300), stream=True, max_tokens=8),
+                    json=chat(words(f"w{i}-", 300) + " stop@8", stream=True, max_tokens=64),
                     timeout=60,
                 )
                 assert got.status_code == 200

@@ -449,6 +449,34 @@ def test_a_stream_that_outlives_its_expected_length_no_longer_holds_its_engine_t
     assert ledger.headroom_s(now=105.0) == pytest.approx(1.0)
 
 
+def test_only_answers_that_end_on_their_own_teach_how_long_answers_run() -> None:
+    f = Fleet(n=1, tpot_target_s=0.1, answers_seen=False)
+
+    def answer(max_tokens: int | None, tokens: int, finished: bool = True) -> None:
+        lease = f.open(request(words("q", 10), max_tokens=max_tokens), on="e0")
+        lease.first_output()
+        if finished:
+            lease.finished(tokens)
+        lease.release()
+
+    # Stopped at their max_tokens (a client's limit, not where answers end), or cut by
+    # their clients: the router's /ready counts none of them.
+    for _ in range(MIN_SAMPLES):
+        answer(max_tokens=8, tokens=8)
+        answer(max_tokens=None, tokens=3, finished=False)
+    assert f.policy.lengths.describe()["ended"] == 0
+    # Ended short of their max_tokens, or with none set: these are answers' lengths.
+    for _ in range(MIN_SAMPLES // 2):
+        answer(max_tokens=2048, tokens=300)
+        answer(max_tokens=None, tokens=300)
+    assert f.policy.lengths.describe() == {
+        "ended": MIN_SAMPLES,
+        "ready": True,
+        "new_stream_tokens": f.policy.lengths.of("").at_least(2),  # type: ignore[union-attr]
+    }
+    assert f.policy.lengths.describe()["new_stream_tokens"] > 8
+
+
 def test_the_tightest_true_allowance_is_found_below_the_heap_top() -> None:
     ledger = Streams()
     old = ledger.joined(AIM, TAU0, 2)  # expected short, decoding for long

@@ -41,14 +41,16 @@ def warmed(r: Server, outcome: str = "warmed") -> float:
     return 0.0
 
 
-def post(r: Server, messages: list[dict[str, str]], session: str) -> httpx.Response:
+def post(
+    r: Server, messages: list[dict[str, str]], session: str, max_tokens: int = 2
+) -> httpx.Response:
     """A streamed chat turn of conversation `session`, its usage asked for."""
     body = {
         "model": "main",
         "messages": messages,
         "stream": True,
         "stream_options": {"include_usage": True},
-        "max_tokens": 2,
+        "max_tokens": max_tokens,
     }
     return httpx.post(
         r.url + "/v1/chat/completions", json=body, headers={"x-session-id": session}, timeout=60
@@ -80,7 +82,10 @@ engines:
         )
         try:
             for i in range(4):  # the engine's prefill rate, measured on prompts of its own
-                got = post(r, [{"role": "user", "content": words(f"t{i}-", TEACH)}], f"t{i}")
+                # (answers that end on their own after two tokens: `stop@2`, the simulated
+                # end of text, short of their max_tokens)
+                teach = [{"role": "user", "content": words(f"t{i}-", TEACH) + " stop@2"}]
+                got = post(r, teach, f"t{i}", max_tokens=8)
                 assert got.status_code == 200, got.text
             yield r, url
         finally:

@@ -81,6 +81,7 @@ class Measured:
         "decode_s",
         "first_at",
         "first_byte_at",
+        "natural",
         "output_tokens",
         "prompt_tokens",
         "sent_at",
@@ -95,6 +96,9 @@ class Measured:
         self.prompt_tokens: int | None = None
         self.cached_tokens: int | None = None  # of those, what the engine's cache served
         self.output_tokens = 0
+        # The engine answered in full and short of the request's max_tokens: the answer's
+        # length is where answers end, not where the client stopped it.
+        self.natural = False
         self.tally: Tally | None = None  # the relay's count of output tokens, while it runs
 
 
@@ -209,6 +213,8 @@ class Lease:
         """The engine answered in full."""
         m = self.measured
         m.output_tokens = output_tokens
+        cap = self.request.max_tokens
+        m.natural = cap is None or output_tokens < cap
         if m.first_at:
             m.decode_s = time.monotonic() - m.first_at
         for hook in self._events.finished:

@@ -196,8 +196,9 @@ class Exchange:
             self._tell(First(held[0].id))
 
     def _finished(self, lease: Lease) -> None:
-        # A warm's answer is thrown away at its first token: its length is no answer's.
-        if lease in self._live and not lease.warm:
+        # A warm's answer is thrown away at its first token, and one stopped at its
+        # max_tokens ran to a client's limit: neither length is where answers end.
+        if lease in self._live and not lease.warm and lease.measured.natural:
             self._answered.add(lease)
 
     def _released(self, lease: Lease) -> None:

@@ -9,7 +9,8 @@ is a low quantile of the lengths, not their mean (one long answer in ten lifts a
 above what most answers run to), and it grows with the stream: of the answers that have
 reached `k` tokens, `QUANTILE` stopped before `at_least(k)`.
 
-`max_tokens`, when the client sets it, is only a cap.
+`max_tokens`, when the client sets it, is only a cap; an answer that ran to it says only
+that answers run at least that long, and is not counted (nor is one its client cut short).
 """
 
 from __future__ import annotations

@@ -522,7 +522,7 @@ class PredictivePolicy:
             ledger.decoding(entry, lease.measured.first_at, lease.measured.tally)
 
     def _finished(self, lease: Lease) -> None:
-        if not lease.warm:
+        if not lease.warm and lease.measured.natural:
             self.lengths.observe(lease.request.standing.tenant, lease.measured.output_tokens)
         self._reported(lease)
 
