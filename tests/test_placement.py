@@ -460,11 +460,12 @@ def test_only_answers_that_end_on_their_own_teach_how_long_answers_run() -> None
         lease.release()
 
     # Stopped at their max_tokens (a client's limit, not where answers end), or cut by
-    # their clients: the router's /ready counts none of them.
+    # their clients: the router's /ready counts none of them as ended; until it has seen
+    # answers end, new streams are held to what the capped ones ran to.
     for _ in range(MIN_SAMPLES):
         answer(max_tokens=8, tokens=8)
         answer(max_tokens=None, tokens=3, finished=False)
-    assert f.policy.lengths.describe()["ended"] == 0
+    assert f.policy.lengths.describe() == {"ended": 0, "ready": True, "new_stream_tokens": 8}
     # Ended short of their max_tokens, or with none set: these are answers' lengths.
     for _ in range(MIN_SAMPLES // 2):
         answer(max_tokens=2048, tokens=300)

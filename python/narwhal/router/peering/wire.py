@@ -17,8 +17,9 @@ Deltas (lists, the kind first):
   changed since the last such delta, each with its count (told every PROGRESS_S: the TPOT
   ledger measures them as the placing router does);
 - `["e", id, output_tokens, decode_s, finished]`: it ended (its seat is free); `finished`
-  (absent from routers before 2026-12-06: false) when the engine answered in full, so that
-  its length teaches every router's answer lengths, not a cut answer's;
+  (absent from routers before 2026-12-06: false) when the answer ended on its own, short of
+  its max_tokens, so that its length teaches every router's answer lengths (a cut or capped
+  answer's does not);
 - `["x", engine, blocks, keep]`: `engine` was found to hold only the first `keep` of these
   blocks (its answer's cached tokens said so): the picture drops the rest;
 - `["t", id, tenant, tokens]`: a request of `tenant` was let in, its prompt's estimate;

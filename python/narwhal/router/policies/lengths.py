@@ -95,15 +95,25 @@ class Histogram:
 
 
 class Lengths:
-    """Answer lengths per tenant and over the router; one owner (the predictive policy)."""
+    """Answer lengths per tenant and over the router; one owner (the predictive policy).
+
+    Answers that ended on their own are the lengths. Answers that ran to their max_tokens
+    only bound them from below, and are read only until 20 of the first kind are seen: a
+    router that has served nothing but capped answers (a warm-up, a probe) holds new
+    streams to those rather than to nothing, and a fleet's opening burst keeps its pace."""
 
     def __init__(self) -> None:
         self._all = Histogram()
         self._tenants: dict[str, Histogram] = {}
+        self._capped = Histogram()  # every answer, capped ones too: read until `_all` is
 
-    def observe(self, tenant: str, tokens: int) -> None:
-        """A finished answer (one cut short by its client says nothing of its length)."""
+    def observe(self, tenant: str, tokens: int, natural: bool = True) -> None:
+        """A finished answer; `natural` where it ended on its own (short of its max_tokens).
+        One cut short by its client says nothing of its length: not observed."""
         if tokens < 1:
+            return
+        self._capped.add(tokens)
+        if not natural:
             return
         self._all.add(tokens)
         if tenant:
@@ -114,18 +124,21 @@ class Lengths:
 
     def of(self, tenant: str) -> Histogram | None:
         """The distribution to read for `tenant`'s answers ("": none): its own once it has
-        enough, else the router's; None before the router has seen enough."""
+        enough, else the router's, else (before the router has seen enough answers end on
+        their own) every answer's; None before the router has seen enough of any."""
         h = self._tenants.get(tenant) if tenant else None
         if h is not None and h.samples >= MIN_SAMPLES:
             return h
-        return self._all if self._all.samples >= MIN_SAMPLES else None
+        if self._all.samples >= MIN_SAMPLES:
+            return self._all
+        return self._capped if self._capped.samples >= MIN_SAMPLES else None
 
     def describe(self) -> dict[str, int | bool | None]:
-        """The router's lengths for `/ready`: how many answers it has seen, and what a new
-        stream is held to (None until it has seen enough)."""
-        ready = self._all.samples >= MIN_SAMPLES
+        """The router's lengths for `/ready`: how many answers it has seen end on their own,
+        whether new streams are held to a learned length, and to what (None: not yet)."""
+        h = self.of("")
         return {
             "ended": self._all.samples,
-            "ready": ready,
-            "new_stream_tokens": self._all.at_least(2) if ready else None,
+            "ready": h is not None,
+            "new_stream_tokens": h.at_least(2) if h is not None else None,
         }

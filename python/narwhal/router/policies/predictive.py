@@ -522,8 +522,9 @@ class PredictivePolicy:
             ledger.decoding(entry, lease.measured.first_at, lease.measured.tally)
 
     def _finished(self, lease: Lease) -> None:
-        if not lease.warm and lease.measured.natural:
-            self.lengths.observe(lease.request.standing.tenant, lease.measured.output_tokens)
+        if not lease.warm:
+            m = lease.measured
+            self.lengths.observe(lease.request.standing.tenant, m.output_tokens, m.natural)
         self._reported(lease)
 
     def _released(self, lease: Lease) -> None:
