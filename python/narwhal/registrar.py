@@ -48,6 +48,9 @@ class Registrar:
         self.every_s = max(0.5, ttl_s / 3)  # renewed three times a TTL: one miss is no lapse
         self.lease = 0
         self.registered = False
+        # The engine is stopping: nothing registers it again (a renewal in flight when the
+        # stop began would otherwise put the key back after it was withdrawn).
+        self.retired = False
 
     async def run_forever(self) -> None:
         while True:
@@ -71,15 +74,27 @@ class Registrar:
             if not self.registered:
                 await self._put()
             return
+        if self.retired:
+            return
         self.lease = await self.etcd.grant(self.ttl_s)
         self.registered = False
         await self._put()
 
     async def _put(self) -> None:
+        if self.retired:
+            return
         await self.etcd.put(self.key, self.value, self.lease)
+        if self.retired:  # the stop began while the key went in: it goes again
+            await self.withdraw()
+            return
         if not self.registered:
             log.info("registered %s in etcd (lease TTL %ds)", self.key.decode(), self.ttl_s)
         self.registered = True
+
+    async def retire(self) -> None:
+        """The engine stops: the key goes now, and is not put back."""
+        self.retired = True
+        await self.withdraw()
 
     async def withdraw(self) -> None:
         """The key goes now (its lease revoked), not at the lease's expiry."""
@@ -89,7 +104,7 @@ class Registrar:
 
     async def close(self) -> None:
         with contextlib.suppress(EtcdError):
-            await self.withdraw()
+            await self.retire()
         await self.etcd.close()
 
 

@@ -132,7 +132,7 @@ class LexiEngine:
         self.stopping = True
         if self.registrar is not None:
             with contextlib.suppress(EtcdError):
-                await self.registrar.withdraw()
+                await self.registrar.retire()
 
     async def _healthy(self) -> bool:
         return not self.stopping
