@@ -96,8 +96,8 @@ class Measured:
         self.prompt_tokens: int | None = None
         self.cached_tokens: int | None = None  # of those, what the engine's cache served
         self.output_tokens = 0
-        # The engine answered in full and short of the request's max_tokens: the answer's
-        # length is where answers end, not where the client stopped it.
+        # The engine answered in full, short of the request's max_tokens: the answer's
+        # length is where answers end, not where a client's limit stopped it.
         self.natural = False
         self.tally: Tally | None = None  # the relay's count of output tokens, while it runs
 

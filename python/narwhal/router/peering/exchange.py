@@ -132,7 +132,6 @@ class Exchange:
         self._term: int | None = None
         self._live: dict[Lease, tuple[Placed, bool]] = {}  # (its placement, decoding)
         self._told: dict[Lease, int] = {}  # decoding: the tokens last told
-        self._answered: set[Lease] = set()  # live work the engine answered in full
         self._tickets: dict[Ticket, Admitted] = {}
         # This router's requests waiting for pace: (id, order, prompt bytes, since).
         self._waiting: dict[object, tuple[int, int, int, float]] = {}
@@ -144,7 +143,7 @@ class Exchange:
 
     # -- this router's work, as it happens ------------------------------------------------
     def watch(self, events: Events) -> None:
-        events.subscribe(first_output=self._first, finished=self._finished, released=self._released)
+        events.subscribe(first_output=self._first, released=self._released)
 
     def placed(self, lease: Lease, plan: Plan) -> None:
         """`lease` was seated (after the policy heard of it)."""
@@ -195,20 +194,15 @@ class Exchange:
             self._told[lease] = 0
             self._tell(First(held[0].id))
 
-    def _finished(self, lease: Lease) -> None:
-        # A warm's answer is thrown away at its first token, and one stopped at its
-        # max_tokens ran to a client's limit: neither length is where answers end.
-        if lease in self._live and not lease.warm and lease.measured.natural:
-            self._answered.add(lease)
-
     def _released(self, lease: Lease) -> None:
         held = self._live.pop(lease, None)
         self._told.pop(lease, None)
-        answered = lease in self._answered
-        self._answered.discard(lease)
         if held is not None:
             m = lease.measured
-            self._tell(Ended(held[0].id, m.output_tokens, m.decode_s, answered))
+            # A warm's answer is thrown away at its first token, and one cut by its client
+            # or stopped at its max_tokens is not where answers end: no length to teach.
+            natural = m.natural and not lease.warm
+            self._tell(Ended(held[0].id, m.output_tokens, m.decode_s, natural))
 
     async def progress_forever(self) -> None:
         """Every decoding stream's tokens so far, told where they changed."""

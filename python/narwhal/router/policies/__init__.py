@@ -90,8 +90,8 @@ class Unheard(Protocol):
         """The active routers placing on the engines, this one included."""
 
     def unheard_s(self, engine: str, now: float) -> float:
-        """Prefill seconds this router charged `engine`'s TPOT ledger that the others may
-        not hold yet (placed within about twice the exchange's lag)."""
+        """Prefill seconds this router charged `engine`'s TPOT ledger that some other router
+        has not acknowledged yet."""
 
 
 class Policy(Protocol):
@@ -147,8 +147,8 @@ class Policy(Protocol):
     def elsewhere_ended(
         self, w: PeerHold, output_tokens: int, decode_s: float, finished: bool
     ) -> None:
-        """That work ended; `finished` where the engine answered in full (its length is one
-        of the fleet's answer lengths)."""
+        """That work ended; `finished` where its answer ended on its own, short of its
+        max_tokens (its length is one of the fleet's answer lengths)."""
 
     def evicted_elsewhere(self, d: Evicted) -> None:
         """Another router found an engine holding less of a prompt than the picture said."""

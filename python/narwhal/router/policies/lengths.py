@@ -10,7 +10,8 @@ above what most answers run to), and it grows with the stream: of the answers th
 reached `k` tokens, `QUANTILE` stopped before `at_least(k)`.
 
 `max_tokens`, when the client sets it, is only a cap; an answer that ran to it says only
-that answers run at least that long, and is not counted (nor is one its client cut short).
+that answers run at least that long, and is read only until enough answers have ended on
+their own (one its client cut short is never read).
 """
 
 from __future__ import annotations
