@@ -14,9 +14,10 @@ failed, abandoned, SLO attainment (served with TTFT within the budget and mean T
 the target, over offered), misses (1 - attainment: refused, abandoned, failed or late),
 goodput (SLO-met requests a second over the trace's own duration at that load, the same
 divisor for every door), TTFT p50/p90/p99 of what was served, the fleet's prefix-cache hit
-rate (cached / prompt tokens, as the engines counted them), and the door's CPU per request
-(its whole process tree). Every time is measured on the wall clock and divided by
-`--time-scale`.
+rate (cached / prompt tokens, as the engines counted them), the door's CPU per request
+(its whole process tree), and in the JSON `sim_lag`: how much slower than their model the
+engines ran because this machine's loop woke late (a cell it could not keep up with).
+Every time is measured on the wall clock and divided by `--time-scale`.
 
 The protocol (`--protocol`):
 - `fair` (the default): a client asks for a generous `max_tokens` (`--max-tokens`, 2,048)
@@ -98,6 +99,10 @@ class Result:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     preemptions: int = 0  # the engines' own count (a sequence's KV freed to be recomputed)
+    # How much slower than their model the engines ran because this machine's loop woke
+    # late (their summed lateness over their summed step time, on the wall clock): a cell
+    # this machine could not keep up with says so here.
+    sim_lag: float = 0.0
     run: int = 1
 
     def summary(self, budget_s: float, tpot_s: float, duration_s: float) -> dict[str, Any]:
@@ -146,6 +151,7 @@ class Result:
             "missed_tpot": sum(1 for x in served if (x.tpot_s or 0.0) > tpot_s),
             "prefix_hit": self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0,
             "preemptions": self.preemptions,
+            "sim_lag": self.sim_lag,
             "cpu_ms_per_request": 1000 * self.cpu_s / len(o) if o else 0.0,
             "by_class": _breakdown(o, refused, met, served, lambda x: x.klass),
             "by_model": _breakdown(o, refused, met, served, lambda x: x.model),
@@ -382,17 +388,21 @@ async def warm(
     await offer([url], warmup, 1.0, scale, critical, None, EXACT, served)
 
 
-async def engine_stats(urls: list[str]) -> tuple[int, int, int]:
-    """The fleet's prompt tokens, cached tokens and preemptions since the last reset."""
+async def engine_stats(urls: list[str], scale: float) -> tuple[int, int, int, float]:
+    """The fleet's prompt tokens, cached tokens, preemptions and lag (the engines' lateness
+    over their step time on the wall clock, `scale` times the model's) since the last reset."""
     async with aiohttp.ClientSession() as s:
         p = c = k = 0
+        lag = busy = 0.0
         for u in urls:
             async with s.get(u + "/sim/stats") as r:
                 d = await r.json()
                 p += d["prompt_tokens"]
                 c += d["cached_tokens"]
                 k += d.get("preemptions", 0)
-        return p, c, k
+                lag += d.get("lag_s", 0.0)
+                busy += d.get("busy_s", 0.0)
+        return p, c, k, lag / (busy * scale) if busy else 0.0
 
 
 async def reset(urls: list[str]) -> None:
@@ -570,7 +580,8 @@ def run_door(
             )
         )
         res.cpu_s = sum(tree_cpu(p.pid) for p in procs) - cpu0
-        res.prompt_tokens, res.cached_tokens, res.preemptions = asyncio.run(engine_stats(engines))
+        stats = asyncio.run(engine_stats(engines, a.time_scale))
+        res.prompt_tokens, res.cached_tokens, res.preemptions, res.sim_lag = stats
     finally:
         stop(procs)
     return res

@@ -204,7 +204,7 @@ def make_app(engine: SimEngine) -> web.Application:
 
     async def reset(request: web.Request) -> web.Response:
         g = engine.gpu
-        engine.busy_s = 0.0
+        engine.busy_s = engine.lag_s = 0.0
         if request.query.get("counters"):  # the counters only; the cache stays
             g.prompt_tokens = g.cached_tokens = g.served = g.preemptions = 0
             return web.json_response({"reset": "counters"})
