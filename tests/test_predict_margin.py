@@ -253,3 +253,32 @@ def test_an_engine_that_cannot_vouch_for_a_size_is_judged_by_the_fleet_that_can(
     assert (e.value.status, e.value.code) == (429, "prompt_exceeds_ttft_budget")
     # A prompt the fleet has not measured the like of is still admitted, to learn.
     assert judge(p, 60_000 * 12, [engines[1]], 2.0, lender=lender).engine is engines[1]
+
+
+def test_a_slower_engine_judged_by_a_faster_ones_measurements_is_projected_at_its_own_speed() -> (
+    None
+):
+    """A fleet mixes devices. An engine that has measured only short prompts is judged for a
+    long one by the engine that measured long ones, at its own speed: lent unscaled, a slow
+    engine with nothing ahead took a long prompt the fast engine would have started sooner,
+    and its first token came late."""
+    engines = [Engine(EngineSpec(n), f"http://{n}", healthy=True) for n in ("fast", "slow")]
+    p = Predictor(engines)
+    fast, slow = p.profiles["fast"], p.profiles["slow"]
+    for tokens in (1000, 4000, 2000, 8000, 3000, 6000):  # 4,000 tokens/s
+        fast.observe(tokens * 4, tokens, None, tokens / 4000, 0, 0.0)
+    for tokens in (500, 1000, 800):  # half as fast
+        slow.observe(tokens * 4, tokens, None, tokens / 2000, 0, 0.0)
+    assert fast.vouches(16_000) and not slow.vouches(16_000)
+    prompt = 16_000 * 4  # 4 s on the fast engine, 8 s on the slow one
+    lender = p.lender(engines)
+    assert lender is fast
+    proj = p.project(prompt, engines[1], lender=lender)
+    assert proj.sure and proj.own_s == pytest.approx(8.0, rel=0.05)
+    # The fast engine has half a second of prefill ahead: it still starts the prompt first.
+    engines[0].prefill, engines[0].prefill_tokens = 1, 2000
+    assert judge(p, prompt, engines, 6.0, lender=lender).engine is engines[0]
+    # Alone, the slow engine would break a 6 s budget: the prompt is refused, not sent late.
+    with pytest.raises(ApiError) as e:
+        judge(p, prompt, [engines[1]], 6.0, lender=lender)
+    assert e.value.status == 429

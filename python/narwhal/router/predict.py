@@ -617,14 +617,31 @@ class Predictor:
             return Projection(e, fresh, None, None)
         mine = self.of_model(e, model) if model else prof
         if lender is not None and not mine.vouches(fresh) and lender.vouches(fresh):
-            mine = lender
-        own = mine.prefill_s(fresh, tokens) if mine.prefill_tps is not None else 0.0
+            own = lender.prefill_s(fresh, tokens) * speed_against(mine, lender)
+            sure = True
+        else:
+            own = mine.prefill_s(fresh, tokens) if mine.prefill_tps is not None else 0.0
+            sure = mine.vouches(fresh)
         waiting = prof.ahead_s(sum(e.queued_tokens[: rank + 1]), sum(e.queued_sq[: rank + 1]))
         ahead = prof.ahead_s(e.prefill_tokens, e.prefill_sq) + e.behind_s(time.monotonic())
         total = own + ahead + waiting
-        sure = mine.vouches(fresh)
         guarded = total * self.margin(prof) * self.edge
         return Projection(e, fresh, own, total, guarded, waiting, sure)
+
+
+def speed_against(prof: Profile, lender: Profile) -> float:
+    """How much longer a prefill takes on the engine of `prof` than on the lender's, read
+    where `prof` measured (its largest prompt, the probe's at least): the lender's curve
+    says how prefill grows with a prompt's size, this engine's own samples how fast it is.
+    A fleet mixes devices (an H100 beside an A10, two generations of one): lent unscaled, a
+    slow engine's long prompts were projected at the fast one's time (the fleet bench, half
+    the engines at half speed: an 8.2k-token prompt projected at 1.0 s of prefill took
+    2.5 s, its first token late). 1 where `prof` has measured nothing."""
+    if prof.prefill_tps is None or prof.largest_measured <= 0 or lender.prefill_tps is None:
+        return 1.0
+    at = prof.largest_measured
+    theirs = lender.prefill_s(at)
+    return prof.prefill_s(at) / theirs if theirs > 0 else 1.0
 
 
 def bytes_per_token(prof: Profile, lender: Profile | None) -> float | None:
