@@ -78,7 +78,7 @@ def verdict(rows: list[dict[str, Any]]) -> list[str]:
         row("served within SLO >= 99 %", f"{100 * s:.2f} %", "", s >= 0.99)
         light = []
         if load <= 0.5:
-            light.append("nominal 0.5x")
+            light.append("nominal 0.5x or less")
         rate = _offered_rate(us + them)
         if best_cap is not None and rate is not None and rate <= best_cap / 2:
             light.append(f"{rate / best_cap:.2f}x the best door's capacity")
