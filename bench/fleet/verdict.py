@@ -144,21 +144,13 @@ def capacity(rows: list[dict[str, Any]]) -> list[str]:
         return []
     table = []
     for load in sorted({k[0] for k in cells}):
-        # Goodput is SLO-met requests over the trace's duration, attainment their share
-        # of those offered: their ratio is the offered rate, the same for every door.
-        rates = [
-            float(r["goodput_per_s"]) / float(r["slo_attainment"])
-            for (ld, _), rs in cells.items()
-            if ld == load
-            for r in rs
-            if r.get("slo_attainment")
-        ]
+        rate = _offered_rate([r for (ld, _), rs in cells.items() if ld == load for r in rs])
         best = max(
             (_median(cells[(load, d)], "slo_attainment") for d in peers if (load, d) in cells),
             default=0.0,
         )
-        if rates:
-            table.append((load, statistics.median(rates), best))
+        if rate is not None:
+            table.append((load, rate, best))
     within = [rate for _, rate, best in table if best >= ATTAINMENT]
     cap = max(within) if within else None
     if cap is None:
