@@ -283,26 +283,6 @@ def test_a_long_prefill_goes_where_no_stream_would_miss_its_tpot_target() -> Non
     assert f.judge(long).prefer is f.engines[0]
 
 
-def test_a_long_prefill_goes_where_the_tightest_stream_keeps_room_to_spare() -> None:
-    f = Fleet(n=2, tpot_target_s=0.05)
-    f.learn_tau0(0.02)  # (45 - 20) ms of allowance a token
-    tight, roomy = f.engines
-    # A stream on each, held to 9 and to 40 tokens: 0.2 s and 0.975 s of room.
-    for n, e in ((9, tight), (40, roomy)):
-        f.open(request(words(f"s{n}", 10), max_tokens=n), on=e.name).first_output()
-    roomy.prefill_tokens = 60  # 60 ms queued there: the projection alone prefers `tight`
-    long = request(words("L", 120))  # about 0.14 s of prefill: it fits either stream's room
-    record = Decision("r", "", "standard", long.prompt_bytes)
-    plan = f.policy.judge(long, f.engines, BUDGET, record)
-    # On `tight` it would spend most of a room read from a length a short answer need not
-    # reach; `roomy` keeps pace with most of its room left.
-    assert plan.prefer is roomy
-    assert record.why == why.SPARED
-    # Only a preference: with no engine left room to spare, it goes where it keeps pace.
-    f.open(request(words("s9b", 10), max_tokens=9), on=roomy.name).first_output()
-    assert f.judge(request(words("M", 120))).prefer is tight
-
-
 def test_a_prefill_no_engine_can_take_waits_for_a_stream_to_end() -> None:
     f = Fleet(n=2, tpot_target_s=0.05)
     f.learn_tau0(0.02)

@@ -51,7 +51,6 @@ HOME = "the conversation's engine (its history is cached there), within budget"
 LOWEST = "the lowest projected TTFT within budget"
 LOWEST_PACED = "the lowest projected TTFT within budget, with the decode stall it costs"
 PACED = "the best engine whose streams keep their TPOT target (better ones would not)"
-SPARED = "the best engine whose streams keep their TPOT target with room to spare"
 PACE_UNSURE = (
     "the lowest projected TTFT with the decode stall it costs: no engine keeps pace by the "
     "ledger, but the answers' lengths or the engines' steps it holds streams to are not "

@@ -40,13 +40,6 @@ from narwhal.router.tenants.reserve import CriticalReserve
 # a few per cent over the target (bench/README.md, "Fleet"). Learning the share from the
 # streams served was tried and measured no better (bench/README.md, the A/B of 06b6088).
 TPOT_AIM = 0.9
-# Among the engines that keep pace, a prompt goes where its stall spends at most this share
-# of the tightest stream's room, where one such engine holds about as much of it (the judge:
-# `ttft.judge`'s `spares`). A stream not yet past the length it is held to (a quarter of
-# answers end sooner) has room read from that length: an answer of half of it has about
-# half the room. On a fleet of mixed speeds, most streams over the target at light load were
-# such answers beside long prefills (bench/README.md, "A fleet of mixed speeds").
-SPARE = 0.5
 # Before anything is measured, a step without prefill is taken to cost this share of the
 # aim: a stream's allowance then starts at half of what its target leaves, and grows as it
 # decodes.
@@ -157,7 +150,6 @@ class PredictivePolicy:
             not paced or self._pace_sure(req.standing.tenant, engines),
             req.served,
             lender,
-            self._spared(req.standing.share, req.standing.rank) if paced else None,
         )
         if paced and any(self._waiting[: req.standing.order]):
             # A request of a higher class (or of a tenant within its fair share, where
@@ -297,18 +289,6 @@ class PredictivePolicy:
             if unheard and unheard + stall / share > (room + unheard) / self._unheard.routers:
                 return False
         return not reserve_s or ledger.fits(stall + reserve_s, now, 0)
-
-    def _spared(self, share: float, rank: int) -> Callable[[Projection], bool]:
-        return lambda p: self._spares(p, share, rank)
-
-    def _spares(self, p: Projection, share: float, rank: int) -> bool:
-        """Placing there spends at most SPARE of the room of the tightest stream there of
-        the request's class or a higher one."""
-        stall = self._stall_s(p)
-        if stall is None:
-            return True
-        room = self.streams[p.engine.name].headroom_s(time.monotonic(), rank)
-        return room is None or stall / share <= SPARE * room
 
     def _stall(self, p: Projection) -> float:
         """Stream-seconds of decode this prompt's prefill holds up on its engine: each

@@ -67,7 +67,6 @@ def judge(
     pace_sure: bool = True,
     model: str = "",
     lender: Profile | None = None,
-    spares: Callable[[Projection], bool] | None = None,
 ) -> Projection:
     """The best projection within budget, or the spec's 429 refusals. `cached` says
     per engine name how many of the prompt's tokens its cache is expected to serve;
@@ -87,10 +86,7 @@ def judge(
     no request waits or is refused for it. `model`: the served model the prompt is for
     (its own prefill projected at that model's rate on an engine that serves several);
     `lender`: what an engine that cannot vouch for the prompt's size is judged by
-    (`Predictor.lender`; None: its own measurements only). `spares` says whether placing
-    there leaves the tightest stream room to spare: where the best engine that keeps pace
-    does not, a later one that does and holds about as much of the prompt is taken instead
-    (a preference only: nothing waits or is refused for it)."""
+    (`Predictor.lender`; None: its own measurements only)."""
     cached = cached or {}
     ps = [
         predictor.project(prompt_bytes, e, cached.get(e.name, 0), klass, model, lender)
@@ -146,19 +142,6 @@ def judge(
         if again_s >= HOLD_CACHE_PREFILL * budget_s and wait > HOLD_HOME_MIN * budget_s:
             _waits(record, why.WAIT_CACHE)
             raise NoEngineKeepsPace(wait)
-    if spares is not None and pace_sure and not spares(p):
-        # It keeps pace only by spending most of the room of a stream there, and that room
-        # is read from the length the stream is held to (a low quantile of answers): a
-        # quarter of streams end sooner, with less room than read. An engine that keeps
-        # pace with room to spare is taken instead, unless taking it prefills much more of
-        # the prompt (a family's prefix spread to one more engine).
-        near = (p.own_s or 0.0) + HOLD_CACHE_PREFILL * budget_s
-        spared = next(
-            (q for q in ranked[i + 1 :] if (q.own_s or 0.0) < near and keeps_pace(q) and spares(q)),
-            None,
-        )
-        if spared is not None:
-            return _chose(record, spared, why.SPARED)
     return _chose(record, p, why.PACED if i else why.LOWEST_PACED)
 
 
