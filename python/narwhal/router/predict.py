@@ -71,8 +71,8 @@ FIT_MIN_SPREAD = 0.2
 FIT_LINE_SAMPLES = 4
 FIT_CURVE_SAMPLES = 6
 FIT_SIGNIFICANCE = 2.0
-# The fleet's prefill curve (the median of its engines' own) is handed to the engines whose
-# samples cannot tell theirs when it has moved by this share since it last was.
+# The fleet's prefill curve (the median of its engines' own) is handed to every engine when
+# it has moved by this share since it last was (not every engine refitted every sample).
 SHAPE_STEP = 0.05
 # How far one sample of a prompt that waited behind another may pull the fit from what it
 # projected, either way (Profile.observe).
@@ -115,9 +115,13 @@ class PrefillFit:
             self.m[i] += a * (v - self.m[i])
         return self.fit(shape)
 
-    def curve(self) -> float | None:
-        """The curve's shape where these samples tell it: attention's seconds against the
-        tokens' (quad / (1 / rate), in thousands of tokens); None where they cannot."""
+    def curve(self, raw: bool = False) -> float | None:
+        """The curve's shape where these samples tell it apart from a line: attention's
+        seconds against the tokens' (c / b, x2 against x1); None where they cannot. Only
+        a cost's (never negative, never falling) unless `raw`: the estimate as it falls,
+        for the fleet's median (`Predictor._reshape`). Keeping only the positive ones
+        there kept the noise that leaned one way: 64 simulated engines of a dozen noisy
+        prompts each told a median of 1.8x the truth that way, 0.9x raw."""
         m1, m2, mt, m11, m12, m22, m1t, m2t, _ = self.m
         v11, v12, v22 = m11 - m1 * m1, m12 - m1 * m2, m22 - m2 * m2
         c1t, c2t = m1t - m1 * mt, m2t - m2 * mt
@@ -130,38 +134,30 @@ class PrefillFit:
             return None
         b = (c1t * v22 - c2t * v12) / det
         c = (c2t * v11 - c1t * v12) / det
-        if b > 0 and c > 0 and mt - b * m1 - c * m2 >= 0:
+        if b > 0 and (raw or (c > 0 and mt - b * m1 - c * m2 >= 0)):
             return c / b
         return None
 
     def fit(self, shape: float | None = None) -> tuple[float, float, float]:
         """(rate in tokens/s, overhead in s, quad in s a token^2). `shape`: the fleet's
-        curve (`curve`), read where these samples cannot tell this engine's own."""
+        curve (`Predictor.shape`), which these samples' rate is fitted along."""
         m1, m2, mt, m11, m12, m22, m1t, m2t, mtt = self.m
         v11, v12, v22 = m11 - m1 * m1, m12 - m1 * m2, m22 - m2 * m2
         c1t, c2t, vtt = m1t - m1 * mt, m2t - m2 * mt, mtt - mt * mt
         # The samples the weights amount to: all of them at first, about 2 / FIT_ALPHA later.
         n = min(float(self.count), (2 - FIT_ALPHA) / FIT_ALPHA)
-        # Both slopes where x1 and x2 are told apart (prompts of several sizes), and the
-        # curve is a cost's: never negative, never falling. Not held to significance:
-        # attention makes every engine's curve convex, and a line through a convex curve's
-        # samples projects long prompts short (a 4x-load bench run: first tokens 2.5x past
-        # their projection).
-        k = self.curve()
-        if k is not None:
-            det = v11 * v22 - v12 * v12
-            b = (c1t * v22 - c2t * v12) / det
-            return 1000 / b, mt - b * m1 - b * k * m2, b * k / 1e6
         if shape is not None and shape > 0:
-            # The engine's prompts do not tell its curve (all of a size, or too few), the
-            # fleet's do: its tokens' rate and overhead are fitted along the fleet's shape
-            # (attention's share is the model's, whatever the device), so a long prompt is
-            # not projected on a line through short ones (64 engines, each measuring a
-            # dozen prompts: 15-24k-token prompts came at 1.5x their projections).
+            # The curve is the model's (attention's share of a prefill, whatever device
+            # runs it), and the fleet's engines tell it far better together than one alone:
+            # on 64 engines measuring a dozen prompts each, a line through one engine's
+            # short prompts projected 15-24k-token ones at two thirds of their time, and
+            # one engine's own curve ranged from half the truth to three times it. The
+            # engine's own samples say how fast it runs along it (the line's test of an
+            # overhead, below, along the curve).
             mz = m1 + shape * m2
             vz = v11 + 2 * shape * v12 + shape * shape * v22
             czt = c1t + shape * c2t
-            b, overhead = mt / mz, 0.0  # the secant along the shape, as below
+            b, overhead = mt / mz, 0.0  # the secant along the curve
             if vz > (FIT_MIN_SPREAD * mz) ** 2 and self.count >= FIT_LINE_SAMPLES:
                 slope = czt / vz
                 kept = mt - slope * mz
@@ -171,6 +167,16 @@ class PrefillFit:
                 ):
                     b, overhead = slope, kept
             return 1000 / b, overhead, b * shape / 1e6
+        # Alone (no fleet's curve yet): both slopes where x1 and x2 are told apart
+        # (prompts of several sizes), and the curve is a cost's. Not held to significance:
+        # attention makes every engine's curve convex, and a line through a convex curve's
+        # samples projects long prompts short (a 4x-load bench run: first tokens 2.5x past
+        # their projection).
+        k = self.curve()
+        if k is not None:
+            det = v11 * v22 - v12 * v12
+            b = (c1t * v22 - c2t * v12) / det
+            return 1000 / b, mt - b * m1 - b * k * m2, b * k / 1e6
         if v11 > (FIT_MIN_SPREAD * m1) ** 2 and self.count >= FIT_LINE_SAMPLES:
             b = c1t / v11
             overhead = mt - b * m1
@@ -205,8 +211,8 @@ class Profile:
     correction: float = 1.0
     measured_at: float = 0.0  # monotonic time of the last good measurement
     fit: PrefillFit = field(default_factory=PrefillFit, repr=False)
-    curve: float | None = None  # its own samples' shape (`PrefillFit.curve`), where told
-    shape: float | None = None  # the fleet's, fitted along where its own is not told
+    curve: float | None = None  # its own samples' curve, raw (`PrefillFit.curve`), if told
+    shape: float | None = None  # the fleet's curve, which its rate is fitted along
 
     def ahead_s(self, tokens: int, squares: int) -> float:
         """The prefill of prompts of `tokens` in all, their squares summing to `squares`, one
@@ -321,15 +327,15 @@ class Profile:
         """One prefill sample taken into the fit."""
         fitted = self.fit.add(fresh, prompt, seconds, self.shape)
         self.prefill_tps, self.overhead_s, self.quad_s = fitted
-        self.curve = self.fit.curve()
+        self.curve = self.fit.curve(raw=True)
         self.prefill_samples += 1
         self.largest_measured = max(self.largest_measured, fresh)
 
     def reshape(self, shape: float | None) -> None:
-        """The fleet's curve changed: refitted along it where its own samples cannot tell
-        theirs (a profile taken from a leader, with no samples of its own, keeps its fit)."""
+        """The fleet's curve changed: refitted along it (a profile taken from a leader, with
+        no samples of its own, keeps what it was given)."""
         self.shape = shape
-        if self.curve is None and self.fit.count:
+        if self.fit.count:
             self.prefill_tps, self.overhead_s, self.quad_s = self.fit.fit(shape)
 
     def _sample_s(
@@ -543,12 +549,16 @@ class Predictor:
 
     def _reshape(self) -> None:
         """An engine's curve changed: the fleet's is the median of those its engines' own
-        samples tell, and the engines whose samples cannot tell theirs are fitted along it
-        (moved by SHAPE_STEP at least: not every engine refitted on every sample)."""
+        samples tell (a curve that is no cost's, none), and every engine is fitted along
+        it where it moved by SHAPE_STEP (or came, or went)."""
         curves = [p.curve for p in self.profiles.values() if p.curve is not None]
         shape = statistics.median(curves) if curves else None
+        if shape is not None and shape <= 0:
+            shape = None
         old = self.shape
-        if shape is None or old is None or abs(shape - old) > SHAPE_STEP * old:
+        if (shape is None) != (old is None) or (
+            shape is not None and old is not None and abs(shape - old) > SHAPE_STEP * old
+        ):
             self.shape = shape
             for p in self.profiles.values():
                 p.reshape(shape)
