@@ -71,9 +71,6 @@ FIT_MIN_SPREAD = 0.2
 FIT_LINE_SAMPLES = 4
 FIT_CURVE_SAMPLES = 6
 FIT_SIGNIFICANCE = 2.0
-# The fleet's prefill curve (the median of its engines' own) is handed to every engine when
-# it has moved by this share since it last was (not every engine refitted every sample).
-SHAPE_STEP = 0.05
 # How far one sample of a prompt that waited behind another may pull the fit from what it
 # projected, either way (Profile.observe).
 QUEUED_CLIP = 2.0
@@ -101,11 +98,9 @@ class PrefillFit:
     m: list[float] = field(default_factory=lambda: [0.0] * 9)
     count: int = 0
 
-    def add(
-        self, fresh: int, prompt: int, seconds: float, shape: float | None = None
-    ) -> tuple[float, float, float]:
-        """Take a sample; the fit (`fit`). The first samples are averaged evenly, the later
-        ones weighted FIT_ALPHA."""
+    def add(self, fresh: int, prompt: int, seconds: float) -> tuple[float, float, float]:
+        """Take a sample; the fit: (rate in tokens/s, overhead in s, quad in s a token^2).
+        The first samples are averaged evenly, the later ones weighted FIT_ALPHA."""
         self.count += 1
         a = max(FIT_ALPHA, 1.0 / self.count)
         x1 = fresh / 1000
@@ -113,77 +108,34 @@ class PrefillFit:
         t = seconds
         for i, v in enumerate((x1, x2, t, x1 * x1, x1 * x2, x2 * x2, x1 * t, x2 * t, t * t)):
             self.m[i] += a * (v - self.m[i])
-        return self.fit(shape)
+        return self.fit()
 
-    def curve(self, raw: bool = False) -> float | None:
-        """The curve's shape where these samples tell it apart from a line: attention's
-        seconds against the tokens' (c / b, x2 against x1); None where they cannot. Only
-        a cost's (never negative, never falling) unless `raw`: the estimate as it falls,
-        for the fleet's median (`Predictor._reshape`). Keeping only the positive ones
-        there kept the noise that leaned one way: 64 simulated engines of a dozen noisy
-        prompts each told a median of 1.8x the truth that way, 0.9x raw."""
-        m1, m2, mt, m11, m12, m22, m1t, m2t, _ = self.m
-        v11, v12, v22 = m11 - m1 * m1, m12 - m1 * m2, m22 - m2 * m2
-        c1t, c2t = m1t - m1 * mt, m2t - m2 * mt
-        det = v11 * v22 - v12 * v12
-        if (
-            self.count < FIT_CURVE_SAMPLES
-            or v11 <= (FIT_MIN_SPREAD * m1) ** 2
-            or det <= 1e-6 * v11 * v22
-        ):
-            return None
-        b = (c1t * v22 - c2t * v12) / det
-        c = (c2t * v11 - c1t * v12) / det
-        if b > 0 and (raw or (c > 0 and mt - b * m1 - c * m2 >= 0)):
-            return c / b
-        return None
-
-    def fit(self, shape: float | None = None) -> tuple[float, float, float]:
-        """(rate in tokens/s, overhead in s, quad in s a token^2). `shape`: the fleet's
-        curve (`Predictor.shape`), which these samples' rate is fitted along."""
+    def fit(self) -> tuple[float, float, float]:
         m1, m2, mt, m11, m12, m22, m1t, m2t, mtt = self.m
         v11, v12, v22 = m11 - m1 * m1, m12 - m1 * m2, m22 - m2 * m2
         c1t, c2t, vtt = m1t - m1 * mt, m2t - m2 * mt, mtt - mt * mt
         # The samples the weights amount to: all of them at first, about 2 / FIT_ALPHA later.
         n = min(float(self.count), (2 - FIT_ALPHA) / FIT_ALPHA)
-        if shape is not None and shape > 0:
-            # The curve is the model's (attention's share of a prefill, whatever device
-            # runs it), and the fleet's engines tell it far better together than one alone:
-            # on 64 engines measuring a dozen prompts each, a line through one engine's
-            # short prompts projected 15-24k-token ones at two thirds of their time, and
-            # one engine's own curve ranged from half the truth to three times it. The
-            # engine's own samples say how fast it runs along it (the line's test of an
-            # overhead, below, along the curve).
-            mz = m1 + shape * m2
-            vz = v11 + 2 * shape * v12 + shape * shape * v22
-            czt = c1t + shape * c2t
-            b, overhead = mt / mz, 0.0  # the secant along the curve
-            if vz > (FIT_MIN_SPREAD * mz) ** 2 and self.count >= FIT_LINE_SAMPLES:
-                slope = czt / vz
-                kept = mt - slope * mz
-                noise = max(0.0, vtt - slope * czt) * n / (n - 2)
-                if slope > 0 and kept > FIT_SIGNIFICANCE * math.sqrt(
-                    noise * (1 + mz * mz / vz) / n
-                ):
-                    b, overhead = slope, kept
-            return 1000 / b, overhead, b * shape / 1e6
-        # Alone (no fleet's curve yet): both slopes where x1 and x2 are told apart
-        # (prompts of several sizes), and the curve is a cost's. Not held to significance:
-        # attention makes every engine's curve convex, and a line through a convex curve's
-        # samples projects long prompts short (a 4x-load bench run: first tokens 2.5x past
-        # their projection).
-        k = self.curve()
-        if k is not None:
+        if v11 > (FIT_MIN_SPREAD * m1) ** 2:
             det = v11 * v22 - v12 * v12
-            b = (c1t * v22 - c2t * v12) / det
-            return 1000 / b, mt - b * m1 - b * k * m2, b * k / 1e6
-        if v11 > (FIT_MIN_SPREAD * m1) ** 2 and self.count >= FIT_LINE_SAMPLES:
-            b = c1t / v11
-            overhead = mt - b * m1
-            noise = max(0.0, vtt - b * c1t) * n / (n - 2)
-            se_overhead = math.sqrt(noise * (1 + m1 * m1 / v11) / n)
-            if b > 0 and overhead > FIT_SIGNIFICANCE * se_overhead:
-                return 1000 / b, overhead, 0.0
+            if self.count >= FIT_CURVE_SAMPLES and det > 1e-6 * v11 * v22:
+                # Both slopes where x1 and x2 are told apart (prompts of several sizes), and
+                # the curve is a cost's: never negative, never falling.
+                b = (c1t * v22 - c2t * v12) / det
+                c = (c2t * v11 - c1t * v12) / det
+                overhead = mt - b * m1 - c * m2
+                # Not held to significance: attention makes every engine's curve convex,
+                # and a line through a convex curve's samples projects long prompts short
+                # (a 4x-load bench run: first tokens 2.5x past their projection).
+                if b > 0 and c >= 0 and overhead >= 0:
+                    return 1000 / b, overhead, c / 1e6
+            if self.count >= FIT_LINE_SAMPLES:
+                b = c1t / v11
+                overhead = mt - b * m1
+                noise = max(0.0, vtt - b * c1t) * n / (n - 2)
+                se_overhead = math.sqrt(noise * (1 + m1 * m1 / v11) / n)
+                if b > 0 and overhead > FIT_SIGNIFICANCE * se_overhead:
+                    return 1000 / b, overhead, 0.0
         # A convex curve fitted by a line has a negative overhead; sizes that do not spread
         # say nothing of a slope, and a few noisy ones not enough: the secant through the
         # mean then (an overhead it misses makes long prompts look slower, not faster).
@@ -211,8 +163,6 @@ class Profile:
     correction: float = 1.0
     measured_at: float = 0.0  # monotonic time of the last good measurement
     fit: PrefillFit = field(default_factory=PrefillFit, repr=False)
-    curve: float | None = None  # its own samples' curve, raw (`PrefillFit.curve`), if told
-    shape: float | None = None  # the fleet's curve, which its rate is fitted along
 
     def ahead_s(self, tokens: int, squares: int) -> float:
         """The prefill of prompts of `tokens` in all, their squares summing to `squares`, one
@@ -325,18 +275,9 @@ class Profile:
 
     def _sample(self, fresh: int, prompt: int, seconds: float) -> None:
         """One prefill sample taken into the fit."""
-        fitted = self.fit.add(fresh, prompt, seconds, self.shape)
-        self.prefill_tps, self.overhead_s, self.quad_s = fitted
-        self.curve = self.fit.curve(raw=True)
+        self.prefill_tps, self.overhead_s, self.quad_s = self.fit.add(fresh, prompt, seconds)
         self.prefill_samples += 1
         self.largest_measured = max(self.largest_measured, fresh)
-
-    def reshape(self, shape: float | None) -> None:
-        """The fleet's curve changed: refitted along it (a profile taken from a leader, with
-        no samples of its own, keeps what it was given)."""
-        self.shape = shape
-        if self.fit.count:
-            self.prefill_tps, self.overhead_s, self.quad_s = self.fit.fit(shape)
 
     def _sample_s(
         self, prefill_s: float | None, fresh: int, prompt: int, queued: bool
@@ -414,7 +355,6 @@ class Predictor:
         # of its own), begun as a copy of the engine's and learned as it is.
         self.models: dict[str, dict[str, Profile]] = {}
         self.edge = 1.0  # the learned widening of every projection (EDGE_TARGET)
-        self.shape: float | None = None  # the fleet's prefill curve (`_reshape`)
         # The fleet's typical miss (every engine's scored projections): an engine's margin
         # until it has enough of its own.
         self.drift: float | None = None
@@ -430,7 +370,7 @@ class Predictor:
         probes it first."""
         if e.name in self.profiles:
             return
-        prof = Profile(shape=self.shape)
+        prof = Profile()
         measured = [p for p in self.profiles.values() if p.prefill_tps is not None]
         if measured:
             for k in (
@@ -542,32 +482,7 @@ class Predictor:
             if prof is not None and lease.prefill_s is not None:
                 # Sized as placed: the tokens it was to prefill, and the cache before them.
                 fresh = lease.tokens or lease.request.estimated_prompt_tokens()
-                curve = prof.curve
                 prof.cut(fresh, fresh + (lease.cached_expected or 0), lease.prefill_s, lease.queued)
-                if prof.curve != curve:
-                    self._reshape()
-
-    def _reshape(self) -> None:
-        """An engine's curve changed: the fleet's is the median of those its engines' own
-        samples tell, once at least half its engines tell one (a curve that is no cost's,
-        none), and every engine is fitted along it where it moved by SHAPE_STEP (or came,
-        or went). One engine's curve from its first noisy prompts ranges from none to
-        nine times the truth (six prompts an engine: the 5th-95th percentiles of simulated
-        draws), a median of three from none to five times: on 64 engines the curve of the
-        first few projected 2-3 s prompts past the budget in one run's first minute."""
-        curves = [p.curve for p in self.profiles.values() if p.curve is not None]
-        shape = None
-        if curves and len(curves) * 2 >= len(self.profiles):
-            shape = statistics.median(curves)
-        if shape is not None and shape <= 0:
-            shape = None
-        old = self.shape
-        if (shape is None) != (old is None) or (
-            shape is not None and old is not None and abs(shape - old) > SHAPE_STEP * old
-        ):
-            self.shape = shape
-            for p in self.profiles.values():
-                p.reshape(shape)
 
     def _learn(self, lease: Lease) -> None:
         e = lease.on
@@ -582,10 +497,7 @@ class Predictor:
                 # Begun from what the engine has learned so far: the model's own
                 # measurements take over as they come.
                 mprof = own[lease.request.served] = copy.deepcopy(prof)
-        curve = prof.curve
         miss = self._observe(prof, lease, lease.predicted_s)
-        if prof.curve != curve:
-            self._reshape()
         if miss is not None:
             self.drift = _ewma(self.drift, abs(miss))
             self.drift_samples += 1
