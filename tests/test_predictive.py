@@ -272,7 +272,9 @@ def test_drift_beyond_its_bound_is_monitoring_degraded(drifting: Server) -> None
         ).status_code
         if status != 200:
             break
-    assert status == 503
+    # What the router learned, should it not (a fresh clone's full 3.13 run once served all
+    # six, not reproduced since in the module alone, under load or not).
+    assert status == 503, httpx.get(drifting.url + "/ready").json()
     r = httpx.post(drifting.url + "/v1/chat/completions", json=chat("hi"), timeout=30)
     assert r.status_code == 503
     assert r.headers["retry-after"] == "1"

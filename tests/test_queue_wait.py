@@ -2,10 +2,13 @@
 queue for a prefill seat counts against its budget, at arrival and while it waits.
 
 One scripted engine that prefills one prompt at a time (~2,000 tokens/s), a 1 s budget,
-and a burst of 60 prompts of 400 words 20 ms apart (15 s of prefill offered in 1.2 s), a
+and a burst of 60 prompts of 200 words 20 ms apart (7.5 s of prefill offered in 1.2 s), a
 third of them critical and the rest sheddable: what is answered has its first token
 within the budget (and the projection's error), the rest is refused at once or as soon as
-its wait spends the budget, sheddable work first."""
+its wait spends the budget, sheddable work first. The wait in the router's queue that a
+projection counted is no miss of it: scored from when the request was sent, that wait read
+as projections far too long, the drift passed its bound, and the router turned the burst
+away with 503 `monitoring_degraded`."""
 
 from __future__ import annotations
 
@@ -40,8 +43,12 @@ def engine() -> Iterator[Server]:
 
 
 def prompt() -> str:
-    # 0.5 ms a token, one prompt at a time; ~500 tokens (4 bytes each): ~0.25 s of prefill.
-    return f"script:prefill_serial:0.5:{uuid.uuid4().hex} " + "word " * 400
+    # 0.5 ms a token, one prompt at a time; ~250 tokens (4 bytes each): ~0.13 s of prefill.
+    # Short beside the budget: a prompt and the one on the engine ahead of it fit within
+    # it at the widest margin a loaded machine teaches (2x, and the edge's 1.5x), so what
+    # refuses is the router's queue (two suites on two cores once refused the burst of
+    # 0.25 s prompts only for the engine's own projection, widened: no `queue_wait`).
+    return f"script:prefill_serial:0.5:{uuid.uuid4().hex} " + "word " * 200
 
 
 class Asked(threading.Thread):
@@ -53,6 +60,7 @@ class Asked(threading.Thread):
         self.status = 0
         self.retry_after: str | None = None
         self.ttft: float | None = None
+        self.error = ""
 
     def run(self) -> None:
         body = {
@@ -68,6 +76,8 @@ class Asked(threading.Thread):
         ) as r:
             self.status = r.status_code
             self.retry_after = r.headers.get("retry-after")
+            if r.status_code != 200:
+                self.error = r.read().decode(errors="replace")
             for line in r.iter_lines():
                 if self.ttft is None and '"content":"w' in line:
                     self.ttft = time.monotonic() - sent
@@ -105,14 +115,14 @@ engines: [{{name: s, url: '{engine.url}', dialect: lexi}}]
             a.join(60)
         served = [a for a in asked if a.status == 200]
         refused = [a for a in asked if a.status != 200]
-        assert served and refused, [a.status for a in asked]  # 15 s of work in 1.2 s
+        assert served and refused, [a.status for a in asked]  # 7.5 s of work in 1.2 s
         # Within the budget and the projection's error, as sixty client threads on two cores
         # beside the router and the engine measure it (a first token 1.3 s in came once on a
         # fresh clone's Python 3.13 run): the bug this holds out put it 11 s in.
         late = [round(a.ttft or -1, 2) for a in served if a.ttft is None or a.ttft > 1.5 * BUDGET_S]
         assert not late, late
         for a in refused:
-            assert a.status == 429, a.status
+            assert a.status == 429, (a.status, a.error)
             assert a.retry_after is not None and int(a.retry_after) >= 1
         share = {
             k: sum(a.status != 200 for a in asked if a.klass == k)

@@ -235,7 +235,11 @@ class Admission:
         if e is not lease.prefer:
             lease.predicted_s = None  # projected for another engine
         if lease.predicted_s is not None:
-            e.prefill_due[lease] = time.monotonic() + lease.predicted_s
+            # Due when its projection said, which counted its wait in the router's queue
+            # (not that again from now), and no sooner than its own prefill from now.
+            e.prefill_due[lease] = max(
+                lease.projected_at + lease.predicted_s, time.monotonic() + (lease.own_s or 0.0)
+            )
 
     def to_decode(self, lease: Lease) -> None:
         e = lease.on

@@ -126,6 +126,7 @@ class Lease:
         "prefill_cut",
         "prefill_s",
         "probe",
+        "projected_at",
         "queued",
         "queued_on",
         "request",
@@ -156,6 +157,9 @@ class Lease:
         self.deadline = deadline
         self.tokens = tokens  # sized prompt tokens, in engine.prefill_tokens while in prefill
         self.predicted_s = predicted_s  # projected TTFT on `prefer`, for drift scoring
+        # When it was projected: the projection counts the router's queue ahead of it, so
+        # its first token is scored from here, not from when it was sent after that wait.
+        self.projected_at = time.monotonic()
         self.prefer = prefer
         self.exclude = exclude  # engine names not to place on (they refused it already)
         # When its first token is due (monotonic; None: no TTFT budget is held), and its own
@@ -187,6 +191,13 @@ class Lease:
         # says nothing of how long answers run.
         self.warm = False
         self.measured = Measured()
+
+    @property
+    def projected_ttft_s(self) -> float | None:
+        """Its first token as its projection (`predicted_s`) counted it: from when it was
+        projected, its wait in the router's queue included; None before the first token."""
+        first = self.measured.first_at
+        return first - self.projected_at if first else None
 
     @property
     def on(self) -> Engine:

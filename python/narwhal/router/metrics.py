@@ -207,7 +207,8 @@ class RouterMetrics:
         )
         self.observed_ttft = Histogram(
             "narwhal_observed_ttft_seconds",
-            "Engine TTFT of requests that had a projection",
+            "TTFT of requests that had a projection, from when they were projected (their "
+            "wait in the router's queue included, as the projection counts it)",
             ["engine"],
             buckets=_LATENCY,
             registry=r,
@@ -348,8 +349,8 @@ class RouterMetrics:
         m.output_tokens.inc(tokens)
         if tokens > 1 and lease.measured.decode_s:
             m.tpot.observe(lease.measured.decode_s / (tokens - 1))
-        if lease.predicted_s is not None and lease.measured.first_at:
-            ttft = lease.measured.first_at - lease.measured.sent_at
+        ttft = lease.projected_ttft_s
+        if lease.predicted_s is not None and ttft is not None:
             self.predicted_ttft.labels(name).observe(lease.predicted_s)
             self.observed_ttft.labels(name).observe(ttft)
             if lease.predicted_s > 0 and ttft > 0:

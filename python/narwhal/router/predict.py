@@ -510,7 +510,7 @@ class Predictor:
         return prof.observe(
             lease.request.prompt_bytes,
             m.prompt_tokens,
-            m.first_at - m.sent_at if m.first_at else None,
+            lease.projected_ttft_s,
             lease.prefill_s,
             0 if lease.warm else m.output_tokens,
             m.decode_s,
