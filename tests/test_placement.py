@@ -776,7 +776,7 @@ def test_an_engine_without_misses_of_its_own_is_judged_by_the_fleets() -> None:
     for i in range(6):  # e0's first tokens came 1.25x their projections
         lease = f.open(request(words(f"m{i}-", 100)), on="e0")
         lease.predicted_s = 1.0
-        lease.measured.sent_at = time.monotonic() - 1.25
+        lease.projected_at = lease.measured.sent_at = time.monotonic() - 1.25
         lease.measured.prompt_tokens = lease.tokens
         lease.first_output()
         lease.finished(5)
