@@ -227,6 +227,67 @@ def test_prompts_cut_in_prefill_teach_the_fit_what_long_ones_take(cached: int) -
     assert (e.prefill, e.decode, e.prefill_tokens) == (0, 0, 0)
 
 
+def test_an_engine_that_measured_short_prompts_projects_long_ones_on_the_fleets_curve() -> None:
+    """Attention makes a long prompt's tokens slower than a short one's; an engine whose
+    prompts were all short (a dozen each on 64 engines) cannot tell that curve from its
+    own, and a line through its short prompts projected 15-24k-token prompts at two thirds
+    of what they took: long prompts over the budget were admitted, or refused for load with
+    a Retry-After that could never come true. The engines that measured prompts of many
+    sizes tell the fleet's curve; past the largest prompt it measured, an engine projects
+    along it, from its own speed there (a slower device, here half as fast)."""
+
+    def h200(fresh: int) -> float:  # the simulator's curve: a half rate at 12k of context
+        return 0.02 + (fresh + fresh**2 / 24_000) / 10_000
+
+    def slow(fresh: int) -> float:
+        return 2 * h200(fresh)
+
+    engines = [Engine(EngineSpec(n), f"http://{n}", healthy=True) for n in ("wide", "short")]
+    pool, events = Pool(engines, 4, 4, eject_after=2), Events()
+    p = Predictor(engines)
+    p.watch(events)
+    adm = Admission(pool, 100, 4, 5.0, events, instead=least_loaded)
+
+    def prompt(tokens: int) -> Request:  # four bytes a token
+        text = "word " * tokens
+        return intake.check(
+            CHAT, orjson.dumps({"model": "m", "messages": [{"role": "user", "content": text}]}), "m"
+        )
+
+    def served(e: Engine, fresh: int, seconds: float) -> None:
+        async def go() -> None:
+            async with adm.place(prompt(fresh), 0.0, 1e9, prefer=e, tokens=fresh) as lease:
+                assert lease.on is e
+                lease.measured.prompt_tokens = fresh
+                lease.measured.sent_at = time.monotonic() - seconds
+                lease.first_output()
+                lease.prefill_s = seconds
+                lease.finished(8)
+
+        asyncio.run(go())
+
+    long = prompt(20_000)
+    for fresh in (2000, 5000, 3000, 4000, 2500):  # short prompts only, on the slow engine
+        served(engines[1], fresh, slow(fresh))
+    short = p.profiles["short"]
+    assert short.vouches(20_000)  # four times its largest: it may refuse one for its length
+    alone = p.project(long.prompt_bytes, engines[1])
+    assert alone.own_s is not None and alone.own_s < 0.8 * slow(20_000)  # a line: too short
+    for fresh in (500, 16_000, 1000, 12_000, 2000, 8000, 300, 20_000):  # every size
+        served(engines[0], fresh, h200(fresh))
+    # Its own speed, the fleet's curve: 20k tokens take it 7.4 s, not the line's 4.9 s.
+    proj = p.project(long.prompt_bytes, engines[1])
+    assert proj.own_s == pytest.approx(slow(20_000), rel=0.05)
+    for fresh in (2000, 4000):  # and what it measured is projected as it was measured
+        assert short.prefill_s(fresh, shape=p.shape) == pytest.approx(slow(fresh), rel=0.05)
+    # At a 6 s budget it is the prompt alone that is over, on that engine: refused for
+    # its length (no Retry-After), not admitted to come late.
+    with pytest.raises(ApiError) as err:
+        judge(p, long.prompt_bytes, [engines[1]], 6.0)
+    assert (err.value.status, err.value.code) == (429, "prompt_exceeds_ttft_budget")
+    assert "retry-after" not in err.value.headers
+
+
 def test_an_engine_that_cannot_vouch_for_a_size_is_judged_by_the_fleet_that_can() -> None:
     """At a short budget an engine measures only the short prompts placed on it: its own
     fit cannot vouch for a long one, and it admitted each long prompt it projected at
