@@ -56,17 +56,7 @@ test-python:
 # each interpreter is found (pyenv, uv, the PATH).
 MATRIX := 3.10 3.13
 test-pythons: $(STAMPS)/etcd
-	@set -e; for v in $(MATRIX); do \
-	  venv=.venv-py$$v; \
-	  if [ ! -x $$venv/bin/python ]; then \
-	    py=$$(scripts/find-python $$v); \
-	    $$py -m venv $$venv; \
-	    $$venv/bin/python -m pip install --quiet --upgrade pip; \
-	  fi; \
-	  $$venv/bin/python -m pip install --quiet -e '.[test]'; \
-	  echo "== Python $$v"; \
-	  $$venv/bin/python -m pytest -q -p no:cacheprovider; \
-	done
+	scripts/test-matrix $(MATRIX)
 
 lint: setup
 	cargo fmt --all --check
