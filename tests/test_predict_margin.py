@@ -4,6 +4,7 @@ whose projections have been missing is refused, with the margin counted in Retry
 from __future__ import annotations
 
 import asyncio
+import random
 import time
 
 import orjson
@@ -18,7 +19,7 @@ from narwhal.router.pipeline import intake
 from narwhal.router.policies import least_loaded
 from narwhal.router.policies.ttft import judge
 from narwhal.router.predict import Predictor, Profile
-from narwhal.router.request import CHAT
+from narwhal.router.request import CHAT, Request
 from tests.support import measured
 
 REQ = intake.check(
@@ -286,6 +287,45 @@ def test_an_engine_that_measured_short_prompts_projects_long_ones_on_the_fleets_
         judge(p, long.prompt_bytes, [engines[1]], 6.0)
     assert (err.value.status, err.value.code) == (429, "prompt_exceeds_ttft_budget")
     assert "retry-after" not in err.value.headers
+
+
+def test_a_prompt_too_long_alone_is_told_so_on_a_fleet_of_noisy_fits() -> None:
+    """Each engine of a large fleet fits a dozen noisy prompts; for a long prompt some
+    engine's fit is far under the truth (on 64 simulated engines the least was 0.5-0.8x),
+    and the least of them said whether the prompt was too long alone: prompts over the
+    budget by themselves were refused for load, with a Retry-After that never comes true,
+    and a client that waits it out is refused again and again. Refused (every engine's
+    guarded projection is over the budget), it is told it is too long, and no
+    Retry-After."""
+
+    def h200(fresh: int) -> float:  # the simulator's curve: a half rate at 12k of context
+        return 0.02 + (fresh + fresh**2 / 24_000) / 10_000
+
+    rng = random.Random(7)  # the same draws every run
+    sizes = [1000, 2000, 3000, 4000, 6000, 8000, 10_000, 12_000, 16_000, 20_000, 24_000]
+    engines = [Engine(EngineSpec(f"e{i}"), f"http://e{i}", healthy=True) for i in range(16)]
+    p = Predictor(engines)
+    for e in engines:
+        prof = p.profiles[e.name]
+        for _ in range(12):
+            fresh = rng.choice(sizes)
+            ran = h200(fresh) * rng.uniform(0.9, 1.1)
+            prof.observe(fresh * 4, fresh, ran, ran, 0, 0.0)
+        prof.drift, prof.drift_samples = 0.1, 10  # a typical miss of 10 %: margin 1.34
+    p._reshape()  # as the fleet's learning does after each sample
+    assert p.shape is not None
+    fresh, budget = 27_000, 5.0  # 5.7 s alone
+    assert h200(fresh) > 1.1 * budget
+    owns = [p.project(fresh * 4, e).own_s or 0.0 for e in engines]
+    assert min(owns) < budget  # the premise: some engine's own fit is well under the truth
+    with pytest.raises(ApiError) as err:
+        judge(p, fresh * 4, engines, budget)
+    assert (err.value.status, err.value.code) == (429, "prompt_exceeds_ttft_budget")
+    assert "retry-after" not in err.value.headers
+    # One a little under the budget alone is refused for load, as it was (the margin).
+    with pytest.raises(ApiError) as err:
+        judge(p, 24_000 * 4, engines, budget)  # 4.8 s alone
+    assert err.value.code == "ttft_budget_exceeded" and "retry-after" in err.value.headers
 
 
 def test_an_engine_that_cannot_vouch_for_a_size_is_judged_by_the_fleet_that_can() -> None:

@@ -176,20 +176,23 @@ def _within_budget(ps: list[Projection], budget_s: float, share: float = 1.0) ->
     engine whose profile does not vouch for the prompt's size fits while what is ahead of
     the prompt there does: it is admitted to, and learns, rather than refusing on a guess."""
     unsure = [p for p in ps if not p.sure]
-    if not unsure and min(p.own_s or 0.0 for p in ps) > budget_s / share:
-        fastest = min(ps, key=lambda p: p.own_s or 0.0)
-        raise ApiError(
-            429,
-            f"the prompt alone is projected to take {fastest.own_s:.2f}s to "
-            f"prefill, over the {budget_s:.2f}s TTFT budget; shorten the prompt "
-            "or raise the target (x-narwhal-ttft-target-ms)",
-            type="rate_limit_error",
-            code="prompt_exceeds_ttft_budget",
-        ).ended(End.PROMPT_EXCEEDS_TTFT_BUDGET)
     fit = [p for p in ps if (p.guarded_s or 0.0) <= budget_s]
     if not fit and unsure:
         fit = [p for p in unsure if _ahead_s(p) <= budget_s]
     if not fit:
+        # Refused: for the prompt's own length where, on every engine, what its prefill
+        # alone is told to take is over the budget (`Profile.alone_s`: never less than the
+        # projection that refused it), and no Retry-After would come true.
+        alone = [_alone_s(p) for p in ps]
+        if not unsure and min(alone) > budget_s / share:
+            raise ApiError(
+                429,
+                f"the prompt alone is projected to take {min(alone):.2f}s to "
+                f"prefill, over the {budget_s:.2f}s TTFT budget; shorten the prompt "
+                "or raise the target (x-narwhal-ttft-target-ms)",
+                type="rate_limit_error",
+                code="prompt_exceeds_ttft_budget",
+            ).ended(End.PROMPT_EXCEEDS_TTFT_BUDGET)
         best = min(ps, key=_rank)
         assert best.guarded_s is not None
         overrun = max(1, round(best.guarded_s - budget_s))
@@ -210,6 +213,10 @@ def _within_budget(ps: list[Projection], budget_s: float, share: float = 1.0) ->
             headers={"retry-after": str(overrun)},
         ).ended(End.QUEUE_WAIT if queue else End.TTFT_BUDGET_EXCEEDED)
     return fit
+
+
+def _alone_s(p: Projection) -> float:
+    return max(p.own_s or 0.0, p.alone_s or 0.0)
 
 
 def _ahead_s(p: Projection) -> float:
