@@ -20,9 +20,11 @@ times the real prefill and refused prompts a fleet served in a fraction of the b
 from __future__ import annotations
 
 import copy
+import functools
 import math
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import orjson
@@ -139,7 +141,7 @@ class PrefillFit:
         slope on `fresh + shape x context^2`, the overhead kept where it passes the line's
         significance test, else the secant through the mean: (seconds a thousand tokens
         along it, overhead in s). One slope is told far better than two by a dozen noisy
-        prompts (`Predictor.alone_s`)."""
+        prompts (`Profile.alone_s`)."""
         m1, m2, mt, m11, m12, m22, m1t, m2t, mtt = self.m
         mz = m1 + shape * m2
         vz = (m11 - m1 * m1) + 2 * shape * (m12 - m1 * m2) + shape * shape * (m22 - m2 * m2)
@@ -229,10 +231,11 @@ class Profile:
         `shape`: the fleet's curve (`Predictor.shape`), which a prompt larger than any this
         engine measured is projected along, from what its own fit says of the largest it
         measured, where that says more than its own fit does: on 64 engines measuring a
-        dozen prompts each, mostly short, a line through one engine's projected prompts of
-        15-24k tokens at two thirds of their time. Within what it measured, its own fit
-        alone (where the fleet's curve replaced every engine's own on 8 engines that each
-        measured every size, more streams missed their TPOT: bench/README.md)."""
+        dozen prompts each, mostly short, a line through one engine's short prompts
+        projected prompts of 15-24k tokens at two thirds of their time. Within what it
+        measured, its own fit alone (where the fleet's curve replaced every engine's own
+        on 8 engines that each measured every size, more streams missed their TPOT:
+        bench/README.md)."""
         assert self.prefill_tps is not None
         prompt = fresh if prompt is None else prompt
         work = fresh / self.prefill_tps + self.quad_s * (prompt * prompt - (prompt - fresh) ** 2)
@@ -245,7 +248,7 @@ class Profile:
             work = max(work, at_top * along)
         return self.overhead_s + work * self.correction
 
-    def alone_s(self, fresh: int, prompt: int, shape: float | None) -> float:
+    def alone_s(self, fresh: int, prompt: int, shape: float | None, speed: float = 1.0) -> float:
         """What the prompt's prefill alone is told to take where it is refused for it: its
         projection (`prefill_s`), or where the fleet's curve is known, its samples' fit
         along that curve if that says more. Each engine's own fit of a dozen noisy prompts
@@ -253,13 +256,14 @@ class Profile:
         least of them 0.5-0.8x the truth, their median 0.97x), and the least of 64 judged
         whether a prompt was too long alone: prompts of 5.5-9 s alone at a 5 s budget were
         refused for load, with a Retry-After that never comes true. Along the fleet's curve
-        one slope is fitted, not two: the least of 64 then 0.9x or more."""
+        one slope is fitted, not two: the least of 64 then 0.9x or more. `speed`: how much
+        longer the engine it is told for takes (`speed_against`, where this is a lender)."""
         own = self.prefill_s(fresh, prompt, shape)
         if shape is None or not self.fit.count or self.prefill_tps is None:
-            return own
+            return own * speed
         b, overhead = self.fit.along(shape)
         work = b * (fresh + shape * (prompt * prompt - (prompt - fresh) ** 2) / 1000) / 1000
-        return max(own, overhead + work * self.correction)
+        return max(own, overhead + work * self.correction) * speed
 
     def observe(
         self,
@@ -412,9 +416,9 @@ class Projection:
     # The engine's profile vouches for this prompt's size (`Profile.vouches`): the projection
     # may refuse it. Else it only places it.
     sure: bool = True
-    # What its prefill alone is told to take where it is refused (`Profile.alone_s`; the
-    # admission decision reads own_s and guarded_s, never this).
-    alone_s: float | None = None
+    # What its prefill alone is told to take, asked only where it is refused (`Profile.alone_s`:
+    # admission's decision reads own_s and guarded_s, never this).
+    alone: Callable[[], float] | None = None
 
 
 class Predictor:
@@ -720,14 +724,14 @@ class Predictor:
         if lender is not None and not mine.vouches(fresh) and lender.vouches(fresh):
             speed = speed_against(mine, lender)
             own = lender.prefill_s(fresh, tokens, self.shape) * speed
-            alone = lender.alone_s(fresh, tokens, self.shape) * speed
+            alone = functools.partial(lender.alone_s, fresh, tokens, self.shape, speed)
             sure = True
         elif mine.prefill_tps is not None:
             own = mine.prefill_s(fresh, tokens, self.shape)
-            alone = mine.alone_s(fresh, tokens, self.shape)
+            alone = functools.partial(mine.alone_s, fresh, tokens, self.shape)
             sure = mine.vouches(fresh)
         else:
-            own = alone = 0.0
+            own, alone = 0.0, None
             sure = False
         waiting = prof.ahead_s(sum(e.queued_tokens[: rank + 1]), sum(e.queued_sq[: rank + 1]))
         ahead = prof.ahead_s(e.prefill_tokens, e.prefill_sq) + e.behind_s(time.monotonic())

@@ -216,7 +216,7 @@ def _within_budget(ps: list[Projection], budget_s: float, share: float = 1.0) ->
 
 
 def _alone_s(p: Projection) -> float:
-    return max(p.own_s or 0.0, p.alone_s or 0.0)
+    return max(p.own_s or 0.0, p.alone() if p.alone is not None else 0.0)
 
 
 def _ahead_s(p: Projection) -> float:
