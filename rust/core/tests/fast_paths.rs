@@ -226,6 +226,32 @@ proptest! {
     }
 }
 
+/// Frames whose typed parse fails (`choices: null`) take the general path without the
+/// reader and the fast path with it: empty values must read alike on both (proptest found
+/// `prompt_token_ids: {}` an error on one and nothing on the other).
+#[test]
+fn empty_values_read_alike_on_both_paths() {
+    let first =
+        r#"{"choices":[{"text":"a","index":0,"token_ids":[1]}],"usage":{"prompt_tokens":3,"completion_tokens":1}}"#;
+    for second in [
+        r#"{"choices":null,"usage":{}}"#,
+        r#"{"choices":[],"usage":{}}"#,
+        r#"{"choices":null,"usage":[]}"#,
+        r#"{"choices":null,"prompt_token_ids":[]}"#,
+        r#"{"choices":null,"prompt_token_ids":{}}"#,
+        r#"{"choices":null,"model":{}}"#,
+    ] {
+        let frames = [first.to_owned(), second.to_owned()];
+        for kind in [Kind::Chat, Kind::Completion] {
+            assert_eq!(assembled(&frames, kind, true), assembled(&frames, kind, false), "{second}");
+        }
+    }
+    // An empty usage keeps the one before it.
+    let frames = [first.to_owned(), r#"{"choices":[],"usage":{}}"#.to_owned()];
+    let out = assembled(&frames, Kind::Completion, true).unwrap();
+    assert!(String::from_utf8(out).unwrap().contains(r#""prompt_tokens":3"#));
+}
+
 #[test]
 fn generator_reaches_the_fast_paths() {
     use proptest::strategy::ValueTree;

@@ -28,7 +28,12 @@ impl Assembler {
             self.meta_raw[i] = raw.0.to_owned();
         }
         if let Some(u) = non_null(f.usage) {
-            self.usage = Some(serde_json::from_str(u.0).ok()?);
+            // An empty usage says nothing: the last one that said something stands, as on
+            // the general path.
+            let v: Value = serde_json::from_str(u.0).ok()?;
+            if has_value(&v) {
+                self.usage = Some(v);
+            }
         }
         if let Some(p) = non_null(f.prompt_token_ids) {
             let mut ids = Vec::new();

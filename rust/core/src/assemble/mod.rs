@@ -241,7 +241,9 @@ impl Assembler {
                     }
                 }
                 "prompt_token_ids" => {
-                    if has_value(&value) {
+                    // As the fast path reads it: anything but null is a list of IDs (an
+                    // empty object is no list; an empty list is the prompt's, empty).
+                    if !value.is_null() {
                         let mut ids = Vec::new();
                         id_list(&value, "prompt_token_ids", &mut ids)?;
                         self.prompt_token_ids = Some(ids);
