@@ -51,7 +51,7 @@ def test_a_new_engine_starts_from_the_fleets_median_profile_and_is_probed_first(
     p.add(_engine("d"))
     new = p.profiles["d"]
     assert new.prefill_tps == 200.0 and new.bytes_per_token == 4.0
-    assert new.measured_at == 0.0  # the profiler measures it before any other
+    assert new.measured_at is None  # the profiler measures it before any other
     assert p.project(4000, _engine("d")).total_s == pytest.approx(1000 / 200.0)
 
 

@@ -204,9 +204,16 @@ class Profile:
     # slows it), applied to every projection. Learned from every request with a projection,
     # not only from those that had the engine to themselves.
     correction: float = 1.0
-    measured_at: float = 0.0  # monotonic time of the last good measurement
+    # Monotonic time of the last good measurement; None: never. (Not 0.0: the monotonic
+    # clock counts from the machine's boot, so on a machine up for less than the probe
+    # interval "never" read as recent, and the profiler left a new engine unmeasured.)
+    measured_at: float | None = None
     fit: PrefillFit = field(default_factory=PrefillFit, repr=False)
     curve: float | None = None  # its samples' curve (`PrefillFit.curve`), once they tell one
+
+    def age_s(self, now: float) -> float:
+        """Seconds since its last good measurement (infinite: never measured)."""
+        return math.inf if self.measured_at is None else now - self.measured_at
 
     def ahead_s(self, tokens: int, squares: int) -> float:
         """The prefill of prompts of `tokens` in all, their squares summing to `squares`, one
@@ -635,8 +642,10 @@ class Predictor:
             p = self.profiles[e.name]
             if p.prefill_tps is None:
                 return None
-            if now - p.measured_at > self.stale_after_s:
-                reasons.append(f"{e.name}: telemetry is {now - p.measured_at:.0f}s old")
+            age = p.age_s(now)
+            if age > self.stale_after_s:
+                told = "never measured" if p.measured_at is None else f"{age:.0f}s old"
+                reasons.append(f"{e.name}: telemetry is {told}")
             elif (
                 p.drift is not None
                 and p.drift_samples >= self.drift_min_samples

@@ -92,7 +92,7 @@ class Profiler:
                 if self.leadership.serving() is not None:
                     break
                 profile = self.predictor.profiles[e.name]
-                age = time.monotonic() - profile.measured_at
+                age = profile.age_s(time.monotonic())
                 if e.inflight or (age < self.interval_s and not degraded):
                     continue
                 await self.measure(e, rebase=degraded)
