@@ -812,6 +812,27 @@ def test_a_generous_max_tokens_does_not_hide_that_most_answers_are_short() -> No
     assert f.judge(long).prefer is f.engines[0]
 
 
+def test_a_prefill_that_would_break_one_answer_in_eight_waits() -> None:
+    """Held to the quarter of answers that stop soonest, a new stream beside which one
+    answer in eight is short was read as long (the quarter's length is the long answers'),
+    and the prefill that breaks the short ones was placed beside it: the fleet bench's
+    streams over the TPOT target were such short answers, a few in every hundred served.
+    Held to the tenth, it waits."""
+    f = Fleet(n=1, tpot_target_s=0.05)
+    f.learn_tau0(0.01)
+    for i in range(160):  # one answer in eight is 20 tokens, the rest 2,000
+        done = f.open(request(words(f"d{i}-", 10)), on="e0")
+        done.first_output()
+        done.finished(20 if i % 8 == 0 else 2000)
+        done.release()
+    lease = f.open(request(words("s", 10), max_tokens=2048), on="e0")
+    lease.measured.tally = Counted(1)
+    lease.first_output()
+    long = request(words("L", 1000))  # 1 s of prefill: a 20-token answer beside it misses
+    with pytest.raises(NoEngineKeepsPace):
+        f.judge(long)
+
+
 def test_late_first_tokens_widen_every_projection_until_lateness_is_rare() -> None:
     """What the projection misses at the edge of the budget, where a full fleet places what
     it admits, is learned from the first tokens that came late: a request projected just
