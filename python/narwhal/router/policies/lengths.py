@@ -23,7 +23,8 @@ import math
 # over fewer tokens than it will be. At a quarter, TPOT_AIM's slack did not cover them: the
 # streams served over the TPOT target were short answers (13-76 tokens, held to ~95) and
 # kept Narwhal under 99 % of what it serves within SLO on most fleets; at a tenth, on 64
-# engines, 2-3.5x fewer such streams for no more refused (bench/README.md).
+# engines, 2-3.5x fewer such streams, for a few more refusals at light load on 8 engines
+# (bench/README.md, "Answers held to the tenth").
 QUANTILE = 0.1
 # Log-spaced buckets, this many an octave, up to 2^OCTAVES tokens.
 PER_OCTAVE = 4
