@@ -789,22 +789,30 @@ def test_an_engine_without_misses_of_its_own_is_judged_by_the_fleets() -> None:
     assert Fleet(n=2).predictor.margin(e1) == 1.0  # nothing scored anywhere: no margin
 
 
-def test_a_generous_max_tokens_does_not_hide_that_most_answers_are_short() -> None:
-    """Clients ask for 2,048 tokens and most answers stop after a few dozen: the ledger holds
-    a new stream to what answers here run to (a low quantile of them), so the prefill that
-    would break a short answer's TPOT waits; past the short answers' lengths, the stream is
-    held to what the answers that got as far ran to."""
+def _a_new_stream_after(lengths: list[int]) -> tuple[Fleet, Counted]:
+    """One engine (TPOT target 50 ms, steps of 10 ms) that has answered `lengths`, and a
+    stream that asked for 2,048 tokens, its first counted: the fleet and its tally."""
     f = Fleet(n=1, tpot_target_s=0.05)
     f.learn_tau0(0.01)
-    for i in range(100):  # four answers in five are 20 tokens, one is 2,000
+    for i, tokens in enumerate(lengths):
         done = f.open(request(words(f"d{i}-", 10)), on="e0")
         done.first_output()
-        done.finished(2000 if i % 5 == 4 else 20)
+        done.finished(tokens)
         done.release()
     lease = f.open(request(words("s", 10), max_tokens=2048), on="e0")
     tally = Counted(1)
     lease.measured.tally = tally
     lease.first_output()
+    return f, tally
+
+
+def test_a_generous_max_tokens_does_not_hide_that_most_answers_are_short() -> None:
+    """Clients ask for 2,048 tokens and most answers stop after a few dozen: the ledger holds
+    a new stream to what answers here run to (a low quantile of them), so the prefill that
+    would break a short answer's TPOT waits; past the short answers' lengths, the stream is
+    held to what the answers that got as far ran to."""
+    # Four answers in five are 20 tokens, one is 2,000.
+    f, tally = _a_new_stream_after([2000 if i % 5 == 4 else 20 for i in range(100)])
     long = request(words("L", 1000))  # 1 s of prefill: a 20-token answer beside it misses
     with pytest.raises(NoEngineKeepsPace):
         f.judge(long)
@@ -818,16 +826,8 @@ def test_a_prefill_that_would_break_one_answer_in_eight_waits() -> None:
     and the prefill that breaks the short ones was placed beside it: the fleet bench's
     streams over the TPOT target were such short answers, a few in every hundred served.
     Held to the tenth, it waits."""
-    f = Fleet(n=1, tpot_target_s=0.05)
-    f.learn_tau0(0.01)
-    for i in range(160):  # one answer in eight is 20 tokens, the rest 2,000
-        done = f.open(request(words(f"d{i}-", 10)), on="e0")
-        done.first_output()
-        done.finished(20 if i % 8 == 0 else 2000)
-        done.release()
-    lease = f.open(request(words("s", 10), max_tokens=2048), on="e0")
-    lease.measured.tally = Counted(1)
-    lease.first_output()
+    # One answer in eight is 20 tokens, the rest 2,000.
+    f, _ = _a_new_stream_after([20 if i % 8 == 0 else 2000 for i in range(160)])
     long = request(words("L", 1000))  # 1 s of prefill: a 20-token answer beside it misses
     with pytest.raises(NoEngineKeepsPace):
         f.judge(long)
