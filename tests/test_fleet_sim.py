@@ -29,11 +29,13 @@ from bench.fleet.replay import (
     Result,
     doors,
     duration_s,
+    engine_stats,
     model_of,
     models,
     one,
     peer_command,
     request_body,
+    reset_counters_only,
 )
 from bench.fleet.traces import Request, describe, generate, prompt_text
 from tests.support import ROOT, free_port, sse_frames, start_router, wait_http, wait_until
@@ -204,6 +206,23 @@ def test_a_client_that_leaves_cancels_its_sequence(sim: str) -> None:
     while (st := httpx.get(sim + "/sim/stats").json())["running"] or st["waiting"]:
         assert time.monotonic() < end, "the sequence stayed after its client left"
         time.sleep(0.05)
+
+
+def test_a_request_the_engines_admit_twice_is_counted_by_its_id(sim: str) -> None:
+    asyncio.run(reset_counters_only([sim]))
+
+    def send(rid: str) -> None:
+        body = {"messages": [{"role": "user", "content": text("r", 20)}], "max_tokens": 2}
+        r = httpx.post(
+            sim + "/v1/chat/completions", json=body, headers={"x-request-id": rid}, timeout=30
+        )
+        assert r.status_code == 200
+
+    send("q0")
+    send("q1")
+    assert asyncio.run(engine_stats([sim], 0.05))[4] == 0
+    send("q1")  # the same request again, as a second router or a retry would send it
+    assert asyncio.run(engine_stats([sim], 0.05))[4] == 1
 
 
 def test_equal_hash_ids_are_equal_text_and_the_rate_is_the_fleet_s_capacity() -> None:

@@ -9,6 +9,7 @@ import concurrent.futures
 import contextlib
 import os
 import signal
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -273,6 +274,94 @@ def test_a_fencing_engine_serves_every_active_router_and_refuses_one_whose_key_w
                 ).status_code
                 == 200
             )
+    finally:
+        lexi.stop()
+
+
+def test_active_routers_cut_off_from_etcd_stop_placing_before_their_leases_could_lapse(
+    etcd: EtcdServer, engines: list[str], tmp_path: Path
+) -> None:
+    reset(engines)
+    text = config(etcd, engines, "/act8/leader")
+    with routers(tmp_path, text, 2) as (a, b):
+        assert ask(a, "before").status_code == ask(b, "before").status_code == 200
+        etcd.pause()
+        try:
+            # Each lease lapses TTL after its last renewal at the latest: every router stops
+            # placing before that, and says why.
+            def answer(status: int) -> bool:
+                return all(ask(r, "cut off").status_code == status for r in (a, b))
+
+            wait_until(lambda: answer(503), TTL)
+            for r in (a, b):
+                assert httpx.get(r.url + "/ready").json()["reason"].startswith("fenced")
+        finally:
+            etcd.resume()
+        wait_until(lambda: answer(200), TTL + 5)  # each takes a key of its own again
+
+
+def test_an_active_router_paused_past_its_ttl_serves_nothing_on_its_lapsed_lease(
+    etcd: EtcdServer, model_path: str, tmp_path: Path
+) -> None:
+    key = "/act9/leader"
+    lexi = start_engine(
+        model_path,
+        "--alias",
+        "main",
+        "--parallel",
+        "4",
+        "--fence",
+        "--fence-etcd",
+        etcd.url,
+        "--fence-key",
+        key,
+    )
+    try:
+        text = (
+            config(etcd, [], key)
+            .replace("admission: predictive", "admission: open")
+            .replace(
+                "engines:\n", f"engines:\n  - {{name: lexi, url: '{lexi.url}', dialect: lexi}}\n"
+            )
+        )
+        with routers(tmp_path, text, 2) as (a, b):
+            wait_until(lambda: metric(b, "narwhal_peers") == 1, 10)
+            assert ask(a, "before").status_code == 200
+            old = leadership(a)["fencing_token"]
+            os.killpg(a.proc.pid, signal.SIGSTOP)  # the whole router, frozen mid-lease
+            try:
+                statuses: list[int] = []
+                # Requests that reach the frozen router wait in its socket's backlog.
+                sent = [
+                    threading.Thread(target=lambda: statuses.append(ask(a, "held").status_code))
+                    for _ in range(3)
+                ]
+                for t in sent:
+                    t.start()
+                # Its key lapses: the other router sees it go.
+                wait_until(lambda: metric(b, "narwhal_peers") == 0, TTL + 5)
+            finally:
+                os.killpg(a.proc.pid, signal.SIGCONT)
+            for t in sent:
+                t.join(60)
+            # Woken, it either knew its lease was not proven any more (503) or served under
+            # a key and token of its own again: the engine takes the lapsed token from no one.
+            assert len(statuses) == 3 and set(statuses) <= {200, 503}, statuses
+            wait_until(lambda: ask(a, "back").status_code == 200, TTL + 5)
+            assert leadership(a)["fencing_token"] > old
+            # Nothing came to the engine under the lapsed token (the router's own gate)...
+            assert metric(lexi, "lexi_fenced_requests_total") == 0
+            stale = httpx.post(
+                lexi.url + "/v1/completions",
+                json={"prompt": "Hi", "max_tokens": 1},
+                headers={
+                    "x-narwhal-fence": str(old),
+                    "x-narwhal-fence-router": leadership(a)["key"].rsplit("/", 1)[1],
+                },
+                timeout=60,
+            )
+            # ...and had it come, the engine would have refused it.
+            assert stale.status_code == 409 and stale.json()["error"]["code"] == "fenced"
     finally:
         lexi.stop()
 

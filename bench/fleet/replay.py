@@ -16,7 +16,9 @@ goodput (SLO-met requests a second over the trace's own duration at that load, t
 divisor for every door), TTFT p50/p90/p99 of what was served, the fleet's prefix-cache hit
 rate (cached / prompt tokens, as the engines counted them), the door's CPU per request
 (its whole process tree), and in the JSON `sim_lag`: how much slower than their model the
-engines ran because this machine's loop woke late (a cell it could not keep up with).
+engines ran because this machine's loop woke late (a cell it could not keep up with), and
+`placed_twice`: requests the engines admitted more than once (each is sent with an
+`x-request-id` of its own, which Narwhal forwards; `seen_by_id` says how many came with it).
 Every time is measured on the wall clock and divided by `--time-scale`.
 
 The protocol (`--protocol`):
@@ -87,6 +89,7 @@ class Outcome:
     model: str = ""  # the model it asks for (--models; "": the router's one)
     prompt: int = 0  # its prompt tokens, as the trace says
     abandoned: bool = False  # the client gave up before a first token (a miss)
+    rid: str = ""  # the `x-request-id` it is sent with ("": none)
 
 
 @dataclass
@@ -103,6 +106,10 @@ class Result:
     # late (their summed lateness over their summed step time, on the wall clock): a cell
     # this machine could not keep up with says so here.
     sim_lag: float = 0.0
+    # Requests the engines admitted more than once, by the ID each was sent with (a door
+    # that does not forward `x-request-id` shows none either way).
+    placed_twice: int = 0
+    seen_by_id: int = 0  # of the requests the engines admitted, those that came with an ID
     run: int = 1
 
     def summary(self, budget_s: float, tpot_s: float, duration_s: float) -> dict[str, Any]:
@@ -151,6 +158,8 @@ class Result:
             "missed_tpot": sum(1 for x in served if (x.tpot_s or 0.0) > tpot_s),
             "prefix_hit": self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0,
             "preemptions": self.preemptions,
+            "placed_twice": self.placed_twice,
+            "seen_by_id": self.seen_by_id,
             "sim_lag": self.sim_lag,
             "cpu_ms_per_request": 1000 * self.cpu_s / len(o) if o else 0.0,
             "by_class": _breakdown(o, refused, met, served, lambda x: x.klass),
@@ -255,6 +264,8 @@ async def _one(
 ) -> None:
     body = request_body(r, client, out.model)
     headers = {"content-type": "application/json"}
+    if out.rid:
+        headers["x-request-id"] = out.rid
     if out.klass:
         headers["authorization"] = f"Bearer key-{out.klass}"
     if r.session:
@@ -315,7 +326,12 @@ async def offer(
     `classes`, each request of a class (in those shares, the same requests every run), and
     with `only` that class's requests alone (the rest are not sent, nor returned)."""
     outs = [
-        Outcome(klass=klass_of(i, classes), model=model_of(i, served), prompt=r.input_length)
+        Outcome(
+            klass=klass_of(i, classes),
+            model=model_of(i, served),
+            prompt=r.input_length,
+            rid=f"q{i}",
+        )
         for i, r in enumerate(trace)
     ]
     # A pooled connection is let go after 5 s idle (httpx's default; aiohttp's is 15 s): a
@@ -388,12 +404,15 @@ async def warm(
     await offer([url], warmup, 1.0, scale, critical, None, EXACT, served)
 
 
-async def engine_stats(urls: list[str], scale: float) -> tuple[int, int, int, float]:
-    """The fleet's prompt tokens, cached tokens, preemptions and lag (the engines' lateness
-    over their step time on the wall clock, `scale` times the model's) since the last reset."""
+async def engine_stats(urls: list[str], scale: float) -> tuple[int, int, int, float, int, int]:
+    """The fleet's prompt tokens, cached tokens, preemptions, lag (the engines' lateness
+    over their step time on the wall clock, `scale` times the model's) and requests admitted
+    more than once (by their IDs, over every engine), of the requests seen by ID, since the
+    last reset."""
     async with aiohttp.ClientSession() as s:
         p = c = k = 0
         lag = busy = 0.0
+        seen: dict[str, int] = {}
         for u in urls:
             async with s.get(u + "/sim/stats") as r:
                 d = await r.json()
@@ -402,7 +421,10 @@ async def engine_stats(urls: list[str], scale: float) -> tuple[int, int, int, fl
                 k += d.get("preemptions", 0)
                 lag += d.get("lag_s", 0.0)
                 busy += d.get("busy_s", 0.0)
-        return p, c, k, lag / (busy * scale) if busy else 0.0
+                for rid in d.get("request_ids", ()):
+                    seen[rid] = seen.get(rid, 0) + 1
+        twice = sum(1 for n in seen.values() if n > 1)
+        return p, c, k, lag / (busy * scale) if busy else 0.0, twice, len(seen)
 
 
 async def reset(urls: list[str]) -> None:
@@ -581,7 +603,8 @@ def run_door(
         )
         res.cpu_s = sum(tree_cpu(p.pid) for p in procs) - cpu0
         stats = asyncio.run(engine_stats(engines, a.time_scale))
-        res.prompt_tokens, res.cached_tokens, res.preemptions, res.sim_lag = stats
+        res.prompt_tokens, res.cached_tokens, res.preemptions, res.sim_lag = stats[:4]
+        res.placed_twice, res.seen_by_id = stats[4:]
     finally:
         stop(procs)
     return res
@@ -678,6 +701,17 @@ def spread(rows: list[dict[str, Any]]) -> str:
             f"{fig('served_within_slo', True)} | {fig('ttft_p99_s')} |"
         )
     return "\n".join(out)
+
+
+def twice(rows: list[dict[str, Any]]) -> str:
+    """Per door, the requests the engines admitted more than once, over every cell."""
+    per: dict[str, tuple[int, int]] = {}
+    for r in rows:
+        twice, seen = per.get(r["door"], (0, 0))
+        per[r["door"]] = (twice + r.get("placed_twice", 0), seen + r.get("seen_by_id", 0))
+    return "placed twice (by request ID, over every cell): " + ", ".join(
+        f"{door} {n} of {seen} seen by ID" for door, (n, seen) in per.items()
+    )
 
 
 def table(rows: list[dict[str, Any]]) -> str:
@@ -932,6 +966,7 @@ def main() -> None:
     print(title)
     print(table(rows))
     print(spread(rows))
+    print(twice(rows))
     if a.classes:
         print(share_table(rows, "by_class", "class"))
     if a.models:

@@ -51,6 +51,9 @@ class SimEngine:
         self.ready: dict[Seq, asyncio.Event] = {}
         self.busy_s = 0.0
         self.lag_s = 0.0
+        # Each admitted request's `x-request-id`, as the door forwarded it: an ID the fleet
+        # saw twice is a request placed twice (two routers, or a retry after it was sent).
+        self.request_ids: list[str] = []
 
     async def run(self) -> None:
         gpu = self.gpu
@@ -136,6 +139,8 @@ def make_app(engine: SimEngine) -> web.Application:
         ids = bool(body.get("return_token_ids"))
         usage = bool((body.get("stream_options") or {}).get("include_usage"))
         stream = bool(body.get("stream"))
+        if rid := request.headers.get("x-request-id"):
+            engine.request_ids.append(rid)
         ev = engine.submit(seq)
         writer = _Writer(chat, ids, created, engine.name)
         try:
@@ -199,12 +204,14 @@ def make_app(engine: SimEngine) -> web.Application:
                 "running": len(g.running),
                 "waiting": len(g.waiting),
                 "preemptions": g.preemptions,
+                "request_ids": engine.request_ids,
             }
         )
 
     async def reset(request: web.Request) -> web.Response:
         g = engine.gpu
         engine.busy_s = engine.lag_s = 0.0
+        engine.request_ids = []
         if request.query.get("counters"):  # the counters only; the cache stays
             g.prompt_tokens = g.cached_tokens = g.served = g.preemptions = 0
             return web.json_response({"reset": "counters"})
