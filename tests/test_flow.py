@@ -14,6 +14,7 @@ import orjson
 import pytest
 from aiohttp import web
 
+from narwhal import asgi
 from narwhal.errors import ApiError
 from narwhal.router.app import Router
 from narwhal.router.config import parse
@@ -201,3 +202,33 @@ def test_placement_takes_another_engine_when_one_answers_429(second: int) -> Non
         assert (b"retry-after", b"3") in sent[0]["headers"]
         assert finished(r) == {"rejected": 1.0}
         assert sample(r, "narwhal_rejected_total", reason="engine_busy", model="main") == 1
+
+
+def test_a_refusals_access_line_says_how_near_it_came() -> None:
+    r = router()
+    (e,) = r.pool.engines
+    e.prefill, e.prefill_tokens = 1, 900  # 0.9 s of prefill ahead on the one engine
+    prof = r.predictor.profiles["a"] if r.predictor is not None else None
+    assert prof is not None
+    prof.drift, prof.drift_samples = 0.15, 5  # its projections miss by about 16 % either way
+    rec = asgi.Record("near")
+    token = asgi.current.set(rec)
+    try:
+        err = call(r, chat(18))  # 90 bytes: 23 tokens, 0.02 s alone
+    finally:
+        asgi.current.reset(token)
+    assert (err.status, err.code) == (429, "ttft_budget_exceeded")
+    f = rec.fields
+    assert f["outcome"] == "refused" and f["reason"] == "ttft_budget_exceeded"
+    # Under the budget as projected, over it as widened by the margin: refused for the margin.
+    assert f["projected_ms"] < 1000 * BUDGET_S < f["guarded_ms"]
+    assert 0 < f["own_ms"] < f["projected_ms"]
+
+    rec = asgi.Record("alone")
+    token = asgi.current.set(rec)
+    try:
+        err = call(r, chat(2000))
+    finally:
+        asgi.current.reset(token)
+    assert err.code == "prompt_exceeds_ttft_budget"
+    assert rec.fields["alone_ms"] > 1000 * BUDGET_S

@@ -320,9 +320,11 @@ async def offer(
     only: str | None = None,
     client: Client = EXACT,
     served: list[Served] | None = None,
+    ids: str = "q",
 ) -> tuple[list[Outcome], float]:
     """Every request at its time (open loop): the trace's pace times `load`, spread over
-    `urls` in turn (a door's one URL, or the engines themselves for `direct`); with
+    `urls` in turn (a door's one URL, or the engines themselves for `direct`), each with the
+    `x-request-id` `ids` + its index in `trace` (the door's access lines name it); with
     `classes`, each request of a class (in those shares, the same requests every run), and
     with `only` that class's requests alone (the rest are not sent, nor returned)."""
     outs = [
@@ -330,7 +332,7 @@ async def offer(
             klass=klass_of(i, classes),
             model=model_of(i, served),
             prompt=r.input_length,
-            rid=f"q{i}",
+            rid=f"{ids}{i}",
         )
         for i, r in enumerate(trace)
     ]
@@ -401,7 +403,7 @@ async def warm(
         for i in range(n)
     ]
     critical = [("critical", 1.0)] if keyed else None
-    await offer([url], warmup, 1.0, scale, critical, None, EXACT, served)
+    await offer([url], warmup, 1.0, scale, critical, None, EXACT, served, ids="warm")
 
 
 async def engine_stats(urls: list[str], scale: float) -> tuple[int, int, int, float, int, int]:

@@ -31,6 +31,8 @@ class ApiError(Exception):
         # `narwhal.router.endings.End`, which this module shared with the engine does not
         # know).
         self.cause: object | None = None
+        # What the access line says of it beyond its code (a refusal's projection, say).
+        self.fields: dict[str, object] = {}
 
     def ended(self, cause: object) -> ApiError:
         """This error, saying how the request ended; the stage nearest the cause says it

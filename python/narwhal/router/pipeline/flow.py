@@ -101,6 +101,8 @@ class Flow:
                 self.admission.release_retention()
         except ApiError as e:
             end.by(e)
+            if rec is not None and e.fields:
+                rec.fields.update(e.fields)
             if record is not None and end.outcome in ("refused", "rejected"):
                 record.refusal = {"status": e.status, "code": e.code, "message": e.message}
                 # The client can quote it; the operator reads why (GET /admin/requests/ID).

@@ -142,14 +142,16 @@ class Placer:
                 End.FENCED
             ) from None
         except BudgetSpent as e:
-            raise ApiError(
+            spent = ApiError(
                 429,
                 "waiting for a seat spent the TTFT budget: its first token could no longer "
                 "come in time",
                 type="rate_limit_error",
                 code="ttft_budget_exceeded",
                 headers={"retry-after": str(max(1, round(e.overrun_s)))},
-            ).ended(End.QUEUE_WAIT) from None
+            ).ended(End.QUEUE_WAIT)
+            spent.fields["overrun_ms"] = round(e.overrun_s * 1000, 1)
+            raise spent from None
         except Expired:
             raise ApiError(
                 504,
