@@ -383,3 +383,42 @@ def test_a_slower_engine_judged_by_a_faster_ones_measurements_is_projected_at_it
     with pytest.raises(ApiError) as e:
         judge(p, prompt, [engines[1]], 6.0, lender=lender)
     assert e.value.status == 429
+
+
+def test_a_prompt_near_the_budget_is_judged_by_how_projections_that_near_it_missed() -> None:
+    """Short projections miss by much of themselves (fixed overheads, a step's jitter) and
+    long ones by little: read from every projection, the margin refused prompts that take
+    0.6-0.7 of the budget alone on an idle engine. The margin reads the misses of the
+    projections it decides, those at half the budget or more."""
+    (e,) = engines = [Engine(EngineSpec("e"), "http://e", healthy=True)]
+    pool, events = Pool(engines, 4, 4, eject_after=2), Events()
+    p = Predictor(engines)
+    p.watch(events)
+    measured(p.profiles["e"], 1000.0, 4.0)
+    adm = Admission(pool, 100, 4, 5.0, events, instead=least_loaded)
+    budget = 1.0
+
+    def served(predicted: float, took: float) -> None:
+        async def go() -> None:
+            now = time.monotonic()
+            async with adm.place(
+                REQ, now, now + 60, prefer=e, predicted_s=predicted, ttft_by=now + budget
+            ) as lease:
+                lease.projected_at = time.monotonic() - took  # its first token, `took` after
+                lease.first_output()
+                lease.finished(8)
+
+        asyncio.run(go())
+
+    for _ in range(6):
+        served(0.8, 0.84)  # near the budget: 5 % late
+    for _ in range(5):
+        served(0.1, 0.2)  # short: twice their projection, or half of it
+        served(0.1, 0.05)
+    prof = p.profiles["e"]
+    assert prof.drift is not None and prof.drift > 0.5  # every projection: wide misses
+    # A prompt of 0.75 s alone, on the idle engine: within the budget at the margin its
+    # near-budget misses call for, refused at the one all of them would.
+    proj = judge(p, 750 * 4, [e], budget)
+    assert proj.own_s == pytest.approx(0.75, rel=0.05)
+    assert proj.guarded_s is not None and proj.guarded_s < budget
