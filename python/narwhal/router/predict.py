@@ -199,9 +199,6 @@ class Profile:
     discarded: int = 0
     drift: float | None = None  # EWMA of |ln(observed TTFT / predicted TTFT)|
     drift_samples: int = 0
-    # The same, of the projections the margin decides (`near_budget`): the margin reads it.
-    drift_near: float | None = None
-    drift_near_samples: int = 0
     sizing_error: float | None = None  # EWMA of |estimated - reported| / reported tokens
     # Decode correction: observed/projected TTFT under real load (decoding beside prefill
     # slows it), applied to every projection. Learned from every request with a projection,
@@ -288,11 +285,9 @@ class Profile:
         expected_cached: int = 0,
         probe: bool = False,
         queued: bool = False,
-        near: bool = False,
     ) -> float | None:
         """Learn from one answered request; the projection's miss, ln(measured /
-        projected TTFT), where it was scored (`near`: a projection near its budget,
-        `near_budget`)."""
+        projected TTFT), where it was scored."""
         miss: float | None = None
         # A prompt the engine partly served from its prefix cache prefilled only the rest:
         # its rate counts those tokens. The projection counted the cache it expected; where
@@ -314,9 +309,6 @@ class Profile:
                 miss = math.log(ttft_s / predicted_s)
                 self.drift = _ewma(self.drift, abs(miss))
                 self.drift_samples += 1
-                if near:
-                    self.drift_near = _ewma(self.drift_near, abs(miss))
-                    self.drift_near_samples += 1
                 step = math.exp(CORRECTION_GAIN * miss)
                 self.correction = min(4.0, max(0.25, self.correction * step))
         # The router's own probe is one kind of text (its bytes a token are prose's): it sizes
@@ -411,7 +403,6 @@ class Profile:
             # Prompts (fresh tokens) up to this size may be refused for their own prefill.
             "vouched_up_to_tokens": self.vouched_up_to,
             "drift": self.drift,
-            "drift_near_budget": self.drift_near,
             "sized_live": self.sized_live,
             "sizing_error": self.sizing_error,
             "correction": self.correction,
@@ -456,8 +447,6 @@ class Predictor:
         # until it has enough of its own.
         self.drift: float | None = None
         self.drift_samples = 0
-        self.drift_near: float | None = None  # of projections near their budget
-        self.drift_near_samples = 0
         self.drift_bound = drift_bound
         self.drift_min_samples = drift_min_samples
         self.stale_after_s = stale_after_s
@@ -510,14 +499,12 @@ class Predictor:
         "correction",
         "drift",
         "drift_samples",
-        "drift_near",
-        "drift_near_samples",
     )
     # What the whole fleet learned: its typical miss (an engine's margin until it has its
     # own) and the edge. Kept under the name "", which no engine can have.
-    _FLEET = ("drift", "drift_samples", "drift_near", "drift_near_samples", "edge")
+    _FLEET = ("drift", "drift_samples", "edge")
 
-    _COUNTS = ("prefill_samples", "largest_measured", "drift_samples", "drift_near_samples")
+    _COUNTS = ("prefill_samples", "largest_measured", "drift_samples")
 
     def export(self) -> bytes:
         """The learned profiles, for the next leader (bounded: a few numbers an engine)."""
@@ -542,8 +529,6 @@ class Predictor:
             self.edge = min(MAX_EDGE, max(1.0, self.edge))  # within what it can learn
             if self.drift is not None:
                 self.drift = max(0.0, self.drift)
-            if self.drift_near is not None:
-                self.drift_near = max(0.0, self.drift_near)
         for name, shared in data.items():
             prof = self.profiles.get(name)
             if prof is None or not isinstance(shared, dict):
@@ -604,16 +589,12 @@ class Predictor:
                 # measurements take over as they come.
                 mprof = own[lease.request.served] = copy.deepcopy(prof)
         curve = prof.curve
-        near = near_budget(lease)
-        miss = self._observe(prof, lease, lease.predicted_s, near)
+        miss = self._observe(prof, lease, lease.predicted_s)
         if prof.curve != curve:
             self._reshape()
         if miss is not None:
             self.drift = _ewma(self.drift, abs(miss))
             self.drift_samples += 1
-            if near:
-                self.drift_near = _ewma(self.drift_near, abs(miss))
-                self.drift_near_samples += 1
         if mprof is not None:
             self._observe(mprof, lease, None)  # the engine's profile scores the miss
 
@@ -631,9 +612,7 @@ class Predictor:
         self.shape = shape if shape is not None and shape > 0 else None
 
     @staticmethod
-    def _observe(
-        prof: Profile, lease: Lease, predicted_s: float | None, near: bool = False
-    ) -> float | None:
+    def _observe(prof: Profile, lease: Lease, predicted_s: float | None) -> float | None:
         m = lease.measured
         return prof.observe(
             lease.request.prompt_bytes,
@@ -647,7 +626,6 @@ class Predictor:
             expected_cached=lease.cached_expected or 0,
             probe=lease.probe,
             queued=lease.queued,
-            near=near,
         )
 
     def _discard(self, lease: Lease, kind: str, against_engine: str | None) -> None:
@@ -681,27 +659,17 @@ class Predictor:
         return "; ".join(reasons) or None
 
     def margin(self, prof: Profile) -> float:
-        """How much wider than the projection admission plays it on this engine: by the
-        typical miss of the projections it decides (`near_budget`), the engine's own or,
-        until it has enough of them, the fleet's; until the fleet has, by every projection's
-        typical miss, the engine's own or the fleet's (a new engine, or every engine of a
-        router that just started: under load a fresh router's first requests on each engine
-        are placed at the budget's edge, and with no margin until each engine had five
-        scored, one in six of those of a 4x bench run came late). A short projection misses
-        by more of itself than a long one (fixed overheads, a step's jitter, the work ahead
-        read whole where part of it was cached): read from every projection, the margin
-        refused prompts that take 0.6-0.7 of the budget alone on an idle engine, which
-        every projection that near the budget was within a third of (bench/README.md)."""
-        n = self.drift_min_samples
-        for drift, samples in (
-            (prof.drift_near, prof.drift_near_samples),
-            (self.drift_near, self.drift_near_samples),
-            (prof.drift, prof.drift_samples),
-            (self.drift, self.drift_samples),
-        ):
-            if drift is not None and samples >= n:
-                return min(MAX_MARGIN, math.exp(MARGIN_SPREAD * drift))
-        return 1.0  # a few cold-start misses (fixed overheads) say nothing yet
+        """How much wider than the projection admission plays it on this engine: by its own
+        typical miss, or until it has enough of them, the fleet's (a new engine, or every
+        engine of a router that just started: under load a fresh router's first requests on
+        each engine are placed at the budget's edge, and with no margin until each engine
+        had five scored, one in six of those of a 4x bench run came late)."""
+        drift = prof.drift
+        if drift is None or prof.drift_samples < self.drift_min_samples:
+            if self.drift is None or self.drift_samples < self.drift_min_samples:
+                return 1.0  # a few cold-start misses (fixed overheads) say nothing yet
+            drift = self.drift
+        return min(MAX_MARGIN, math.exp(MARGIN_SPREAD * drift))
 
     def size(self, prompt_bytes: int, e: Engine, lender: Profile | None = None) -> int:
         """A prompt's tokens at the engine's bytes a token (`bytes_per_token`)."""
@@ -779,14 +747,6 @@ class Predictor:
         total = own + ahead + waiting
         guarded = total * self.margin(prof) * self.edge
         return Projection(e, fresh, own, total, guarded, waiting, sure, alone)
-
-
-def near_budget(lease: Lease) -> bool:
-    """Whether its projection was one the margin decides: at least its TTFT budget over
-    MAX_MARGIN (a shorter one fits the budget at any margin)."""
-    if lease.ttft_by is None or lease.predicted_s is None:
-        return False
-    return lease.predicted_s * MAX_MARGIN >= lease.ttft_by - lease.arrived
 
 
 def speed_against(prof: Profile, lender: Profile) -> float:
