@@ -90,6 +90,20 @@ class Engine:
     def name(self) -> str:
         return self.spec.name
 
+    def ahead_s(self, whole_s: float, now: float) -> float:
+        """The prefill ahead of a prompt placed here now: `whole_s`, the prompts in prefill
+        here read whole, and how far the engine is behind (`behind_s`); or where each was
+        projected, no more than what is left of their projections: the last of them is due
+        its first token at the latest due (first come, first served), less the part already
+        run. Read whole, a prompt that has run most of its prefill counted all of it, and
+        projections with prefill ahead came in 10-50 % early (the fleet bench's access
+        lines, by the share of the projection that was work ahead), which widened every
+        margin."""
+        behind = self.behind_s(now)
+        if not self.prefill_due or len(self.prefill_due) < self.prefill:
+            return whole_s + behind
+        return min(whole_s, max(0.0, max(self.prefill_due.values()) - now)) + behind
+
     def behind_s(self, now: float) -> float:
         """How far past its projected first token the oldest prompt in prefill here is: the
         engine is behind by at least that (a prompt waiting for KV room, a preempted one,

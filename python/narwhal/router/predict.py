@@ -743,7 +743,7 @@ class Predictor:
             own, alone = 0.0, None
             sure = False
         waiting = prof.ahead_s(sum(e.queued_tokens[: rank + 1]), sum(e.queued_sq[: rank + 1]))
-        ahead = prof.ahead_s(e.prefill_tokens, e.prefill_sq) + e.behind_s(time.monotonic())
+        ahead = e.ahead_s(prof.ahead_s(e.prefill_tokens, e.prefill_sq), time.monotonic())
         total = own + ahead + waiting
         guarded = total * self.margin(prof) * self.edge
         return Projection(e, fresh, own, total, guarded, waiting, sure, alone)
