@@ -217,22 +217,28 @@ def test_the_exchange_takes_only_the_routers_secret_and_well_formed_messages(
         assert httpx.get(url, headers=auth).json()["from"] == leadership(a)["key"].rsplit("/", 1)[1]
 
 
-def test_a_fencing_engine_serves_every_active_router_and_refuses_one_whose_key_went(
-    etcd: EtcdServer, model_path: str, tmp_path: Path
-) -> None:
-    key = "/act5/leader"
-    lexi = start_engine(
+def fencing_lexi(model_path: str, etcd: EtcdServer, key: str) -> Server:
+    """LexiEngine checking each router's token against its member key under `key`'s folder."""
+    return start_engine(
         model_path,
         "--alias",
         "main",
         "--parallel",
-        "2",
+        "4",
         "--fence",
         "--fence-etcd",
         etcd.url,
         "--fence-key",
         key,
     )
+
+
+@contextlib.contextmanager
+def fenced_pair(
+    model_path: str, etcd: EtcdServer, key: str, tmp: Path
+) -> Iterator[tuple[Server, Server, Server]]:
+    """A fencing LexiEngine and two active routers on `key` before it, admitting everything."""
+    lexi = fencing_lexi(model_path, etcd, key)
     try:
         text = (
             config(etcd, [], key)
@@ -241,41 +247,47 @@ def test_a_fencing_engine_serves_every_active_router_and_refuses_one_whose_key_w
                 "engines:\n", f"engines:\n  - {{name: lexi, url: '{lexi.url}', dialect: lexi}}\n"
             )
         )
-        with routers(tmp_path, text, 2) as (a, b):
-            # Each router's own token: a leader's floor would refuse the older one.
-            for r in (a, b, a, b):
-                got = httpx.post(
-                    r.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 1}, timeout=60
-                )
-                assert got.status_code == 200, got.text
-            me = leadership(a)
-            # A's member key goes (its lease lapsed, as for a router cut off from etcd): the
-            # engine refuses A's token from then on, whatever A still believes.
-            k = base64.b64encode(me["key"].encode()).decode()
-            httpx.post(etcd.url + "/v3/kv/deleterange", json={"key": k})
-            name = me["key"].rsplit("/", 1)[1]
-
-            def as_a() -> int:
-                headers = {
-                    "x-narwhal-fence": str(me["fencing_token"]),
-                    "x-narwhal-fence-router": name,
-                }
-                return httpx.post(
-                    lexi.url + "/v1/completions",
-                    json={"prompt": "Hi", "max_tokens": 1},
-                    headers=headers,
-                    timeout=60,
-                ).status_code
-
-            wait_until(lambda: as_a() == 409, 10)
-            assert (
-                httpx.post(
-                    b.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 1}, timeout=60
-                ).status_code
-                == 200
-            )
+        with routers(tmp, text, 2) as (a, b):
+            yield lexi, a, b
     finally:
         lexi.stop()
+
+
+def as_router(lexi: Server, token: int, name: str) -> httpx.Response:
+    """A one-token completion sent straight to `lexi` as router `name` with `token`."""
+    return httpx.post(
+        lexi.url + "/v1/completions",
+        json={"prompt": "Hi", "max_tokens": 1},
+        headers={"x-narwhal-fence": str(token), "x-narwhal-fence-router": name},
+        timeout=60,
+    )
+
+
+def test_a_fencing_engine_serves_every_active_router_and_refuses_one_whose_key_went(
+    etcd: EtcdServer, model_path: str, tmp_path: Path
+) -> None:
+    key = "/act5/leader"
+    with fenced_pair(model_path, etcd, key, tmp_path) as (lexi, a, b):
+        # Each router's own token: a leader's floor would refuse the older one.
+        for r in (a, b, a, b):
+            got = httpx.post(
+                r.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 1}, timeout=60
+            )
+            assert got.status_code == 200, got.text
+        me = leadership(a)
+        # A's member key goes (its lease lapsed, as for a router cut off from etcd): the
+        # engine refuses A's token from then on, whatever A still believes.
+        k = base64.b64encode(me["key"].encode()).decode()
+        httpx.post(etcd.url + "/v3/kv/deleterange", json={"key": k})
+        name = me["key"].rsplit("/", 1)[1]
+
+        wait_until(lambda: as_router(lexi, me["fencing_token"], name).status_code == 409, 10)
+        assert (
+            httpx.post(
+                b.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 1}, timeout=60
+            ).status_code
+            == 200
+        )
 
 
 def test_active_routers_cut_off_from_etcd_stop_placing_before_their_leases_could_lapse(
@@ -304,66 +316,36 @@ def test_an_active_router_paused_past_its_ttl_serves_nothing_on_its_lapsed_lease
     etcd: EtcdServer, model_path: str, tmp_path: Path
 ) -> None:
     key = "/act9/leader"
-    lexi = start_engine(
-        model_path,
-        "--alias",
-        "main",
-        "--parallel",
-        "4",
-        "--fence",
-        "--fence-etcd",
-        etcd.url,
-        "--fence-key",
-        key,
-    )
-    try:
-        text = (
-            config(etcd, [], key)
-            .replace("admission: predictive", "admission: open")
-            .replace(
-                "engines:\n", f"engines:\n  - {{name: lexi, url: '{lexi.url}', dialect: lexi}}\n"
-            )
-        )
-        with routers(tmp_path, text, 2) as (a, b):
-            wait_until(lambda: metric(b, "narwhal_peers") == 1, 10)
-            assert ask(a, "before").status_code == 200
-            old = leadership(a)["fencing_token"]
-            os.killpg(a.proc.pid, signal.SIGSTOP)  # the whole router, frozen mid-lease
-            try:
-                statuses: list[int] = []
-                # Requests that reach the frozen router wait in its socket's backlog.
-                sent = [
-                    threading.Thread(target=lambda: statuses.append(ask(a, "held").status_code))
-                    for _ in range(3)
-                ]
-                for t in sent:
-                    t.start()
-                # Its key lapses: the other router sees it go.
-                wait_until(lambda: metric(b, "narwhal_peers") == 0, TTL + 5)
-            finally:
-                os.killpg(a.proc.pid, signal.SIGCONT)
+    with fenced_pair(model_path, etcd, key, tmp_path) as (lexi, a, b):
+        wait_until(lambda: metric(b, "narwhal_peers") == 1, 10)
+        assert ask(a, "before").status_code == 200
+        old = leadership(a)["fencing_token"]
+        os.killpg(a.proc.pid, signal.SIGSTOP)  # the whole router, frozen mid-lease
+        try:
+            statuses: list[int] = []
+            # Requests that reach the frozen router wait in its socket's backlog.
+            sent = [
+                threading.Thread(target=lambda: statuses.append(ask(a, "held").status_code))
+                for _ in range(3)
+            ]
             for t in sent:
-                t.join(60)
-            # Woken, it either knew its lease was not proven any more (503) or served under
-            # a key and token of its own again: the engine takes the lapsed token from no one.
-            assert len(statuses) == 3 and set(statuses) <= {200, 503}, statuses
-            wait_until(lambda: ask(a, "back").status_code == 200, TTL + 5)
-            assert leadership(a)["fencing_token"] > old
-            # Nothing came to the engine under the lapsed token (the router's own gate)...
-            assert metric(lexi, "lexi_fenced_requests_total") == 0
-            stale = httpx.post(
-                lexi.url + "/v1/completions",
-                json={"prompt": "Hi", "max_tokens": 1},
-                headers={
-                    "x-narwhal-fence": str(old),
-                    "x-narwhal-fence-router": leadership(a)["key"].rsplit("/", 1)[1],
-                },
-                timeout=60,
-            )
-            # ...and had it come, the engine would have refused it.
-            assert stale.status_code == 409 and stale.json()["error"]["code"] == "fenced"
-    finally:
-        lexi.stop()
+                t.start()
+            # Its key lapses: the other router sees it go.
+            wait_until(lambda: metric(b, "narwhal_peers") == 0, TTL + 5)
+        finally:
+            os.killpg(a.proc.pid, signal.SIGCONT)
+        for t in sent:
+            t.join(60)
+        # Woken, it either knew its lease was not proven any more (503) or served under
+        # a key and token of its own again: the engine takes the lapsed token from no one.
+        assert len(statuses) == 3 and set(statuses) <= {200, 503}, statuses
+        wait_until(lambda: ask(a, "back").status_code == 200, TTL + 5)
+        assert leadership(a)["fencing_token"] > old
+        # Nothing came to the engine under the lapsed token (the router's own gate)...
+        assert metric(lexi, "lexi_fenced_requests_total") == 0
+        stale = as_router(lexi, old, leadership(a)["key"].rsplit("/", 1)[1])
+        # ...and had it come, the engine would have refused it.
+        assert stale.status_code == 409 and stale.json()["error"]["code"] == "fenced"
 
 
 def test_admin_edits_on_any_active_router_apply_on_every_router(
