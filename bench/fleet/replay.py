@@ -709,8 +709,8 @@ def twice(rows: list[dict[str, Any]]) -> str:
     """Per door, the requests the engines admitted more than once, over every cell."""
     per: dict[str, tuple[int, int]] = {}
     for r in rows:
-        twice, seen = per.get(r["door"], (0, 0))
-        per[r["door"]] = (twice + r.get("placed_twice", 0), seen + r.get("seen_by_id", 0))
+        n, seen = per.get(r["door"], (0, 0))
+        per[r["door"]] = (n + r.get("placed_twice", 0), seen + r.get("seen_by_id", 0))
     return "placed twice (by request ID, over every cell): " + ", ".join(
         f"{door} {n} of {seen} seen by ID" for door, (n, seen) in per.items()
     )

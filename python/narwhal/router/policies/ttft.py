@@ -185,7 +185,7 @@ def _within_budget(ps: list[Projection], budget_s: float, share: float = 1.0) ->
         # projection that refused it), and no Retry-After would come true.
         alone = [_alone_s(p) for p in ps]
         if not unsure and min(alone) > budget_s / share:
-            e = ApiError(
+            err = ApiError(
                 429,
                 f"the prompt alone is projected to take {min(alone):.2f}s to "
                 f"prefill, over the {budget_s:.2f}s TTFT budget; shorten the prompt "
@@ -193,8 +193,8 @@ def _within_budget(ps: list[Projection], budget_s: float, share: float = 1.0) ->
                 type="rate_limit_error",
                 code="prompt_exceeds_ttft_budget",
             ).ended(End.PROMPT_EXCEEDS_TTFT_BUDGET)
-            e.fields["alone_ms"] = round(min(alone) * 1000, 1)
-            raise e
+            err.fields["alone_ms"] = round(min(alone) * 1000, 1)
+            raise err
         best = min(ps, key=_rank)
         assert best.guarded_s is not None
         overrun = max(1, round(best.guarded_s - budget_s))
@@ -205,7 +205,7 @@ def _within_budget(ps: list[Projection], budget_s: float, share: float = 1.0) ->
             for p in ps
             if p.waiting_s
         )
-        e = ApiError(
+        err = ApiError(
             429,
             f"projected time to first token {best.guarded_s:.2f}s exceeds "
             f"the {budget_s:.2f}s budget"
@@ -216,8 +216,8 @@ def _within_budget(ps: list[Projection], budget_s: float, share: float = 1.0) ->
         ).ended(End.QUEUE_WAIT if queue else End.TTFT_BUDGET_EXCEEDED)
         # The access line says how near it came: the least projection, widened and not, and
         # its own prefill there (a refusal for the margin reads guarded over, projected under).
-        e.fields.update(_ms(best))
-        raise e
+        err.fields.update(_ms(best))
+        raise err
     return fit
 
 
