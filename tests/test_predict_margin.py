@@ -152,10 +152,29 @@ def test_a_prompt_prefilled_in_the_step_that_ended_another_does_not_swing_the_fi
     for _ in range(3):
         prof.observe(4 * 1600, 1600, 0.0, 0.0, 0, 0.0, queued=True)
         assert prof.prefill_s(6000) > truth / 2
+    # Not at all: the fit is as it was, and nothing measured vouches for more.
+    assert prof.prefill_s(6000) == pytest.approx(truth, rel=0.02)
+    assert prof.prefill_samples == 6 and prof.largest_measured == 1800
     # Nor does a prompt that waited teach a profile that has nothing to bound it by.
     cold = Profile()
     cold.observe(4 * 1600, 1600, 0.0, 0.0, 0, 0.0, queued=True)
     assert cold.prefill_tps is None and cold.prefill_samples == 0
+
+
+def test_a_profile_of_probes_is_not_made_fast_by_a_prompt_that_shared_a_step() -> None:
+    """An engine measured only by the router's probes (169 tokens in 0.1 s: mostly the
+    request's way in) and then by a prompt whose first token came in the step that ended the
+    one before it: the 64-engine bench's engine that won a burst of seven and served it at
+    twice its projections. What it projects for a long prompt, and what it vouches for, is
+    what the probes said."""
+    prof = Profile()
+    for _ in range(6):
+        prof.observe(4 * 169, 169, 0.1, 0.1, 0, 0.0, probe=True)
+    shape = 0.035  # the fleet's curve, as that run had it
+    before = prof.prefill_s(5687, 9783, shape)
+    prof.observe(4 * 2145, 2145, 2.0, 0.0003, 0, 0.0, cached_tokens=512, queued=True)
+    assert prof.prefill_s(5687, 9783, shape) == pytest.approx(before)
+    assert not prof.vouches(5687)
 
 
 def test_a_new_leader_plays_each_engine_as_wide_as_the_last_one_did() -> None:
