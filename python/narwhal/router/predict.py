@@ -15,6 +15,10 @@ the square of the context (`PrefillFit`), all fitted to the requests that had th
 themselves. A rate read as tokens / TTFT from short prompts
 is the overhead's, not the model's: extrapolated to a long prompt it projected several
 times the real prefill and refused prompts a fleet served in a fraction of the budget.
+
+Every engine's samples also go into the fleet's fit (`Predictor.pool`), and an engine
+measured against it is projected as the pool at its own speed (`Predictor._pooled`): one
+engine's dozen noisy prompts say how fast it is, not what shape its curve has.
 """
 
 from __future__ import annotations
@@ -62,6 +66,10 @@ MAX_EDGE = 1.5
 
 # The prefill fit's memory: about the last 1 / FIT_ALPHA prompts whose own prefill was measured.
 FIT_ALPHA = 0.1
+# The fleet's fit (`Predictor.pool`) remembers about the last 1 / POOL_ALPHA samples of every
+# engine's; an engine's speed against it, about its own last 1 / SPEED_ALPHA.
+POOL_ALPHA = 0.01
+SPEED_ALPHA = 0.05
 # The fit's slope is read only where the prompts it saw differ in size (their coefficient of
 # variation at least this); else tokens / time through the mean, with no overhead.
 FIT_MIN_SPREAD = 0.2
@@ -100,18 +108,27 @@ class PrefillFit:
     # normal equations (and the residuals' variance) read.
     m: list[float] = field(default_factory=lambda: [0.0] * 9)
     count: int = 0
+    alpha: float = FIT_ALPHA  # a later sample's weight: it remembers about 1 / alpha
+    last: tuple[float, float, float] | None = None  # the fit as of its last sample
 
     def add(self, fresh: int, prompt: int, seconds: float) -> tuple[float, float, float]:
         """Take a sample; the fit: (rate in tokens/s, overhead in s, quad in s a token^2).
-        The first samples are averaged evenly, the later ones weighted FIT_ALPHA."""
+        The first samples are averaged evenly, the later ones weighted `alpha`."""
         self.count += 1
-        a = max(FIT_ALPHA, 1.0 / self.count)
+        a = max(self.alpha, 1.0 / self.count)
         x1 = fresh / 1000
         x2 = (prompt * prompt - (prompt - fresh) ** 2) / 1e6
         t = seconds
         for i, v in enumerate((x1, x2, t, x1 * x1, x1 * x2, x2 * x2, x1 * t, x2 * t, t * t)):
             self.m[i] += a * (v - self.m[i])
-        return self.fit()
+        self.last = self.fit()
+        return self.last
+
+    def tells_sizes(self) -> bool:
+        """Whether its samples are enough, and of sizes spread enough, to tell a prompt's
+        tokens from the fixed overhead (the router's probes alone are all one size)."""
+        m1, m11 = self.m[0], self.m[3]
+        return self.count >= FIT_CURVE_SAMPLES and m11 - m1 * m1 > (FIT_MIN_SPREAD * m1) ** 2
 
     def slopes(self) -> tuple[float, float] | None:
         """Both slopes (b: seconds a thousand fresh tokens, c: seconds a million of x2)
@@ -148,7 +165,7 @@ class PrefillFit:
         vz = (m11 - m1 * m1) + 2 * shape * (m12 - m1 * m2) + shape * shape * (m22 - m2 * m2)
         czt = (m1t - m1 * mt) + shape * (m2t - m2 * mt)
         if self.count >= FIT_LINE_SAMPLES and vz > (FIT_MIN_SPREAD * mz) ** 2:
-            n = min(float(self.count), (2 - FIT_ALPHA) / FIT_ALPHA)
+            n = min(float(self.count), (2 - self.alpha) / self.alpha)
             slope = czt / vz
             kept = mt - slope * mz
             noise = max(0.0, (mtt - mt * mt) - slope * czt) * n / (n - 2)
@@ -161,7 +178,7 @@ class PrefillFit:
         v11 = m11 - m1 * m1
         c1t, vtt = m1t - m1 * mt, mtt - mt * mt
         # The samples the weights amount to: all of them at first, about 2 / FIT_ALPHA later.
-        n = min(float(self.count), (2 - FIT_ALPHA) / FIT_ALPHA)
+        n = min(float(self.count), (2 - self.alpha) / self.alpha)
         if v11 > (FIT_MIN_SPREAD * m1) ** 2:
             s = self.slopes()
             if s is not None:
@@ -173,6 +190,18 @@ class PrefillFit:
                 # (a 4x-load bench run: first tokens 2.5x past their projection).
                 if b > 0 and c >= 0 and overhead >= 0:
                     return 1000 / b, overhead, c / 1e6
+                if b > 0 and c >= 0:
+                    # An overhead under nothing is noise's: the curve with none, fitted
+                    # through the origin (least squares held to a cost's overhead). Read
+                    # instead as the secant, a pool of 192 noisy prompts of 0.3-16k tokens
+                    # with the true curve's slopes projected 20k tokens at 0.77x.
+                    m12, m22, m2t = self.m[4], self.m[5], self.m[7]
+                    det = m11 * m22 - m12 * m12
+                    if det > 0:
+                        b0 = (m1t * m22 - m2t * m12) / det
+                        c0 = (m2t * m11 - m1t * m12) / det
+                        if b0 > 0 and c0 >= 0:
+                            return 1000 / b0, 0.0, c0 / 1e6
             if self.count >= FIT_LINE_SAMPLES:
                 b = c1t / v11
                 overhead = mt - b * m1
@@ -211,6 +240,15 @@ class Profile:
     measured_at: float | None = None
     fit: PrefillFit = field(default_factory=PrefillFit, repr=False)
     curve: float | None = None  # its samples' curve (`PrefillFit.curve`), once they tell one
+    # The fleet's fit its samples go into as well (`Predictor.pool`; None: it fits its own
+    # alone), and how much longer a prefill takes here than the pool's (`Predictor._pooled`
+    # writes it and, once the pool tells sizes apart, rate, overhead and curve as the
+    # pool's at that speed: `pooled`).
+    pool: PrefillFit | None = field(default=None, repr=False, compare=False)
+    speed: float = 1.0
+    pooled: bool = False
+    # Its samples against the pool, ln(measured / the pool's): decayed weight, sum, squares.
+    paces: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0], repr=False)
 
     def age_s(self, now: float) -> float:
         """Seconds since its last good measurement (infinite: never measured)."""
@@ -248,7 +286,7 @@ class Profile:
         prompt = fresh if prompt is None else prompt
         work = fresh / self.prefill_tps + self.quad_s * (prompt * prompt - (prompt - fresh) ** 2)
         top = self.largest_measured
-        if shape is not None and shape > 0 and 0 < top < fresh:
+        if not self.pooled and shape is not None and shape > 0 and 0 < top < fresh:
             at_top = top / self.prefill_tps + self.quad_s * top * top
             along = (fresh + shape * (prompt * prompt - (prompt - fresh) ** 2) / 1000) / (
                 top + shape * top * top / 1000
@@ -267,7 +305,7 @@ class Profile:
         one slope is fitted, not two: the least of 64 then 0.9x or more. `speed`: how much
         longer the engine it is told for takes (`speed_against`, where this is a lender)."""
         own = self.prefill_s(fresh, prompt, shape)
-        if shape is None or not self.fit.count or self.prefill_tps is None:
+        if self.pooled or shape is None or not self.fit.count or self.prefill_tps is None:
             return own * speed
         b, overhead = self.fit.along(shape)
         work = b * (fresh + shape * (prompt * prompt - (prompt - fresh) ** 2) / 1000) / 1000
@@ -358,11 +396,27 @@ class Profile:
         return self.overhead_s + fresh / self.prefill_tps + self.quad_s * quad
 
     def _sample(self, fresh: int, prompt: int, seconds: float) -> None:
-        """One prefill sample taken into the fit."""
-        self.prefill_tps, self.overhead_s, self.quad_s = self.fit.add(fresh, prompt, seconds)
+        """One prefill sample taken into the fit, and into the pool's (at the pool's speed):
+        where the pool's projection of it is mostly the prompt's tokens, not the overhead,
+        it also says how fast this engine is against the pool (`paces`)."""
+        own = self.fit.add(fresh, prompt, seconds)
+        if not self.pooled:
+            self.prefill_tps, self.overhead_s, self.quad_s = own
         self.curve = self.fit.curve()
         self.prefill_samples += 1
         self.largest_measured = max(self.largest_measured, fresh)
+        pool = self.pool
+        if pool is None:
+            return
+        if pool.last is not None and pool.tells_sizes():
+            tps, overhead, quad = pool.last
+            work = fresh / tps + quad * (prompt * prompt - (prompt - fresh) ** 2)
+            if work >= overhead and seconds > 0:
+                r = math.log(seconds / (overhead + work))
+                w, total, squares = self.paces
+                keep = 1 - SPEED_ALPHA
+                self.paces = [keep * w + 1, keep * total + r, keep * squares + r * r]
+        pool.add(fresh, prompt, seconds / self.speed)
 
     def _sample_s(
         self, prefill_s: float | None, fresh: int, prompt: int, queued: bool
@@ -446,7 +500,9 @@ class Predictor:
         drift_min_samples: int = 5,
         stale_after_s: float = 120.0,
     ) -> None:
-        self.profiles = {e.name: Profile() for e in engines}
+        # The fleet's prefill fit: every engine's samples, each at its engine's speed.
+        self.pool = PrefillFit(alpha=POOL_ALPHA)
+        self.profiles = {e.name: Profile(pool=self.pool) for e in engines}
         # Per engine that serves several models, a profile per model it has served (its
         # prompts' own prefill: an adapter, or a second model on one engine, runs at a rate
         # of its own), begun as a copy of the engine's and learned as it is.
@@ -468,7 +524,7 @@ class Predictor:
         probes it first."""
         if e.name in self.profiles:
             return
-        prof = Profile()
+        prof = Profile(pool=self.pool)
         measured = [p for p in self.profiles.values() if p.prefill_tps is not None]
         if measured:
             for k in (
@@ -509,6 +565,7 @@ class Predictor:
         "correction",
         "drift",
         "drift_samples",
+        "speed",
     )
     # What the whole fleet learned: its typical miss (an engine's margin until it has its
     # own) and the edge. Kept under the name "", which no engine can have.
@@ -584,6 +641,7 @@ class Predictor:
                     fresh, fresh + (lease.cached_expected or 0), lease.prefill_s, lease.queued
                 ):
                     self._reshape()
+                    self._pooled()
 
     def _learn(self, lease: Lease) -> None:
         e = lease.on
@@ -598,15 +656,59 @@ class Predictor:
                 # Begun from what the engine has learned so far: the model's own
                 # measurements take over as they come.
                 mprof = own[lease.request.served] = copy.deepcopy(prof)
-        curve = prof.curve
+                # A model's own rate: the fleet's pool is the engine's model's.
+                mprof.pool, mprof.pooled = None, False
+        curve, samples = prof.curve, prof.prefill_samples
         miss = self._observe(prof, lease, lease.predicted_s)
         if prof.curve != curve:
             self._reshape()
+        if prof.prefill_samples != samples:
+            self._pooled()
         if miss is not None:
             self.drift = _ewma(self.drift, abs(miss))
             self.drift_samples += 1
         if mprof is not None:
             self._observe(mprof, lease, None)  # the engine's profile scores the miss
+
+    def _pooled(self) -> None:
+        """A sample went into the pool: every measured engine's speed against it, and once
+        the pool tells sizes apart, its rate, overhead and curve as the pool's at that speed.
+        One engine's own fit of the dozen prompts it measured is noisy, and placement picks
+        the engine whose projection is least: on 64 engines the most hopeful fits won the
+        long prompts and served them at two to five times their projections (the fleet
+        bench at 0.5x, 2026-12-07). The pool has every engine's samples; what an engine's
+        own say is one number, its speed, and that is shrunk toward the fleet's by how far
+        engines' speeds spread beyond what their samples' noise explains (empirical Bayes):
+        on a fleet of one kind of device all read the pool, on a mixed one each its own."""
+        pool = self.pool
+        rows = [p for p in self.profiles.values() if p.paces[0] > 0]
+        if rows:
+            weight = sum(p.paces[0] for p in rows)
+            mean = sum(p.paces[1] for p in rows) / weight
+            # A sample's noise about its engine's mean, from engines with several.
+            dof = sum(max(0.0, p.paces[0] - 1) for p in rows)
+            within = sum(max(0.0, p.paces[2] - p.paces[1] ** 2 / p.paces[0]) for p in rows)
+            noise = within / dof if dof >= 1 else None
+            # The true spread of engines' speeds: their means' spread less what noise makes.
+            spread = 0.0
+            if noise is not None and len(rows) >= 2:
+                means = [p.paces[1] / p.paces[0] for p in rows]
+                seen = sum((m - mean) ** 2 for m in means) / (len(rows) - 1)
+                spread = max(0.0, seen - noise * sum(1 / p.paces[0] for p in rows) / len(rows))
+            for p in rows:
+                own = p.paces[1] / p.paces[0] - mean
+                trust = spread / (spread + noise / p.paces[0]) if noise else 0.0
+                p.speed = math.exp(mean + trust * own)
+        if pool.last is None or not pool.tells_sizes():
+            return
+        tps, overhead, quad = pool.last
+        for p in rows:  # those measured against it: the rest fit their own until they are
+            p.prefill_tps, p.overhead_s, p.quad_s = (
+                tps / p.speed,
+                overhead * p.speed,
+                quad * p.speed,
+            )
+            p.pooled = True
 
     def _reshape(self) -> None:
         """An engine's curve changed: the fleet's is the median of those its engines'
