@@ -40,16 +40,25 @@ ALPHA = 0.3  # EWMA weight of a new measurement
 # A small gain: outcomes arrive a TTFT after the projection, and a large gain on a lagged
 # signal oscillates (the simulation in bench/admission_sim.py shows it).
 CORRECTION_GAIN = 0.05
-# Admission keeps a margin of this many typical misses (drift, the EWMA of |ln(observed /
-# projected)|): the one-sided 99th percentile of misses when they are roughly normal (a
-# normal miss's mean size is sqrt(2 / pi) of its deviation). Two typical misses, as it
-# was, are the 94th: under load the requests placed are those at the budget's edge (woken
-# after a wait for pace, with what it left), and one in fifteen of them came late (a 4x
-# bench run: 9 of 140, each 1.1-1.4x its projection).
+# Admission keeps a margin of this many typical misses (`spread`, below): the one-sided
+# 99th percentile of misses when they are roughly normal (a normal miss's mean size is
+# sqrt(2 / pi) of its deviation). Two typical misses, as it was, are the 94th: under load
+# the requests placed are those at the budget's edge (woken after a wait for pace, with
+# what it left), and one in fifteen of them came late (a 4x bench run: 9 of 140, each
+# 1.1-1.4x its projection).
 MARGIN_SPREAD = statistics.NormalDist().inv_cdf(0.99) / math.sqrt(2 / math.pi)
 # Beyond doubling, the projection is too unreliable to gate on; drift past its bound makes
 # the router monitoring-degraded instead.
 MAX_MARGIN = 2.0
+# The margin's typical miss (`spread`): the mean |ln(observed / projected)| weighted by the
+# projection's length, over about the last 1 / SPREAD_ALPHA misses. Weighted, because a
+# margin only decides for projections near the budget, and short ones miss wider (a fixed
+# overhead's noise is a larger share of them): on 64 engines at 0.5x, projections under
+# 5 s missed by 0.13 typically, those over it by 0.07-0.11, and the margin read from all
+# of them refused prompts of 0.7-0.95 of the budget alone on idle engines. Ten, not the
+# drift's three (`ALPHA`, for noticing the predictor go wrong): read from about three, the
+# margin swung from 1.3x to 2x between one request and the next.
+SPREAD_ALPHA = 0.1
 # Models one engine keeps a profile of its own for (adapters come and go: a bound).
 MODEL_PROFILES = 64
 # The edge: every projection is widened by a factor learned from outcomes, so that of the
@@ -93,6 +102,17 @@ VOUCH_EXTRAPOLATION = 4.0
 
 def _ewma(old: float | None, new: float) -> float:
     return new if old is None else (1 - ALPHA) * old + ALPHA * new
+
+
+def _weighed(
+    old: float | None, old_weight: float, new: float, weight: float
+) -> tuple[float, float]:
+    """An EWMA (SPREAD_ALPHA) of values each of its own weight: (the mean, its weight)."""
+    if old is None or old_weight <= 0:
+        return new, weight
+    keep = (1 - SPREAD_ALPHA) * old_weight
+    total = keep + SPREAD_ALPHA * weight
+    return (keep * old + SPREAD_ALPHA * weight * new) / total, total
 
 
 @dataclass
@@ -229,6 +249,8 @@ class Profile:
     discarded: int = 0
     drift: float | None = None  # EWMA of |ln(observed TTFT / predicted TTFT)|
     drift_samples: int = 0
+    spread: float | None = None  # the same misses weighted by the projection (SPREAD_ALPHA)
+    spread_weight: float = 0.0
     sizing_error: float | None = None  # EWMA of |estimated - reported| / reported tokens
     # Decode correction: observed/projected TTFT under real load (decoding beside prefill
     # slows it), applied to every projection. Learned from every request with a projection,
@@ -347,6 +369,9 @@ class Profile:
             ):
                 miss = math.log(ttft_s / predicted_s)
                 self.drift = _ewma(self.drift, abs(miss))
+                self.spread, self.spread_weight = _weighed(
+                    self.spread, self.spread_weight, abs(miss), predicted_s
+                )
                 self.drift_samples += 1
                 step = math.exp(CORRECTION_GAIN * miss)
                 self.correction = min(4.0, max(0.25, self.correction * step))
@@ -453,6 +478,7 @@ class Profile:
         """A fresh profiling measurement: judge drift (and correct) anew from here on."""
         self.drift = None
         self.drift_samples = 0
+        self.spread, self.spread_weight = None, 0.0
         self.correction = 1.0
 
     def describe(self) -> dict[str, float | int | None]:
@@ -467,9 +493,14 @@ class Profile:
             # Prompts (fresh tokens) up to this size may be refused for their own prefill.
             "vouched_up_to_tokens": self.vouched_up_to,
             "drift": self.drift,
+            "spread": self.spread,
             "sized_live": self.sized_live,
             "sizing_error": self.sizing_error,
             "correction": self.correction,
+            # How much longer its prefill takes than the fleet's fit, and whether its rate,
+            # overhead and curve are that fit's at this speed.
+            "speed_against_fleet": self.speed,
+            "fleet_fit": self.pooled,
             "discarded_measurements": self.discarded,
         }
 
@@ -513,6 +544,8 @@ class Predictor:
         # until it has enough of its own.
         self.drift: float | None = None
         self.drift_samples = 0
+        self.spread: float | None = None  # the fleet's, as an engine's `spread`
+        self.spread_weight = 0.0
         self.drift_bound = drift_bound
         self.drift_min_samples = drift_min_samples
         self.stale_after_s = stale_after_s
@@ -565,11 +598,13 @@ class Predictor:
         "correction",
         "drift",
         "drift_samples",
+        "spread",
+        "spread_weight",
         "speed",
     )
     # What the whole fleet learned: its typical miss (an engine's margin until it has its
     # own) and the edge. Kept under the name "", which no engine can have.
-    _FLEET = ("drift", "drift_samples", "edge")
+    _FLEET = ("drift", "drift_samples", "spread", "spread_weight", "edge")
 
     _COUNTS = ("prefill_samples", "largest_measured", "drift_samples")
 
@@ -596,6 +631,11 @@ class Predictor:
             self.edge = min(MAX_EDGE, max(1.0, self.edge))  # within what it can learn
             if self.drift is not None:
                 self.drift = max(0.0, self.drift)
+            if self.spread is not None:
+                self.spread, self.spread_weight = (
+                    max(0.0, self.spread),
+                    max(0.0, self.spread_weight),
+                )
         for name, shared in data.items():
             prof = self.profiles.get(name)
             if prof is None or not isinstance(shared, dict):
@@ -664,8 +704,11 @@ class Predictor:
             self._reshape()
         if prof.prefill_samples != samples:
             self._pooled()
-        if miss is not None:
+        if miss is not None and lease.predicted_s:
             self.drift = _ewma(self.drift, abs(miss))
+            self.spread, self.spread_weight = _weighed(
+                self.spread, self.spread_weight, abs(miss), lease.predicted_s
+            )
             self.drift_samples += 1
         if mprof is not None:
             self._observe(mprof, lease, None)  # the engine's profile scores the miss
@@ -697,7 +740,10 @@ class Predictor:
                 spread = max(0.0, seen - noise * sum(1 / p.paces[0] for p in rows) / len(rows))
             for p in rows:
                 own = p.paces[1] / p.paces[0] - mean
-                trust = spread / (spread + noise / p.paces[0]) if noise else 0.0
+                trust = 0.0  # no engine measured twice: nothing tells noise from speed
+                if noise is not None:
+                    told = spread + noise / p.paces[0]
+                    trust = spread / told if told > 0 else 1.0
                 p.speed = math.exp(mean + trust * own)
         if pool.last is None or not pool.tells_sizes():
             return
@@ -776,12 +822,13 @@ class Predictor:
         engine of a router that just started: under load a fresh router's first requests on
         each engine are placed at the budget's edge, and with no margin until each engine
         had five scored, one in six of those of a 4x bench run came late)."""
-        drift = prof.drift
-        if drift is None or prof.drift_samples < self.drift_min_samples:
-            if self.drift is None or self.drift_samples < self.drift_min_samples:
+        # (A profile a router of before the spread published carries only the drift.)
+        typical = prof.spread if prof.spread is not None else prof.drift
+        if typical is None or prof.drift_samples < self.drift_min_samples:
+            typical = self.spread if self.spread is not None else self.drift
+            if typical is None or self.drift_samples < self.drift_min_samples:
                 return 1.0  # a few cold-start misses (fixed overheads) say nothing yet
-            drift = self.drift
-        return min(MAX_MARGIN, math.exp(MARGIN_SPREAD * drift))
+        return min(MAX_MARGIN, math.exp(MARGIN_SPREAD * typical))
 
     def size(self, prompt_bytes: int, e: Engine, lender: Profile | None = None) -> int:
         """A prompt's tokens at the engine's bytes a token (`bytes_per_token`)."""
@@ -791,12 +838,19 @@ class Predictor:
     def describe(self) -> dict[str, float | int | None]:
         """What widens every projection, for `/ready`: the learned edge, and the fleet's
         typical miss (an engine's margin until it has its own; each engine's own margin is
-        beside its profile)."""
+        beside its profile); and the fleet's prefill fit, what an engine measured against it
+        is projected by at its own speed (None until its samples tell sizes apart)."""
+        pool = self.pool
+        tps, overhead, quad = pool.last if pool.last and pool.tells_sizes() else (None,) * 3
         return {
             "edge": self.edge,
             "drift": self.drift,
             "drift_samples": self.drift_samples,
             "prefill_curve": self.shape,
+            "fleet_prefill_tokens_per_s": tps,
+            "fleet_prefill_overhead_s": overhead,
+            "fleet_prefill_quadratic_s": quad,
+            "fleet_prefill_samples": pool.count,
         }
 
     def lender(self, engines: list[Engine], model: str = "") -> Profile | None:
