@@ -53,9 +53,10 @@ MAX_MARGIN = 2.0
 # The margin's typical miss (`spread`): the mean |ln(observed / projected)| weighted by the
 # projection's length, over about the last 1 / SPREAD_ALPHA misses. Weighted, because a
 # margin only decides for projections near the budget, and short ones miss wider (a fixed
-# overhead's noise is a larger share of them): on 64 engines at 0.5x, projections under
-# 5 s missed by 0.13 typically, those over it by 0.07-0.11, and the margin read from all
-# of them refused prompts of 0.7-0.95 of the budget alone on idle engines. Ten, not the
+# overhead's noise is a larger share of them): on 64 engines at 0.5x (a 20 s budget),
+# projections under 5 s missed by 0.15-0.16 typically, those over it by 0.08-0.12, and the
+# margin read from all of them refused prompts of 0.7-0.95 of the budget alone on idle
+# engines. Ten, not the
 # drift's three (`ALPHA`, for noticing the predictor go wrong): read from about three, the
 # margin swung from 1.3x to 2x between one request and the next.
 SPREAD_ALPHA = 0.1
