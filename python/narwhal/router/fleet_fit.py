@@ -31,6 +31,7 @@ class _Share:
     moments: list[float]  # its fit's weighted means, its times divided by its speed
     log_speed: float | None  # ln of its speed against the rest (None: its samples tell none)
     noise: float  # its samples' mean squared relative miss of that speed's fit
+    evidence: float  # the samples its speed amounts to (short ones count for little)
 
 
 class FleetFit:
@@ -75,14 +76,14 @@ class FleetFit:
             return None
         rest = self.fit()
         told = _speed(own.m, rest) if rest is not None else None
-        log_speed, noise = told if told is not None else (None, 0.0)
+        log_speed, noise, share_of = told if told is not None else (None, 0.0, 0.0)
         at = math.exp(log_speed if log_speed is not None else self._mean())
-        share = _Share(weight, _slowed(own.m, at), log_speed, noise)
+        share = _Share(weight, _slowed(own.m, at), log_speed, noise, weight * share_of)
         self._add(name, share)
         pool = self.fit()
         if log_speed is None or pool is None:
             return None
-        return pool, math.exp(self._shrunk(log_speed, weight))
+        return pool, math.exp(self._shrunk(log_speed, share.evidence))
 
     def forget(self, name: str) -> None:
         """An engine's share out of the pool (it left the fleet, or its fit moved)."""
@@ -102,9 +103,9 @@ class FleetFit:
             self._told += int(sign)
             self._logs += sign * share.log_speed
             self._squares += sign * share.log_speed**2
-            self._noise += sign * share.weight * share.noise
-            self._dof += sign * max(0.0, share.weight - 1)
-            self._thin += sign / share.weight
+            self._noise += sign * share.evidence * share.noise
+            self._dof += sign * max(0.0, share.evidence - 1)
+            self._thin += sign / max(share.evidence, 1e-9)
         if not self._shares:  # none left: not what sums of floats leave behind
             self._reset()
 
@@ -136,15 +137,17 @@ def _slowed(m: list[float], speed: float) -> list[float]:
     return out
 
 
-def _speed(m: list[float], pool: tuple[float, float, float]) -> tuple[float, float] | None:
+def _speed(m: list[float], pool: tuple[float, float, float]) -> tuple[float, float, float] | None:
     """How much longer this fit's samples took than the pool's fit projects (least squares
-    of t = speed x f), as (ln speed, the samples' mean squared relative miss of it); None
-    where its samples are mostly the fixed overhead, which says nothing of a rate."""
+    of t = speed x f), as (ln speed, the samples' mean squared relative miss of it, the
+    share of its samples the estimate amounts to: mean(f)^2 / mean(f^2), a short prompt
+    among long ones counting for little); None where its samples are mostly the fixed
+    overhead, which says nothing of a rate. Counted as samples, six probes and two prompts
+    were eight, and their speed trusted as much: the most hopeful of sixteen engines then
+    projected a long prompt at two thirds of its time."""
     tps, overhead, quad = pool
     b, c = 1000 / tps, quad * 1e6  # the moments' units: thousands and millions of tokens
     m1, m2, mt, m11, m12, m22, m1t, m2t, mtt = m
-    if b * m1 + c * m2 < overhead:
-        return None
     ff = (
         overhead * overhead
         + 2 * overhead * (b * m1 + c * m2)
@@ -153,8 +156,13 @@ def _speed(m: list[float], pool: tuple[float, float, float]) -> tuple[float, flo
         + c * c * m22
     )
     ft = overhead * mt + b * m1t + c * m2t
-    if ff <= 0 or ft <= 0:
+    # The fit's squares are mostly the overhead's where its samples are (the router's
+    # probes, all one short size): they tell no rate. Read from the squares, not the mean
+    # size, so that one long prompt among six probes tells it (it weighs that much in the
+    # least squares).
+    if ff < 2 * overhead * overhead or ft <= 0:
         return None
     speed = ft / ff
     miss = max(0.0, mtt - speed * ft) / (ff * speed * speed)
-    return math.log(speed), miss
+    mean_f = overhead + b * m1 + c * m2
+    return math.log(speed), miss, min(1.0, mean_f * mean_f / ff)
