@@ -16,8 +16,8 @@ themselves. A rate read as tokens / TTFT from short prompts
 is the overhead's, not the model's: extrapolated to a long prompt it projected several
 times the real prefill and refused prompts a fleet served in a fraction of the budget.
 
-Every engine's fit also goes into the fleet's (`fleet_fit.py`), and an engine measured
-against it is projected as the fleet's fit at its own speed (`Predictor._pooled`): one
+Every engine's samples also go into the fleet's fit (`Predictor.pool`), and an engine
+measured against it is projected as the pool at its own speed (`Predictor._pooled`): one
 engine's dozen noisy prompts say how fast it is, not what shape its curve has.
 """
 
@@ -34,9 +34,7 @@ from dataclasses import dataclass, field
 import orjson
 
 from narwhal.router.engines import Engine
-from narwhal.router.fleet_fit import FleetFit
 from narwhal.router.lease import Events, Lease
-from narwhal.router.prefill_fit import PrefillFit
 
 ALPHA = 0.3  # EWMA weight of a new measurement
 # A small gain: outcomes arrive a TTFT after the projection, and a large gain on a lagged
@@ -76,6 +74,23 @@ EDGE_GAIN = 0.05
 MAX_EDGE = 1.5
 
 
+# The prefill fit's memory: about the last 1 / FIT_ALPHA prompts whose own prefill was measured.
+FIT_ALPHA = 0.1
+# The fleet's fit (`Predictor.pool`) remembers about the last 1 / POOL_ALPHA samples of every
+# engine's; an engine's speed against it, about its own last 1 / SPEED_ALPHA.
+POOL_ALPHA = 0.01
+SPEED_ALPHA = 0.05
+# The fit's slope is read only where the prompts it saw differ in size (their coefficient of
+# variation at least this); else tokens / time through the mean, with no overhead.
+FIT_MIN_SPREAD = 0.2
+# The overhead is kept once this many prompts were measured and it stands out of their noise
+# (FIT_SIGNIFICANCE standard errors: missing one only makes long prompts look slower); the
+# curve once FIT_CURVE_SAMPLES were. With four noisy samples, three parameters fitted the
+# noise and the rate swung 4x from one prompt to the next (bench: a 15k-token prompt
+# projected at 15 s, then 3 s, then 1 s).
+FIT_LINE_SAMPLES = 4
+FIT_CURVE_SAMPLES = 6
+FIT_SIGNIFICANCE = 2.0
 # How far one sample of a prompt that waited behind another may pull the fit from what it
 # projected toward slower (Profile.observe); one that measured less than its projection
 # over this much measured a shared step, not the prompt, and is not taken.
@@ -99,6 +114,126 @@ def _weighed(
     keep = (1 - SPREAD_ALPHA) * old_weight
     total = keep + SPREAD_ALPHA * weight
     return (keep * old + SPREAD_ALPHA * weight * new) / total, total
+
+
+@dataclass
+class PrefillFit:
+    """An exponentially weighted least-squares fit of a prefill's time over the prefills
+    measured (`Lease.prefill_s`): `overhead + fresh / rate + quad x (prompt^2 - cached^2)`.
+    The quadratic term is attention's: each token attends to the context before it, so a
+    long prompt's tokens cost more than a short one's (the H200 calibration: 38k tokens/s
+    at no context, 23k at 8k). Fitted in thousands of tokens (the moments stay well within
+    a float's range)."""
+
+    # Weighted means of x1 = fresh, x2 = prompt^2 - cached^2, t, and the products the
+    # normal equations (and the residuals' variance) read.
+    m: list[float] = field(default_factory=lambda: [0.0] * 9)
+    count: int = 0
+    alpha: float = FIT_ALPHA  # a later sample's weight: it remembers about 1 / alpha
+    last: tuple[float, float, float] | None = None  # the fit as of its last sample
+
+    def add(self, fresh: int, prompt: int, seconds: float) -> tuple[float, float, float]:
+        """Take a sample; the fit: (rate in tokens/s, overhead in s, quad in s a token^2).
+        The first samples are averaged evenly, the later ones weighted `alpha`."""
+        self.count += 1
+        a = max(self.alpha, 1.0 / self.count)
+        x1 = fresh / 1000
+        x2 = (prompt * prompt - (prompt - fresh) ** 2) / 1e6
+        t = seconds
+        for i, v in enumerate((x1, x2, t, x1 * x1, x1 * x2, x2 * x2, x1 * t, x2 * t, t * t)):
+            self.m[i] += a * (v - self.m[i])
+        self.last = self.fit()
+        return self.last
+
+    def tells_sizes(self) -> bool:
+        """Whether its samples are enough, and of sizes spread enough, to tell a prompt's
+        tokens from the fixed overhead (the router's probes alone are all one size)."""
+        m1, m11 = self.m[0], self.m[3]
+        return self.count >= FIT_CURVE_SAMPLES and m11 - m1 * m1 > (FIT_MIN_SPREAD * m1) ** 2
+
+    def slopes(self) -> tuple[float, float] | None:
+        """Both slopes (b: seconds a thousand fresh tokens, c: seconds a million of x2)
+        where these samples tell x1 and x2 apart (prompts of several sizes), else None."""
+        m1, m2, mt, m11, m12, m22, m1t, m2t, _ = self.m
+        v11, v12, v22 = m11 - m1 * m1, m12 - m1 * m2, m22 - m2 * m2
+        det = v11 * v22 - v12 * v12
+        if (
+            self.count < FIT_CURVE_SAMPLES
+            or v11 <= (FIT_MIN_SPREAD * m1) ** 2
+            or det <= 1e-6 * v11 * v22
+        ):
+            return None
+        c1t, c2t = m1t - m1 * mt, m2t - m2 * mt
+        return (c1t * v22 - c2t * v12) / det, (c2t * v11 - c1t * v12) / det
+
+    def curve(self) -> float | None:
+        """The curve's shape as these samples tell it (c / b: attention's seconds against
+        the tokens'), as it falls, negative or not: an estimate for the fleet's median
+        (`Predictor.shape`), where keeping only the cost-like ones would keep the noise
+        that leans one way (64 simulated engines of a dozen noisy prompts each: a median
+        of 1.8x the truth that way, 0.9x as they fall). None where they cannot tell it."""
+        s = self.slopes()
+        return s[1] / s[0] if s is not None and s[0] > 0 else None
+
+    def along(self, shape: float) -> tuple[float, float]:
+        """These samples fitted along a curve of the given shape (`curve`'s c / b): one
+        slope on `fresh + shape x context^2`, the overhead kept where it passes the line's
+        significance test, else the secant through the mean: (seconds a thousand tokens
+        along it, overhead in s). One slope is told far better than two by a dozen noisy
+        prompts (`Profile.alone_s`)."""
+        m1, m2, mt, m11, m12, m22, m1t, m2t, mtt = self.m
+        mz = m1 + shape * m2
+        vz = (m11 - m1 * m1) + 2 * shape * (m12 - m1 * m2) + shape * shape * (m22 - m2 * m2)
+        czt = (m1t - m1 * mt) + shape * (m2t - m2 * mt)
+        if self.count >= FIT_LINE_SAMPLES and vz > (FIT_MIN_SPREAD * mz) ** 2:
+            n = min(float(self.count), (2 - self.alpha) / self.alpha)
+            slope = czt / vz
+            kept = mt - slope * mz
+            noise = max(0.0, (mtt - mt * mt) - slope * czt) * n / (n - 2)
+            if slope > 0 and kept > FIT_SIGNIFICANCE * math.sqrt(noise * (1 + mz * mz / vz) / n):
+                return slope, kept
+        return mt / mz, 0.0
+
+    def fit(self) -> tuple[float, float, float]:
+        m1, m2, mt, m11, _, _, m1t, _, mtt = self.m
+        v11 = m11 - m1 * m1
+        c1t, vtt = m1t - m1 * mt, mtt - mt * mt
+        # The samples the weights amount to: all of them at first, about 2 / FIT_ALPHA later.
+        n = min(float(self.count), (2 - self.alpha) / self.alpha)
+        if v11 > (FIT_MIN_SPREAD * m1) ** 2:
+            s = self.slopes()
+            if s is not None:
+                # The curve where it is a cost's: never negative, never falling.
+                b, c = s
+                overhead = mt - b * m1 - c * m2
+                # Not held to significance: attention makes every engine's curve convex,
+                # and a line through a convex curve's samples projects long prompts short
+                # (a 4x-load bench run: first tokens 2.5x past their projection).
+                if b > 0 and c >= 0 and overhead >= 0:
+                    return 1000 / b, overhead, c / 1e6
+                if b > 0 and c >= 0:
+                    # An overhead under nothing is noise's: the curve with none, fitted
+                    # through the origin (least squares held to a cost's overhead). Read
+                    # instead as the secant, a pool of 192 noisy prompts of 0.3-16k tokens
+                    # with the true curve's slopes projected 20k tokens at 0.77x.
+                    m12, m22, m2t = self.m[4], self.m[5], self.m[7]
+                    det = m11 * m22 - m12 * m12
+                    if det > 0:
+                        b0 = (m1t * m22 - m2t * m12) / det
+                        c0 = (m2t * m11 - m1t * m12) / det
+                        if b0 > 0 and c0 >= 0:
+                            return 1000 / b0, 0.0, c0 / 1e6
+            if self.count >= FIT_LINE_SAMPLES:
+                b = c1t / v11
+                overhead = mt - b * m1
+                noise = max(0.0, vtt - b * c1t) * n / (n - 2)
+                se_overhead = math.sqrt(noise * (1 + m1 * m1 / v11) / n)
+                if b > 0 and overhead > FIT_SIGNIFICANCE * se_overhead:
+                    return 1000 / b, overhead, 0.0
+        # A convex curve fitted by a line has a negative overhead; sizes that do not spread
+        # say nothing of a slope, and a few noisy ones not enough: the secant through the
+        # mean then (an overhead it misses makes long prompts look slower, not faster).
+        return 1000 * m1 / mt, 0.0, 0.0
 
 
 @dataclass
@@ -128,11 +263,15 @@ class Profile:
     measured_at: float | None = None
     fit: PrefillFit = field(default_factory=PrefillFit, repr=False)
     curve: float | None = None  # its samples' curve (`PrefillFit.curve`), once they tell one
-    # How much longer a prefill takes here than the fleet's fit says (`fleet_fit.py`), and
-    # whether its rate, overhead and curve are that fit's at this speed, not its own fit's
-    # (`Predictor._pooled` writes both, and them).
+    # The fleet's fit its samples go into as well (`Predictor.pool`; None: it fits its own
+    # alone), and how much longer a prefill takes here than the pool's (`Predictor._pooled`
+    # writes it and, once the pool tells sizes apart, rate, overhead and curve as the
+    # pool's at that speed: `pooled`).
+    pool: PrefillFit | None = field(default=None, repr=False, compare=False)
     speed: float = 1.0
     pooled: bool = False
+    # Its samples against the pool, ln(measured / the pool's): decayed weight, sum, squares.
+    paces: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0], repr=False)
 
     def age_s(self, now: float) -> float:
         """Seconds since its last good measurement (infinite: never measured)."""
@@ -283,14 +422,27 @@ class Profile:
         return self.overhead_s + fresh / self.prefill_tps + self.quad_s * quad
 
     def _sample(self, fresh: int, prompt: int, seconds: float) -> None:
-        """One prefill sample taken into the fit (the profile's rate, overhead and curve are
-        its own fit's until the fleet's fit projects it: `pooled`)."""
+        """One prefill sample taken into the fit, and into the pool's (at the pool's speed):
+        where the pool's projection of it is mostly the prompt's tokens, not the overhead,
+        it also says how fast this engine is against the pool (`paces`)."""
         own = self.fit.add(fresh, prompt, seconds)
         if not self.pooled:
             self.prefill_tps, self.overhead_s, self.quad_s = own
         self.curve = self.fit.curve()
         self.prefill_samples += 1
         self.largest_measured = max(self.largest_measured, fresh)
+        pool = self.pool
+        if pool is None:
+            return
+        if pool.last is not None and pool.tells_sizes():
+            tps, overhead, quad = pool.last
+            work = fresh / tps + quad * (prompt * prompt - (prompt - fresh) ** 2)
+            if work >= overhead and seconds > 0:
+                r = math.log(seconds / (overhead + work))
+                w, total, squares = self.paces
+                keep = 1 - SPEED_ALPHA
+                self.paces = [keep * w + 1, keep * total + r, keep * squares + r * r]
+        pool.add(fresh, prompt, seconds / self.speed)
 
     def _sample_s(
         self, prefill_s: float | None, fresh: int, prompt: int, queued: bool
@@ -380,9 +532,9 @@ class Predictor:
         drift_min_samples: int = 5,
         stale_after_s: float = 120.0,
     ) -> None:
-        self.profiles = {e.name: Profile() for e in engines}
         # The fleet's prefill fit: every engine's samples, each at its engine's speed.
-        self.fleet = FleetFit()
+        self.pool = PrefillFit(alpha=POOL_ALPHA)
+        self.profiles = {e.name: Profile(pool=self.pool) for e in engines}
         # Per engine that serves several models, a profile per model it has served (its
         # prompts' own prefill: an adapter, or a second model on one engine, runs at a rate
         # of its own), begun as a copy of the engine's and learned as it is.
@@ -406,7 +558,7 @@ class Predictor:
         probes it first."""
         if e.name in self.profiles:
             return
-        prof = Profile()
+        prof = Profile(pool=self.pool)
         measured = [p for p in self.profiles.values() if p.prefill_tps is not None]
         if measured:
             for k in (
@@ -425,7 +577,6 @@ class Predictor:
 
     def remove(self, e: Engine) -> None:
         self.profiles.pop(e.name, None)
-        self.fleet.forget(e.name)
         self.models.pop(e.name, None)
 
     def of_model(self, e: Engine, model: str) -> Profile:
@@ -531,7 +682,7 @@ class Predictor:
                     fresh, fresh + (lease.cached_expected or 0), lease.prefill_s, lease.queued
                 ):
                     self._reshape()
-                    self._pooled(lease.on.name, prof)
+                    self._pooled()
 
     def _learn(self, lease: Lease) -> None:
         e = lease.on
@@ -546,14 +697,14 @@ class Predictor:
                 # Begun from what the engine has learned so far: the model's own
                 # measurements take over as they come.
                 mprof = own[lease.request.served] = copy.deepcopy(prof)
-                # A model's own rate: the fleet's fit is of the engines' model.
-                mprof.pooled = False
+                # A model's own rate: the fleet's pool is the engine's model's.
+                mprof.pool, mprof.pooled = None, False
         curve, samples = prof.curve, prof.prefill_samples
         miss = self._observe(prof, lease, lease.predicted_s)
         if prof.curve != curve:
             self._reshape()
         if prof.prefill_samples != samples:
-            self._pooled(e.name, prof)
+            self._pooled()
         if miss is not None and lease.predicted_s:
             self.drift = _ewma(self.drift, abs(miss))
             self.spread, self.spread_weight = _weighed(
@@ -563,19 +714,48 @@ class Predictor:
         if mprof is not None:
             self._observe(mprof, lease, None)  # the engine's profile scores the miss
 
-    def _pooled(self, name: str, prof: Profile) -> None:
-        """The engine's fit took a sample: its share of the fleet's fit is put back at its
-        speed, and where the fleet's fit projects it (`FleetFit.update`), its rate,
-        overhead and curve are that fit's at its speed; else its own fit's."""
-        told = self.fleet.update(name, prof.fit)
-        if told is None:
-            if prof.pooled and prof.fit.last is not None:
-                prof.prefill_tps, prof.overhead_s, prof.quad_s = prof.fit.last
-            prof.pooled = False
+    def _pooled(self) -> None:
+        """A sample went into the pool: every measured engine's speed against it, and once
+        the pool tells sizes apart, its rate, overhead and curve as the pool's at that speed.
+        One engine's own fit of the dozen prompts it measured is noisy, and placement picks
+        the engine whose projection is least: on 64 engines the most hopeful fits won the
+        long prompts and served them at two to five times their projections (the fleet
+        bench at 0.5x, 2026-12-07). The pool has every engine's samples; what an engine's
+        own say is one number, its speed, and that is shrunk toward the fleet's by how far
+        engines' speeds spread beyond what their samples' noise explains (empirical Bayes):
+        on a fleet of one kind of device all read the pool, on a mixed one each its own."""
+        pool = self.pool
+        rows = [p for p in self.profiles.values() if p.paces[0] > 0]
+        if rows:
+            weight = sum(p.paces[0] for p in rows)
+            mean = sum(p.paces[1] for p in rows) / weight
+            # A sample's noise about its engine's mean, from engines with several.
+            dof = sum(max(0.0, p.paces[0] - 1) for p in rows)
+            within = sum(max(0.0, p.paces[2] - p.paces[1] ** 2 / p.paces[0]) for p in rows)
+            noise = within / dof if dof >= 1 else None
+            # The true spread of engines' speeds: their means' spread less what noise makes.
+            spread = 0.0
+            if noise is not None and len(rows) >= 2:
+                means = [p.paces[1] / p.paces[0] for p in rows]
+                seen = sum((m - mean) ** 2 for m in means) / (len(rows) - 1)
+                spread = max(0.0, seen - noise * sum(1 / p.paces[0] for p in rows) / len(rows))
+            for p in rows:
+                own = p.paces[1] / p.paces[0] - mean
+                trust = 0.0  # no engine measured twice: nothing tells noise from speed
+                if noise is not None:
+                    told = spread + noise / p.paces[0]
+                    trust = spread / told if told > 0 else 1.0
+                p.speed = math.exp(mean + trust * own)
+        if pool.last is None or not pool.tells_sizes():
             return
-        (tps, overhead, quad), speed = told
-        prof.speed, prof.pooled = speed, True
-        prof.prefill_tps, prof.overhead_s, prof.quad_s = tps / speed, overhead * speed, quad * speed
+        tps, overhead, quad = pool.last
+        for p in rows:  # those measured against it: the rest fit their own until they are
+            p.prefill_tps, p.overhead_s, p.quad_s = (
+                tps / p.speed,
+                overhead * p.speed,
+                quad * p.speed,
+            )
+            p.pooled = True
 
     def _reshape(self) -> None:
         """An engine's curve changed: the fleet's is the median of those its engines'
@@ -661,8 +841,8 @@ class Predictor:
         typical miss (an engine's margin until it has its own; each engine's own margin is
         beside its profile); and the fleet's prefill fit, what an engine measured against it
         is projected by at its own speed (None until its samples tell sizes apart)."""
-        fit = self.fleet.fit()
-        tps, overhead, quad = fit if fit is not None else (None, None, None)
+        pool = self.pool
+        tps, overhead, quad = pool.last if pool.last and pool.tells_sizes() else (None,) * 3
         return {
             "edge": self.edge,
             "drift": self.drift,
@@ -671,7 +851,7 @@ class Predictor:
             "fleet_prefill_tokens_per_s": tps,
             "fleet_prefill_overhead_s": overhead,
             "fleet_prefill_quadratic_s": quad,
-            "fleet_prefill_samples": self.fleet.samples,
+            "fleet_prefill_samples": pool.count,
         }
 
     def lender(self, engines: list[Engine], model: str = "") -> Profile | None:
