@@ -261,6 +261,7 @@ def fleet(names: list[str]) -> tuple[list[Engine], Predictor, Callable[[Engine, 
     def served(e: Engine, fresh: int, seconds: float) -> None:
         async def go() -> None:
             async with adm.place(words(fresh), 0.0, 1e9, prefer=e, tokens=fresh) as lease:
+                assert lease.on is e
                 lease.measured.prompt_tokens = fresh
                 lease.measured.sent_at = time.monotonic() - seconds
                 lease.first_output()
@@ -327,35 +328,11 @@ def test_an_engine_that_measured_short_prompts_projects_long_ones_on_the_fleets_
     sizes tell the fleet's curve; past the largest prompt it measured, an engine projects
     along it, from its own speed there (a slower device, here half as fast)."""
 
-    def h200(fresh: int) -> float:  # the simulator's curve: a half rate at 12k of context
-        return 0.02 + (fresh + fresh**2 / 24_000) / 10_000
-
     def slow(fresh: int) -> float:
         return 2 * h200(fresh)
 
-    engines = [Engine(EngineSpec(n), f"http://{n}", healthy=True) for n in ("wide", "short")]
-    pool, events = Pool(engines, 4, 4, eject_after=2), Events()
-    p = Predictor(engines)
-    p.watch(events)
-    adm = Admission(pool, 100, 4, 5.0, events, instead=least_loaded)
-
-    def prompt(tokens: int) -> Request:  # four bytes a token
-        text = "word " * tokens
-        return intake.check(
-            CHAT, orjson.dumps({"model": "m", "messages": [{"role": "user", "content": text}]}), "m"
-        )
-
-    def served(e: Engine, fresh: int, seconds: float) -> None:
-        async def go() -> None:
-            async with adm.place(prompt(fresh), 0.0, 1e9, prefer=e, tokens=fresh) as lease:
-                assert lease.on is e
-                lease.measured.prompt_tokens = fresh
-                lease.measured.sent_at = time.monotonic() - seconds
-                lease.first_output()
-                lease.prefill_s = seconds
-                lease.finished(8)
-
-        asyncio.run(go())
+    engines, p, served = fleet(["wide", "short"])
+    prompt = words
 
     long = prompt(20_000)
     for fresh in (2000, 5000, 3000, 4000, 2500):  # short prompts only, on the slow engine
@@ -387,10 +364,6 @@ def test_a_prompt_too_long_alone_is_told_so_on_a_fleet_of_noisy_fits() -> None:
     and a client that waits it out is refused again and again. Refused (every engine's
     guarded projection is over the budget), it is told it is too long, and no
     Retry-After."""
-
-    def h200(fresh: int) -> float:  # the simulator's curve: a half rate at 12k of context
-        return 0.02 + (fresh + fresh**2 / 24_000) / 10_000
-
     rng = random.Random(7)  # the same draws every run
     sizes = [1000, 2000, 3000, 4000, 6000, 8000, 10_000, 12_000, 16_000, 20_000, 24_000]
     engines = [Engine(EngineSpec(f"e{i}"), f"http://e{i}", healthy=True) for i in range(16)]
@@ -478,12 +451,7 @@ def test_a_slower_engine_judged_by_a_faster_ones_measurements_is_projected_at_it
 def test_a_prompt_behind_one_mostly_prefilled_waits_only_for_what_is_left_of_it() -> None:
     """A prompt ahead in prefill was read whole however long it had run: projections with
     work ahead came in 10-50 % early, and every engine's margin widened with them."""
-    (e,) = engines = [Engine(EngineSpec("e"), "http://e", healthy=True)]
-    pool, events = Pool(engines, 4, 4, eject_after=2), Events()
-    p = Predictor(engines)
-    p.watch(events)
-    measured(p.profiles["e"], 1000.0, 4.0)
-    adm = Admission(pool, 100, 4, 5.0, events, instead=least_loaded)
+    p, e, adm = one_engine()
 
     async def go() -> tuple[float | None, float | None]:
         now = time.monotonic()
@@ -505,15 +473,21 @@ def test_a_prompt_behind_one_mostly_prefilled_waits_only_for_what_is_left_of_it(
     assert unknown == pytest.approx(1.1)
 
 
-def engine_scored() -> tuple[Predictor, Engine, Callable[[float, float], None]]:
-    """An engine at 1,000 tokens/s and `served(projected, took)`: a request placed there on
-    a projection, its first token `took` seconds after."""
+def one_engine() -> tuple[Predictor, Engine, Admission]:
+    """One engine at 1,000 tokens/s, its predictor learning from it, and admission to it."""
     (e,) = engines = [Engine(EngineSpec("e"), "http://e", healthy=True)]
     pool, events = Pool(engines, 4, 4, eject_after=2), Events()
     p = Predictor(engines)
     p.watch(events)
     measured(p.profiles["e"], 1000.0, 4.0)
     adm = Admission(pool, 100, 4, 5.0, events, instead=least_loaded)
+    return p, e, adm
+
+
+def engine_scored() -> tuple[Predictor, Engine, Callable[[float, float], None]]:
+    """An engine at 1,000 tokens/s and `served(projected, took)`: a request placed there on
+    a projection, its first token `took` seconds after."""
+    p, e, adm = one_engine()
 
     def served(projected: float, took: float) -> None:
         async def go() -> None:
