@@ -56,9 +56,8 @@ MAX_MARGIN = 2.0
 # overhead's noise is a larger share of them): on 64 engines at 0.5x (a 20 s budget),
 # projections under 5 s missed by 0.15-0.16 typically, those over it by 0.08-0.12, and the
 # margin read from all of them refused prompts of 0.7-0.95 of the budget alone on idle
-# engines. Ten, not the
-# drift's three (`ALPHA`, for noticing the predictor go wrong): read from about three, the
-# margin swung from 1.3x to 2x between one request and the next.
+# engines. Ten, not the drift's three (`ALPHA`, for noticing the predictor go wrong): read
+# from about three, the margin swung from 1.3x to 2x between one request and the next.
 SPREAD_ALPHA = 0.1
 # Models one engine keeps a profile of its own for (adapters come and go: a bound).
 MODEL_PROFILES = 64
@@ -422,9 +421,9 @@ class Profile:
         return self.overhead_s + fresh / self.prefill_tps + self.quad_s * quad
 
     def _sample(self, fresh: int, prompt: int, seconds: float) -> None:
-        """One prefill sample taken into the fit, and into the pool's (at the pool's speed):
-        where the pool's projection of it is mostly the prompt's tokens, not the overhead,
-        it also says how fast this engine is against the pool (`paces`)."""
+        """One prefill sample taken into the fit, and into the pool's (divided by this
+        engine's speed): where the pool's projection of it is mostly the prompt's tokens,
+        not the overhead, it also says how fast this engine is against the pool (`paces`)."""
         own = self.fit.add(fresh, prompt, seconds)
         if not self.pooled:
             self.prefill_tps, self.overhead_s, self.quad_s = own
@@ -733,18 +732,18 @@ class Predictor:
             dof = sum(max(0.0, p.paces[0] - 1) for p in rows)
             within = sum(max(0.0, p.paces[2] - p.paces[1] ** 2 / p.paces[0]) for p in rows)
             noise = within / dof if dof >= 1 else None
-            # The true spread of engines' speeds: their means' spread less what noise makes.
-            spread = 0.0
+            # How far engines' speeds truly differ: their means' variance less what noise makes.
+            between = 0.0
             if noise is not None and len(rows) >= 2:
                 means = [p.paces[1] / p.paces[0] for p in rows]
                 seen = sum((m - mean) ** 2 for m in means) / (len(rows) - 1)
-                spread = max(0.0, seen - noise * sum(1 / p.paces[0] for p in rows) / len(rows))
+                between = max(0.0, seen - noise * sum(1 / p.paces[0] for p in rows) / len(rows))
             for p in rows:
                 own = p.paces[1] / p.paces[0] - mean
                 trust = 0.0  # no engine measured twice: nothing tells noise from speed
                 if noise is not None:
-                    told = spread + noise / p.paces[0]
-                    trust = spread / told if told > 0 else 1.0
+                    told = between + noise / p.paces[0]
+                    trust = between / told if told > 0 else 1.0
                 p.speed = math.exp(mean + trust * own)
         if pool.last is None or not pool.tells_sizes():
             return
