@@ -62,11 +62,13 @@ def fleet(
         f"engines:{listed}\n",
     )
     mp.undo()
-    # Both engines learn, until both profiles vouch for 1,500-token prompts. A 400-token
+    # The fleet learns until a profile vouches for 1,500-token prompts: the engine placement
+    # passes over for the long ones (its twin projects a hair faster) is judged by that one
+    # (`Predictor.lender`), so waiting for both to vouch waited on a coin toss. A 400-token
     # prompt takes 0.8 s of the 1 s budget, which the margin of a fleet that has missed a
     # few cold projections refuses: the warm-up asks for a budget of its own.
     for _ in range(20):
-        if min(vouched(router)) >= 1500:
+        if max(vouched(router)) >= 1500:
             break
         for tokens in (100, 200, 300, 400):
             r = httpx.post(
@@ -76,7 +78,7 @@ def fleet(
                 timeout=30,
             )
             assert r.status_code == 200, r.text
-    assert min(vouched(router)) >= 1500
+    assert max(vouched(router)) >= 1500
     yield router, engines
     router.stop()
     for e in engines:
