@@ -128,7 +128,7 @@ FLOORS: dict[int, tuple[str, ...]] = {
         "fleet.etcd_source",
     ),
     # judgement: projections, ledgers and the policies that decide
-    2: ("predict", "policies"),
+    2: ("predict", "speeds", "policies"),
     # the stages a request passes, and the relay
     3: ("pipeline", "relay", "profiling", "warming", "peering"),
     # the wiring: the app, its programs and the fleet's assembly

@@ -8,6 +8,8 @@ engine's picture, project TTFT on each, pick), with a TPOT target and 32 streams
 engine's ledger, then without, for prompts of `--prompt-words` words that
 share a system prompt with earlier ones, every engine's picture filled to capacity; then
 the same judge with the picture off (`prefix_cache.tokens_per_engine: 0`), in the same run.
+Then what learning from a finished request costs: one prefill sample into its engine's fit,
+the fleet's pool and the engine's speed against the pool (`Predictor._pooled`).
 Memory: one PrefixMap of 32 engines x 100,000 blocks, filled, as the Rust side counts its
 heap and as the process's resident size grows.
 """
@@ -15,6 +17,7 @@ heap and as the process's resident size grows.
 from __future__ import annotations
 
 import argparse
+import random
 import resource
 import statistics
 import time
@@ -81,6 +84,31 @@ def judge_us(
     return statistics.median(times) / 1000
 
 
+def sample_us(engines: int, rounds: int = 4000) -> float:
+    """What a finished prompt's prefill sample costs the router to learn: its engine's fit,
+    the fleet's pool and the engine's speed against it (`Predictor._pooled`), every engine
+    having measured (three kinds of device, samples with 10 % noise)."""
+    pool = [Engine(EngineSpec(f"e{i}"), f"http://e{i}", healthy=True) for i in range(engines)]
+    predictor = Predictor(pool)
+    rng = random.Random(7)
+
+    def sample(i: int) -> None:
+        fresh = rng.choice((200, 1000, 4000, 12000))
+        seconds = (0.02 + fresh / 20_000) * (1 + 0.1 * (i % 3)) * rng.lognormvariate(0, 0.1)
+        predictor.profiles[f"e{i}"]._sample(fresh, fresh, seconds)
+        predictor._pooled(f"e{i}")
+
+    for k in range(12 * engines):  # a dozen samples an engine: every one measured
+        sample(k % engines)
+    times = []
+    for _ in range(rounds):
+        i = rng.randrange(engines)
+        t = time.perf_counter_ns()
+        sample(i)
+        times.append(time.perf_counter_ns() - t)
+    return statistics.mean(times) / 1000
+
+
 def picture_memory(engines: int = 32, blocks: int = 100_000) -> tuple[float, float]:
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     m = PrefixMap(engines, blocks)
@@ -111,6 +139,9 @@ def main() -> None:
     print(
         f"\npicture of 32 engines x 100,000 blocks: {heap:.0f} MiB heap (Rust), {rss:.0f} MiB RSS"
     )
+    print("\n| engines | a finished prompt's prefill sample learned (µs, mean) |\n|---|---|")
+    for n in (int(x) for x in a.engines.split(",")):
+        print(f"| {n} | {sample_us(n):.1f} |")
 
 
 if __name__ == "__main__":

@@ -35,6 +35,7 @@ import orjson
 
 from narwhal.router.engines import Engine
 from narwhal.router.lease import Events, Lease
+from narwhal.router.speeds import Speeds
 
 ALPHA = 0.3  # EWMA weight of a new measurement
 # A small gain: outcomes arrive a TTFT after the projection, and a large gain on a lagged
@@ -534,6 +535,11 @@ class Predictor:
         # The fleet's prefill fit: every engine's samples, each at its engine's speed.
         self.pool = PrefillFit(alpha=POOL_ALPHA)
         self.profiles = {e.name: Profile(pool=self.pool) for e in engines}
+        # Each engine's speed against the pool (`_pooled`): samples since every measured
+        # engine's was last read, and whether the pool told sizes apart then.
+        self.speeds = Speeds()
+        self._unread = 0
+        self._telling = False
         # Per engine that serves several models, a profile per model it has served (its
         # prompts' own prefill: an adapter, or a second model on one engine, runs at a rate
         # of its own), begun as a copy of the engine's and learned as it is.
@@ -576,6 +582,7 @@ class Predictor:
 
     def remove(self, e: Engine) -> None:
         self.profiles.pop(e.name, None)
+        self.speeds.drop(e.name)
         self.models.pop(e.name, None)
 
     def of_model(self, e: Engine, model: str) -> Profile:
@@ -681,7 +688,7 @@ class Predictor:
                     fresh, fresh + (lease.cached_expected or 0), lease.prefill_s, lease.queued
                 ):
                     self._reshape()
-                    self._pooled()
+                    self._pooled(lease.on.name)
 
     def _learn(self, lease: Lease) -> None:
         e = lease.on
@@ -703,7 +710,7 @@ class Predictor:
         if prof.curve != curve:
             self._reshape()
         if prof.prefill_samples != samples:
-            self._pooled()
+            self._pooled(e.name)
         if miss is not None and lease.predicted_s:
             self.drift = _ewma(self.drift, abs(miss))
             self.spread, self.spread_weight = _weighed(
@@ -713,40 +720,39 @@ class Predictor:
         if mprof is not None:
             self._observe(mprof, lease, None)  # the engine's profile scores the miss
 
-    def _pooled(self) -> None:
-        """A sample went into the pool: every measured engine's speed against it, and once
-        the pool tells sizes apart, its rate, overhead and curve as the pool's at that speed.
-        One engine's own fit of the dozen prompts it measured is noisy, and placement picks
-        the engine whose projection is least: on 64 engines the most hopeful fits won the
-        long prompts and served them at two to five times their projections (the fleet
-        bench at 0.5x, 2026-12-07). The pool has every engine's samples; what an engine's
-        own say is one number, its speed, and that is shrunk toward the fleet's by how far
-        engines' speeds spread beyond what their samples' noise explains (empirical Bayes):
-        on a fleet of one kind of device all read the pool, on a mixed one each its own."""
+    def _pooled(self, name: str) -> None:
+        """Engine `name` put a sample into the pool: its speed against it, and once the pool
+        tells sizes apart, its rate, overhead and curve as the pool's at that speed; every
+        measured engine's once a round (as many samples as engines measured), and when the
+        pool first tells sizes. One engine's own fit of the dozen prompts it measured is
+        noisy, and placement picks the engine whose projection is least: on 64 engines the
+        most hopeful fits won the long prompts and served them at two to five times their
+        projections (the fleet bench at 0.5x, 2026-12-07). The pool has every engine's
+        samples; what an engine's own say is one number, its speed, and that is shrunk
+        toward the fleet's by how far engines' speeds spread beyond what their samples'
+        noise explains (`Speeds`): on a fleet of one kind of device all read the pool, on a
+        mixed one each its own. Between rounds the others keep the pool as they last read
+        it: it moves by a hundredth of a sample each sample."""
+        prof = self.profiles.get(name)
+        if prof is not None and prof.paces[0] > 0:
+            self.speeds.put(name, *prof.paces)
         pool = self.pool
-        rows = [p for p in self.profiles.values() if p.paces[0] > 0]
-        if rows:
-            weight = sum(p.paces[0] for p in rows)
-            mean = sum(p.paces[1] for p in rows) / weight
-            # A sample's noise about its engine's mean, from engines with several.
-            dof = sum(max(0.0, p.paces[0] - 1) for p in rows)
-            within = sum(max(0.0, p.paces[2] - p.paces[1] ** 2 / p.paces[0]) for p in rows)
-            noise = within / dof if dof >= 1 else None
-            # How far engines' speeds truly differ: their means' variance less what noise makes.
-            between = 0.0
-            if noise is not None and len(rows) >= 2:
-                means = [p.paces[1] / p.paces[0] for p in rows]
-                seen = sum((m - mean) ** 2 for m in means) / (len(rows) - 1)
-                between = max(0.0, seen - noise * sum(1 / p.paces[0] for p in rows) / len(rows))
-            for p in rows:
-                own = p.paces[1] / p.paces[0] - mean
-                trust = 0.0  # no engine measured twice: nothing tells noise from speed
-                if noise is not None:
-                    told = between + noise / p.paces[0]
-                    trust = between / told if told > 0 else 1.0
-                p.speed = math.exp(mean + trust * own)
-        if pool.last is None or not pool.tells_sizes():
+        telling = pool.last is not None and pool.tells_sizes()
+        self._unread += 1
+        if self._unread >= len(self.speeds) or telling != self._telling:
+            self._unread, self._telling = 0, telling
+            self.speeds.resum()
+            rows = [self.profiles[n] for n in self.speeds.names()]
+        else:
+            rows = [prof] if prof is not None and prof.paces[0] > 0 else []
+        reading = self.speeds.reading()
+        if reading is None:
             return
+        for p in rows:
+            p.speed = reading.speed(p.paces[0], p.paces[1])
+        if not telling:
+            return
+        assert pool.last is not None
         tps, overhead, quad = pool.last
         for p in rows:  # those measured against it: the rest fit their own until they are
             p.prefill_tps, p.overhead_s, p.quad_s = (
