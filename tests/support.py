@@ -3,6 +3,7 @@ stopped, and the HTTP helpers that read what they answer."""
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import signal
@@ -102,6 +103,10 @@ def wait_http(
 
 
 class Server:
+    # Every server started and not yet stopped: a fixture that fails after starting one
+    # (its warm-up asserting) never reaches its own stop, and the process outlived the run.
+    live: set[Server] = set()
+
     def __init__(self, args: list[str], health: str, port: int, timeout: float = 60) -> None:
         self.port = port
         self.url = f"http://127.0.0.1:{port}"
@@ -111,6 +116,7 @@ class Server:
         self.proc = subprocess.Popen(
             args, cwd=ROOT, start_new_session=True, stdout=subprocess.DEVNULL, stderr=self.log
         )
+        Server.live.add(self)
         try:
             wait_http(self.url + health, self.proc, timeout)
         except Exception:
@@ -123,6 +129,7 @@ class Server:
         return self.log.read().decode("utf-8", "replace")
 
     def stop(self) -> None:
+        Server.live.discard(self)
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGTERM)
             try:
@@ -130,6 +137,12 @@ class Server:
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
+
+
+@atexit.register
+def _stop_the_rest() -> None:
+    for server in list(Server.live):
+        server.stop()
 
 
 def start_engine(model: str, *extra: str) -> Server:
