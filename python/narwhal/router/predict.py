@@ -728,10 +728,10 @@ class Predictor:
         noisy, and placement picks the engine whose projection is least: on 64 engines the
         most hopeful fits won the long prompts and served them at two to five times their
         projections (the fleet bench at 0.5x, 2026-12-07). The pool has every engine's
-        samples; what an engine's own say is one number, its speed, and that is shrunk
-        toward the fleet's by how far engines' speeds spread beyond what their samples'
-        noise explains (`Speeds`): on a fleet of one kind of device all read the pool, on a
-        mixed one each its own. Between rounds the others keep the pool as they last read
+        samples; what an engine's own say is one number, its speed, and that is read with
+        the speeds of the engines whose samples say they are of its kind (`Speeds`): on a
+        fleet of one kind of device all read the pool's, on a mixed one each its kind's.
+        Between rounds the others keep the pool as they last read
         it: it moves by a hundredth of a sample each sample."""
         prof = self.profiles.get(name)
         if prof is not None and prof.paces[0] > 0:
@@ -749,7 +749,7 @@ class Predictor:
         if reading is None:
             return
         for p in rows:
-            p.speed = reading.speed(p.paces[0], p.paces[1])
+            p.speed = self.speeds.speed(reading, p.paces[0], p.paces[1])
         if not telling:
             return
         assert pool.last is not None
