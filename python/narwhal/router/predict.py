@@ -731,8 +731,8 @@ class Predictor:
         samples; what an engine's own say is one number, its speed, and that is read with
         the speeds of the engines whose samples say they are of its kind (`Speeds`): on a
         fleet of one kind of device all read the pool's, on a mixed one each its kind's.
-        Between rounds the others keep the pool as they last read
-        it: it moves by a hundredth of a sample each sample."""
+        Between rounds the others keep the pool as they last read it: it moves by a
+        hundredth of a sample each sample."""
         prof = self.profiles.get(name)
         if prof is not None and prof.paces[0] > 0:
             self.speeds.put(name, *prof.paces)

@@ -132,7 +132,8 @@ class Speeds:
             return math.exp(own)
         reach = REACH * math.sqrt(width)
         lo, hi = math.floor((own - reach) / BIN), math.floor((own + reach) / BIN)
-        near = range(lo, hi + 1) if hi - lo < len(self._bins) else sorted(self._bins)
+        # The bins within reach, or every bin where there are fewer of those (few samples).
+        near = range(lo, hi + 1) if hi - lo < len(self._bins) else list(self._bins)
         weights = means = 0.0
         for k in near:
             b = self._bins.get(k)
