@@ -19,7 +19,12 @@ if TYPE_CHECKING:
 
 class OpenPolicy:
     def judge(
-        self, req: Request, engines: list[Engine], budget_s: float, record: Decision | None = None
+        self,
+        req: Request,
+        engines: list[Engine],
+        budget_s: float,
+        record: Decision | None = None,
+        last: bool = False,
     ) -> Plan:
         return OPEN_PLAN
 
