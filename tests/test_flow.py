@@ -223,6 +223,8 @@ def test_a_refusals_access_line_says_how_near_it_came() -> None:
     # Under the budget as projected, over it as widened by the margin: refused for the margin.
     assert f["projected_ms"] < 1000 * BUDGET_S < f["guarded_ms"]
     assert 0 < f["own_ms"] < f["projected_ms"]
+    # Where it came nearest, and what it would have prefilled there.
+    assert f["nearest_engine"] == "a" and f["tokens_sized"] == 23
 
     rec = asgi.Record("alone")
     token = asgi.current.set(rec)

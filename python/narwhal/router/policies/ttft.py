@@ -214,8 +214,9 @@ def _within_budget(ps: list[Projection], budget_s: float, share: float = 1.0) ->
             code="ttft_budget_exceeded",
             headers={"retry-after": str(overrun)},
         ).ended(End.QUEUE_WAIT if queue else End.TTFT_BUDGET_EXCEEDED)
-        # The access line says how near it came: the least projection, widened and not, and
-        # its own prefill there (a refusal for the margin reads guarded over, projected under).
+        # The access line says how near it came: the least projection's engine and the tokens
+        # it would prefill there, widened and not, and its own prefill there (a refusal for
+        # the margin reads guarded over, projected under).
         err.fields.update(_ms(best))
         raise err
     return fit
@@ -223,6 +224,8 @@ def _within_budget(ps: list[Projection], budget_s: float, share: float = 1.0) ->
 
 def _ms(p: Projection) -> dict[str, object]:
     return {
+        "nearest_engine": p.engine.name,
+        "tokens_sized": p.tokens,
         "guarded_ms": round((p.guarded_s or 0.0) * 1000, 1),
         "projected_ms": round((p.total_s or 0.0) * 1000, 1),
         "own_ms": round((p.own_s or 0.0) * 1000, 1),
