@@ -429,6 +429,12 @@ async def engine_stats(urls: list[str], scale: float) -> tuple[int, int, int, fl
         return p, c, k, lag / (busy * scale) if busy else 0.0, twice, len(seen)
 
 
+async def snapshot(url: str, where: Path) -> None:
+    """`url`'s JSON body written to `where` (any status: a router not ready says why)."""
+    async with aiohttp.ClientSession() as s, s.get(url) as r:
+        where.write_bytes(await r.read())
+
+
 async def reset(urls: list[str]) -> None:
     async with aiohttp.ClientSession() as s:
         for u in urls:
@@ -604,6 +610,13 @@ def run_door(
             )
         )
         res.cpu_s = sum(tree_cpu(p.pid) for p in procs) - cpu0
+        if a.dump is not None and door.health == "/ready":
+            # What each router had learned by the run's end (profiles, speeds, the fleet's
+            # fit, margins, the ledger), beside its access lines.
+            for k, url in enumerate(urls):
+                name = door.name if k == 0 else f"{door.name}.{k}"
+                where = cell_log(a.dump, name, load, run).with_suffix(".ready.json")
+                asyncio.run(snapshot(url + "/ready", where))
         stats = asyncio.run(engine_stats(engines, a.time_scale))
         res.prompt_tokens, res.cached_tokens, res.preemptions, res.sim_lag = stats[:4]
         res.placed_twice, res.seen_by_id = stats[4:]
@@ -921,7 +934,8 @@ def main() -> None:
         "--dump",
         type=Path,
         help="a folder: one JSONL per door and load, a line a request, and each door's log "
-        "a cell (a router's access lines)",
+        "a cell (a router's access lines; a Narwhal router's /ready at the cell's end beside "
+        "it, .ready.json)",
     )
     ap.add_argument(
         "--models",
