@@ -59,14 +59,11 @@ WARM_IDLE = 0.75
 # a new prompt: a prompt no engine fits at its projection's 99th percentile is judged by the
 # 90th (`ttft.judge`'s `idle`).
 IDLE_SHARE = 0.5
-# A request whose wait for pace is over (`last`), on a fleet with room to spare (IDLE_SHARE),
-# is placed where the streams its prefill is expected to push past their target are fewer
-# than this: refused, it is one miss for sure; placed, each stream it may break is a miss
-# with the chance that it ends short of the length its allowance needs. The ledger's own rule
-# holds every stream to a low quantile of its length, so one stream expected short shuts an
-# engine to a long prompt for its whole wait. Under load the room a placement overdraws is
-# every later prompt's there: at 1x on a fleet of two speeds, taking such risks on any fleet
-# refused 31 for pace in one run where the tree before refused 8 (bench/README.md).
+# A request whose wait for pace is over (`last`) is placed where the streams its prefill is
+# expected to push past their target are fewer than this: refused, it is one miss for sure;
+# placed, each stream it may break is a miss with the chance that it ends short of the length
+# its allowance needs. The ledger's own rule holds every stream to a low quantile of its
+# length, so one stream expected short shuts an engine to a long prompt for its whole wait.
 LAST_RISK = 0.5
 
 
@@ -157,7 +154,6 @@ class PredictivePolicy:
         home = self.sessions.engine(req.session)
         paced = self.tpot_target_s is not None
         self._least_risk = None
-        idle = self._idle(engines)
         try:
             proj = judge(
                 self.predictor,
@@ -166,9 +162,7 @@ class PredictivePolicy:
                 budget_s,
                 cached,
                 self._engines.get(home or ""),
-                self._paced(req.standing.share, req.standing.rank, last and idle)
-                if paced
-                else None,
+                self._paced(req.standing.share, req.standing.rank, last) if paced else None,
                 self._stall if paced else None,
                 req.standing.rank,
                 req.standing.share,
@@ -176,8 +170,7 @@ class PredictivePolicy:
                 not paced or self._pace_sure(req.standing.tenant, engines),
                 req.served,
                 lender,
-                idle,
-                not last,
+                self._idle(engines),
             )
         except NoEngineKeepsPace as e:
             if self._least_risk is not None:

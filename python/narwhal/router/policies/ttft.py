@@ -68,7 +68,6 @@ def judge(
     model: str = "",
     lender: Profile | None = None,
     idle: bool = False,
-    hold: bool = True,
 ) -> Projection:
     """The best projection within budget, or the spec's 429 refusals. `cached` says
     per engine name how many of the prompt's tokens its cache is expected to serve;
@@ -90,8 +89,7 @@ def judge(
     `lender`: what an engine that cannot vouch for the prompt's size is judged by
     (`Predictor.lender`; None: its own measurements only). `idle`: the fleet has room to
     spare, so where no projection fits widened to its 99th percentile, one fits widened to
-    its 90th (`Projection.likely_s`). Without `hold` (the request's wait is over), no engine
-    is waited for: not its conversation's, nor one that holds more of its prompt."""
+    its 90th (`Projection.likely_s`)."""
     cached = cached or {}
     ps = [
         predictor.project(prompt_bytes, e, cached.get(e.name, 0), klass, model, lender)
@@ -113,7 +111,7 @@ def judge(
         # history again elsewhere (an engine's worth of capacity, and a longer stall
         # there). While the budget lets it, it waits for a stream at home to end.
         slack = budget_s - (at_home.guarded_s or 0.0)
-        if hold and slack > HOLD_HOME_MIN * budget_s:
+        if slack > HOLD_HOME_MIN * budget_s:
             _waits(record, why.WAIT_HOME)
             raise NoEngineKeepsPace(slack)
     rank = _rank
@@ -135,7 +133,7 @@ def judge(
         _waits(record, why.WAIT_PACE)
         raise NoEngineKeepsPace(budget_s - min((p.guarded_s or 0.0) for p in fit))
     p = ranked[i]
-    if i and pace_sure and hold:
+    if i and pace_sure:
         # Better-ranked engines were kept out by the TPOT target alone. Where one holds
         # much more of the prompt in its cache, taking this one prefills that again (a
         # family's prefix spread to one more engine, its cache's room taken twice); a
