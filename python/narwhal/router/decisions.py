@@ -62,7 +62,7 @@ AT_RISK = (
 )
 IDLE_LIKELY = (
     "over the budget at the 99th percentile of its projection everywhere; on a fleet with "
-    "room to spare, the best engine within it at the 90th"
+    "room to spare, an engine it would have to itself, within it at the 90th"
 )
 WAIT_HOME = "waiting for the conversation's engine to keep its streams' pace"
 WAIT_CACHE = "waiting for an engine that holds more of the prompt to keep its streams' pace"

@@ -527,7 +527,7 @@ class Projection:
     # admission's decision reads own_s and guarded_s, never this).
     alone: Callable[[], float] | None = None
     # The projection widened to its 90th percentile, not its 99th (LIKELY_SPREAD): what a
-    # prompt no engine fits at its 99th is judged by on a fleet with room to spare.
+    # prompt that would have its engine to itself is judged by on a fleet with room to spare.
     likely_s: float | None = None
 
 

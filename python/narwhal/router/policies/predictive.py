@@ -56,8 +56,8 @@ WARM_HELD = 0.9
 # (half was measured too: 2.5 points more misses at 2x in both of its runs; bench/README).
 WARM_IDLE = 0.75
 # The fleet has room to spare while at least this share of its engines has nothing ahead of
-# a new prompt: a prompt no engine fits at its projection's 99th percentile is judged by the
-# 90th (`ttft.judge`'s `idle`).
+# a new prompt: a prompt that would have one of them to itself is judged by the 90th
+# percentile of its projection, not the 99th (`ttft.judge`'s `idle`).
 IDLE_SHARE = 0.5
 # A request whose wait for pace is over (`last`) is placed where the streams its prefill is
 # expected to push past their target are fewer than this: refused, it is one miss for sure;

@@ -88,8 +88,8 @@ def judge(
     (its own prefill projected at that model's rate on an engine that serves several);
     `lender`: what an engine that cannot vouch for the prompt's size is judged by
     (`Predictor.lender`; None: its own measurements only). `idle`: the fleet has room to
-    spare, so where no projection fits widened to its 99th percentile, one fits widened to
-    its 90th (`Projection.likely_s`)."""
+    spare, so where no projection fits widened to its 99th percentile, one that would have
+    its engine to itself fits widened to its 90th (`Projection.likely_s`)."""
     cached = cached or {}
     ps = [
         predictor.project(prompt_bytes, e, cached.get(e.name, 0), klass, model, lender)
@@ -180,15 +180,15 @@ def _within_budget(
     """The projections within the TTFT budget, or the spec's 429 when there are none. An
     engine whose profile does not vouch for the prompt's size fits while what is ahead of
     the prompt there does: it is admitted to, and learns, rather than refusing on a guess.
-    On an `idle` fleet, where none fits so, an engine fits while the projection's 90th
-    percentile does: refused, the prompt is a miss for sure; placed, it comes late one time
-    in ten at most, and the time it takes was nobody else's (a fleet with room to spare: at
-    half load on a fleet of two speeds, most refusals were long prompts projected within the
-    budget and widened past it by a margin of 1.4-2x: bench/README.md)."""
+    On an `idle` fleet, an engine where nothing would be ahead of the prompt fits while its
+    90th percentile does: refused, the prompt is a miss for sure; placed there, it comes
+    late one time in ten at most, and its engine's time was nobody else's (at half load on
+    a fleet of two speeds, most refusals were long prompts projected within the budget on
+    an idle engine and widened past it by a margin of 1.4-2x: bench/README.md)."""
     unsure = [p for p in ps if not p.sure]
     fit = [p for p in ps if (p.guarded_s or 0.0) <= budget_s]
     if not fit and idle:
-        fit = [p for p in ps if p.sure and (p.likely_s or 0.0) <= budget_s]
+        fit = [p for p in ps if p.sure and p.total_s == p.own_s and (p.likely_s or 0.0) <= budget_s]
     if not fit and unsure:
         fit = [p for p in unsure if _ahead_s(p) <= budget_s]
     if not fit:
