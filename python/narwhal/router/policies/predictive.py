@@ -105,9 +105,6 @@ class PredictivePolicy:
         self._profiles: list[Profile | None] = [predictor.profiles[e.name] for e in engines]
         # With other active routers: what this one placed that they may not hold yet.
         self._unheard: Unheard | None = None
-        # The fewest streams expected pushed past their target on an engine weighed in a
-        # last judgement (`_keeps_pace`), for its refusal's access line.
-        self._least_risk: float | None = None
 
     def added(self, engine: Engine) -> None:
         self.predictor.add(engine)
@@ -153,31 +150,23 @@ class PredictivePolicy:
             record.session = req.session
         home = self.sessions.engine(req.session)
         paced = self.tpot_target_s is not None
-        self._least_risk = None
-        try:
-            proj = judge(
-                self.predictor,
-                req.prompt_bytes,
-                engines,
-                budget_s,
-                cached,
-                self._engines.get(home or ""),
-                self._paced(req.standing.share, req.standing.rank, last) if paced else None,
-                self._stall if paced else None,
-                req.standing.rank,
-                req.standing.share,
-                record,
-                not paced or self._pace_sure(req.standing.tenant, engines),
-                req.served,
-                lender,
-                self._idle(engines),
-            )
-        except NoEngineKeepsPace as e:
-            if self._least_risk is not None:
-                # What the last judgement weighed: the fewest streams a placement would
-                # have been expected to push past their target (LAST_RISK or more).
-                e.refusal.fields["streams_at_risk"] = round(self._least_risk, 2)
-            raise
+        proj = judge(
+            self.predictor,
+            req.prompt_bytes,
+            engines,
+            budget_s,
+            cached,
+            self._engines.get(home or ""),
+            self._paced(req.standing.share, req.standing.rank, last) if paced else None,
+            self._stall if paced else None,
+            req.standing.rank,
+            req.standing.share,
+            record,
+            not paced or self._pace_sure(req.standing.tenant, engines),
+            req.served,
+            lender,
+            self._idle(engines),
+        )
         if paced and any(self._waiting[: req.standing.order]):
             # A request of a higher class (or of a tenant within its fair share, where
             # this one's is over) waits for pace: this one would spend the allowance it
@@ -316,10 +305,7 @@ class PredictivePolicy:
         ledger = self.streams[name]
         now = time.monotonic()
         if last:
-            risk = ledger.at_risk(stall / share, now, rank)
-            if self._least_risk is None or risk < self._least_risk:
-                self._least_risk = risk
-            if risk >= LAST_RISK:
+            if ledger.at_risk(stall / share, now, rank) >= LAST_RISK:
                 return False
             return not reserve_s or ledger.fits(stall + reserve_s, now, 0)
         room = ledger.headroom_s(now, rank)
