@@ -957,32 +957,3 @@ def test_the_record_of_a_prompt_placed_at_the_end_of_its_wait_says_so() -> None:
     record = Decision("r", "", "standard", long.prompt_bytes)
     plan = f.policy.judge(long, f.engines, BUDGET, record, last=True)
     assert plan.prefer is f.engines[0] and record.why == why.AT_RISK
-
-
-def _a_fleet_whose_projections_miss_widely(n: int = 4) -> Fleet:
-    """Engines whose projections miss by 0.2 typically: widened to their 99th percentile
-    a projection grows 1.8x, to their 90th 1.4x."""
-    f = Fleet(n=n)
-    for p in f.predictor.profiles.values():
-        p.spread, p.drift_samples = 0.2, 5
-    return f
-
-
-def test_on_an_idle_fleet_a_prompt_its_margin_alone_refuses_is_placed() -> None:
-    f = _a_fleet_whose_projections_miss_widely()
-    long = request(words("L", 2700))  # 3.2 s alone: 5.8 s at the 99th, 4.5 s at the 90th
-    record = Decision("r", "", "standard", long.prompt_bytes)
-    plan = f.policy.judge(long, f.engines, BUDGET, record)
-    assert plan.prefer is not None and record.why == why.IDLE_LIKELY
-
-
-def test_on_a_busy_fleet_the_margin_refuses_it() -> None:
-    f = _a_fleet_whose_projections_miss_widely()
-    for e in f.engines[1:]:
-        e.prefill, e.prefill_tokens = 1, 100  # prompts in prefill on three engines of four
-    long = request(words("L", 2700))
-    with pytest.raises(ApiError) as refused:
-        f.judge(long)
-    assert refused.value.code == "ttft_budget_exceeded"
-    # A prompt that fits at the 99th percentile is placed as ever, on the engine free.
-    assert f.judge(request(words("S", 1500))).prefer is f.engines[0]

@@ -60,10 +60,6 @@ AT_RISK = (
     "its wait for pace over, the best engine where the streams its prefill is expected to "
     "push past their TPOT target are fewer than half a stream (refused, it is a miss for sure)"
 )
-IDLE_LIKELY = (
-    "over the budget at the 99th percentile of its projection everywhere; on a fleet with "
-    "room to spare, an engine it would have to itself, within it at the 90th"
-)
 WAIT_HOME = "waiting for the conversation's engine to keep its streams' pace"
 WAIT_CACHE = "waiting for an engine that holds more of the prompt to keep its streams' pace"
 WAIT_PACE = "waiting for an engine to keep its streams' pace"

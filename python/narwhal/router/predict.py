@@ -48,10 +48,6 @@ CORRECTION_GAIN = 0.05
 # what it left), and one in fifteen of them came late (a 4x bench run: 9 of 140, each
 # 1.1-1.4x its projection).
 MARGIN_SPREAD = statistics.NormalDist().inv_cdf(0.99) / math.sqrt(2 / math.pi)
-# Where a refusal is the other choice and the engine's time is not wanted by anyone else
-# (`Projection.likely_s`): the 90th percentile. A prompt refused is a miss for sure; one
-# admitted comes late one time in ten at most, on a device that would have stood idle.
-LIKELY_SPREAD = statistics.NormalDist().inv_cdf(0.9) / math.sqrt(2 / math.pi)
 # Beyond doubling, the projection is too unreliable to gate on; drift past its bound makes
 # the router monitoring-degraded instead.
 MAX_MARGIN = 2.0
@@ -526,9 +522,6 @@ class Projection:
     # What its prefill alone is told to take, asked only where it is refused (`Profile.alone_s`:
     # admission's decision reads own_s and guarded_s, never this).
     alone: Callable[[], float] | None = None
-    # The projection widened to its 90th percentile, not its 99th (LIKELY_SPREAD): what a
-    # prompt that would have its engine to itself is judged by on a fleet with room to spare.
-    likely_s: float | None = None
 
 
 class Predictor:
@@ -829,20 +822,19 @@ class Predictor:
                 return None
         return "; ".join(reasons) or None
 
-    def margin(self, prof: Profile, spread: float = MARGIN_SPREAD) -> float:
+    def margin(self, prof: Profile) -> float:
         """How much wider than the projection admission plays it on this engine: by its own
         typical miss, or until it has enough of them, the fleet's (a new engine, or every
         engine of a router that just started: under load a fresh router's first requests on
         each engine are placed at the budget's edge, and with no margin until each engine
-        had five scored, one in six of those of a 4x bench run came late). `spread`: how
-        many typical misses wide (the 99th percentile; LIKELY_SPREAD, the 90th)."""
+        had five scored, one in six of those of a 4x bench run came late)."""
         # (A profile a router of before the spread published carries only the drift.)
         typical = prof.spread if prof.spread is not None else prof.drift
         if typical is None or prof.drift_samples < self.drift_min_samples:
             typical = self.spread if self.spread is not None else self.drift
             if typical is None or self.drift_samples < self.drift_min_samples:
                 return 1.0  # a few cold-start misses (fixed overheads) say nothing yet
-        return min(MAX_MARGIN, math.exp(spread * typical))
+        return min(MAX_MARGIN, math.exp(MARGIN_SPREAD * typical))
 
     def size(self, prompt_bytes: int, e: Engine, lender: Profile | None = None) -> int:
         """A prompt's tokens at the engine's bytes a token (`bytes_per_token`)."""
@@ -926,8 +918,7 @@ class Predictor:
         ahead = e.ahead_s(prof.ahead_s(e.prefill_tokens, e.prefill_sq), time.monotonic())
         total = own + ahead + waiting
         guarded = total * self.margin(prof) * self.edge
-        likely = total * self.margin(prof, LIKELY_SPREAD) * self.edge
-        return Projection(e, fresh, own, total, guarded, waiting, sure, alone, likely)
+        return Projection(e, fresh, own, total, guarded, waiting, sure, alone)
 
 
 def speed_against(prof: Profile, lender: Profile) -> float:

@@ -55,10 +55,6 @@ WARM_HELD = 0.9
 # ... and only while at least this share of the engines has nothing ahead of a new prompt
 # (half was measured too: 2.5 points more misses at 2x in both of its runs; bench/README).
 WARM_IDLE = 0.75
-# The fleet has room to spare while at least this share of its engines has nothing ahead of
-# a new prompt: a prompt that would have one of them to itself is judged by the 90th
-# percentile of its projection, not the 99th (`ttft.judge`'s `idle`).
-IDLE_SHARE = 0.5
 # A request whose wait for pace is over (`last`) is placed where the streams its prefill is
 # expected to push past their target are fewer than this: refused, it is one miss for sure;
 # placed, each stream it may break is a miss with the chance that it ends short of the length
@@ -165,7 +161,6 @@ class PredictivePolicy:
             not paced or self._pace_sure(req.standing.tenant, engines),
             req.served,
             lender,
-            self._idle(engines),
         )
         if paced and any(self._waiting[: req.standing.order]):
             # A request of a higher class (or of a tenant within its fair share, where
@@ -176,8 +171,6 @@ class PredictivePolicy:
             raise NoEngineKeepsPace(budget_s - (proj.guarded_s or 0.0))
         if last and record is not None and record.why in (why.PACED, why.LOWEST_PACED):
             record.why = why.AT_RISK
-        if record is not None and proj.sure and (proj.guarded_s or 0.0) > budget_s:
-            record.why = why.IDLE_LIKELY
         charge = None
         if paced:
             # Charged now, not once placed: requests woken together by a stream's end are
@@ -265,12 +258,6 @@ class PredictivePolicy:
         stall = self._stall_s(p) if self.tpot_target_s is not None else None
         charge = self.streams[p.engine.name].charge(stall) if stall is not None else None
         return Plan(p.engine, p.tokens, p.total_s, blocks, expected, req.session, charge, p.own_s)
-
-    @staticmethod
-    def _idle(engines: list[Engine]) -> bool:
-        """At least IDLE_SHARE of the engines have nothing ahead of a new prompt."""
-        idle = sum(1 for e in engines if not e.prefill and not any(e.queued_tokens))
-        return idle >= IDLE_SHARE * len(engines)
 
     def _pace_sure(self, tenant: str, engines: list[Engine]) -> bool:
         """Whether the ledger's verdicts rest on measured answer lengths, so that a request

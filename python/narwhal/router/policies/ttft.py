@@ -67,7 +67,6 @@ def judge(
     pace_sure: bool = True,
     model: str = "",
     lender: Profile | None = None,
-    idle: bool = False,
 ) -> Projection:
     """The best projection within budget, or the spec's 429 refusals. `cached` says
     per engine name how many of the prompt's tokens its cache is expected to serve;
@@ -87,9 +86,7 @@ def judge(
     no request waits or is refused for it. `model`: the served model the prompt is for
     (its own prefill projected at that model's rate on an engine that serves several);
     `lender`: what an engine that cannot vouch for the prompt's size is judged by
-    (`Predictor.lender`; None: its own measurements only). `idle`: the fleet has room to
-    spare, so where no projection fits widened to its 99th percentile, one that would have
-    its engine to itself fits widened to its 90th (`Projection.likely_s`)."""
+    (`Predictor.lender`; None: its own measurements only)."""
     cached = cached or {}
     ps = [
         predictor.project(prompt_bytes, e, cached.get(e.name, 0), klass, model, lender)
@@ -102,7 +99,7 @@ def judge(
     unknown = [p for p in ps if p.total_s is None]
     if unknown:
         return _chose(record, min(unknown, key=lambda p: p.engine.prefill), why.UNPROFILED)
-    fit = _within_budget(ps, budget_s, share, idle)
+    fit = _within_budget(ps, budget_s, share)
     at_home = next((p for p in fit if p.engine is home), None)
     if at_home is not None:
         if keeps_pace is None or not pace_sure or keeps_pace(at_home):
@@ -174,21 +171,12 @@ def _noted(
     return asked
 
 
-def _within_budget(
-    ps: list[Projection], budget_s: float, share: float = 1.0, idle: bool = False
-) -> list[Projection]:
+def _within_budget(ps: list[Projection], budget_s: float, share: float = 1.0) -> list[Projection]:
     """The projections within the TTFT budget, or the spec's 429 when there are none. An
     engine whose profile does not vouch for the prompt's size fits while what is ahead of
-    the prompt there does: it is admitted to, and learns, rather than refusing on a guess.
-    On an `idle` fleet, an engine where nothing would be ahead of the prompt fits while its
-    90th percentile does: refused, the prompt is a miss for sure; placed there, it comes
-    late one time in ten at most, and its engine's time was nobody else's (at half load on
-    a fleet of two speeds, most refusals were long prompts projected within the budget on
-    an idle engine and widened past it by a margin of 1.4-2x: bench/README.md)."""
+    the prompt there does: it is admitted to, and learns, rather than refusing on a guess."""
     unsure = [p for p in ps if not p.sure]
     fit = [p for p in ps if (p.guarded_s or 0.0) <= budget_s]
-    if not fit and idle:
-        fit = [p for p in ps if p.sure and p.total_s == p.own_s and (p.likely_s or 0.0) <= budget_s]
     if not fit and unsure:
         fit = [p for p in unsure if _ahead_s(p) <= budget_s]
     if not fit:
