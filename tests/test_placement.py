@@ -21,7 +21,7 @@ from narwhal.router.decisions import Decision
 from narwhal.router.engines import Engine, Pool
 from narwhal.router.lease import Events, Lease
 from narwhal.router.pipeline import intake
-from narwhal.router.pipeline.judge import LAST_SHARE, Judge
+from narwhal.router.pipeline.judge import Judge
 from narwhal.router.policies import Plan, least_loaded
 from narwhal.router.policies.lengths import MIN_SAMPLES
 from narwhal.router.policies.predictive import PredictivePolicy
@@ -916,44 +916,3 @@ def test_an_engine_serving_two_models_learns_each_ones_prefill_rate() -> None:
     assert slow > 1.5 * base
     assert base < slow and unseen < slow
     assert set(predictor.models) == {"two"} and set(predictor.models["two"]) == {"slow", "base"}
-
-
-def _judged_at_the_end_of_its_wait(f: Fleet, req: Request) -> Plan:
-    """`req` judged by the pipeline's judge with its wait for pace over: half of the share
-    of its budget that the last judgement is for is what its budget leaves beyond its best
-    projection (a budget of 50 s, so that the half is half a second)."""
-    with pytest.raises(NoEngineKeepsPace) as waits:
-        f.judge(req)  # strict: it would wait
-    budget = 50.0
-    slack = waits.value.slack_s + budget - BUDGET
-    left = LAST_SHARE * budget / 2
-    judge = Judge(f.policy, f.pool, lambda: None)
-    return f.loop.run_until_complete(judge.plan(req, time.monotonic() - (slack - left), budget))
-
-
-def test_at_the_end_of_its_wait_a_prompt_is_placed_where_few_answers_are_that_short() -> None:
-    """One answer in eight is short enough for the prefill to push it past the target: the
-    ledger holds the new stream to that length, and the prompt waits. When its wait is
-    over, refusing it is a miss for sure, placing it one in eight: it is placed, and its
-    decision record says why."""
-    f, _ = _a_new_stream_after([20 if i % 8 == 0 else 2000 for i in range(160)])
-    long = request(words("L", 1000))  # 1 s of prefill: a 20-token answer beside it misses
-    plan = _judged_at_the_end_of_its_wait(f, long)
-    assert plan.prefer is f.engines[0]
-
-
-def test_at_the_end_of_its_wait_a_prompt_is_refused_where_most_answers_are_that_short() -> None:
-    # Four answers in five are 20 tokens: placing it is likelier than not to break one.
-    f, _ = _a_new_stream_after([2000 if i % 5 == 4 else 20 for i in range(100)])
-    long = request(words("L", 1000))
-    with pytest.raises(ApiError) as refused:
-        _judged_at_the_end_of_its_wait(f, long)
-    assert refused.value.code == "tpot_target_exceeded"
-
-
-def test_the_record_of_a_prompt_placed_at_the_end_of_its_wait_says_so() -> None:
-    f, _ = _a_new_stream_after([20 if i % 8 == 0 else 2000 for i in range(160)])
-    long = request(words("L", 1000))
-    record = Decision("r", "", "standard", long.prompt_bytes)
-    plan = f.policy.judge(long, f.engines, BUDGET, record, last=True)
-    assert plan.prefer is f.engines[0] and record.why == why.AT_RISK

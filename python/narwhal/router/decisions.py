@@ -56,10 +56,6 @@ PACE_UNSURE = (
     "ledger, but the answers' lengths or the engines' steps it holds streams to are not "
     "measured yet (admitted, learned so)"
 )
-AT_RISK = (
-    "its wait for pace over, the best engine where the streams its prefill is expected to "
-    "push past their TPOT target are fewer than half a stream (refused, it is a miss for sure)"
-)
 WAIT_HOME = "waiting for the conversation's engine to keep its streams' pace"
 WAIT_CACHE = "waiting for an engine that holds more of the prompt to keep its streams' pace"
 WAIT_PACE = "waiting for an engine to keep its streams' pace"

@@ -2,9 +2,7 @@
 
 A request no engine can take without breaking the time per output token of streams
 decoding there waits in the router for one to end, while its TTFT budget allows, and is
-refused with 429 `tpot_target_exceeded` when none has; its last judgement, as its wait
-ends, lets the policy weigh the one miss a refusal is against the streams a placement may
-push past their target (`Policy.judge`'s `last`). With active routers the wait is the
+refused with 429 `tpot_target_exceeded` when none has. With active routers the wait is the
 fleet's: a waiter that finds room gives it first, once, to an older one waiting at another
 router that the room would fit too (`FleetWaiters`), as the oldest of one router's own
 waiters goes first.
@@ -26,11 +24,6 @@ from narwhal.router.request import Request
 
 # A request that would wait less than this for an engine to keep pace is refused at once.
 MIN_WAIT_S = 0.01
-# A request waits for pace until this share of its TTFT budget is left beyond its best
-# projection, then is judged once more as its last (`Policy.judge`'s `last`): waited to the
-# end, the projection it is judged by moves past what its budget has left by milliseconds,
-# and it is refused for its TTFT before the last judgement could place it.
-LAST_SHARE = 0.02
 TTFT_REFUSALS = frozenset({"ttft_budget_exceeded", "prompt_exceeds_ttft_budget"})
 
 
@@ -98,8 +91,6 @@ class Judge:
     ) -> Plan:
         deferred: ApiError | None = None
         room_made = False
-        last = False
-        end_s = max(MIN_WAIT_S, LAST_SHARE * budget)  # the slack judged as the last
         while True:
             engines = self.pool.eligible()
             if cannot:
@@ -108,21 +99,17 @@ class Judge:
                 return OPEN_PLAN  # placement answers 503: nothing to judge against
             left = budget - (time.monotonic() - arrived)
             try:
-                plan = self.policy.judge(req, engines, left, record, last)
+                plan = self.policy.judge(req, engines, left, record)
             except NoEngineKeepsPace as e:
-                if e.slack_s <= end_s:
-                    if last:
-                        raise e.refusal from None
-                    last = True
-                    deferred = deferred or e.refusal
-                    continue
+                if e.slack_s <= MIN_WAIT_S:
+                    raise e.refusal from None
                 if deferred is None:
                     self.on_paced_wait()
                     wait.began()
                 deferred = e.refusal
                 began = time.monotonic()
                 try:
-                    await self.policy.room(e.slack_s - end_s, req.standing.order)
+                    await self.policy.room(e.slack_s, req.standing.order)
                 finally:
                     if record is not None:
                         record.waited_s += time.monotonic() - began

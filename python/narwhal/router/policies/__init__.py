@@ -96,17 +96,10 @@ class Unheard(Protocol):
 
 class Policy(Protocol):
     def judge(
-        self,
-        req: Request,
-        engines: list[Engine],
-        budget_s: float,
-        record: Decision | None = None,
-        last: bool = False,
+        self, req: Request, engines: list[Engine], budget_s: float, record: Decision | None = None
     ) -> Plan:
         """The plan for `req`, or an ApiError refusing it, or `NoEngineKeepsPace` when it
-        may wait for `room()`; `record`, where given, is told what was weighed and why.
-        `last`: its wait is over (the next refusal is final), and the policy may take a
-        risk on others' pace that a request that can still wait would not."""
+        may wait for `room()`; `record`, where given, is told what was weighed and why."""
 
     async def room(self, timeout_s: float, order: int = 2) -> None:
         """Returns when placement may have changed its mind (a stream ended), or after

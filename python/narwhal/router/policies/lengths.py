@@ -54,13 +54,12 @@ def _floor(bucket: int) -> int:
 class Histogram:
     """Decayed counts of answer lengths and, from them, the quantile table."""
 
-    __slots__ = ("_below", "_counts", "_dirty", "_table", "_weight", "samples")
+    __slots__ = ("_counts", "_dirty", "_table", "_weight", "samples")
 
     def __init__(self) -> None:
         self._counts = [0.0] * _BUCKETS
         self._weight = 1.0  # what the next answer counts (older ones fade against it)
         self._table: list[int] | None = None
-        self._below: list[float] = [0.0] * (_BUCKETS + 1)  # counts of the buckets before i
         self._dirty = 0
         self.samples = 0
 
@@ -78,29 +77,13 @@ class Histogram:
     def at_least(self, tokens: int) -> int:
         """Of the answers that reached `tokens`, the length all but QUANTILE reach (a
         bucket's floor: the lower, the more the ledger protects); never below `tokens`."""
-        return max(tokens, self._built()[_bucket(tokens)])
-
-    def short_of(self, tokens: int, reached: int) -> float:
-        """Of the answers that reached `reached` tokens, the share that stopped short of
-        `tokens` (by buckets: answers in `tokens`' own bucket count as reaching it)."""
-        self._built()
-        below, lo, hi = self._below, _bucket(reached), _bucket(tokens)
-        if hi <= lo:
-            return 0.0
-        above = below[_BUCKETS] - below[lo]
-        return (below[hi] - below[lo]) / above if above > 0 else 0.0
-
-    def _built(self) -> list[int]:
         if self._table is None:
             self._table = self._build()
             self._dirty = 0
-        return self._table
+        return max(tokens, self._table[_bucket(tokens)])
 
     def _build(self) -> list[int]:
         counts = self._counts
-        below = self._below
-        for i, c in enumerate(counts):
-            below[i + 1] = below[i] + c
         table = [0] * _BUCKETS
         above = 0.0  # the counts of buckets >= i
         for i in range(_BUCKETS - 1, -1, -1):

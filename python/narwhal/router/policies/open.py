@@ -19,12 +19,7 @@ if TYPE_CHECKING:
 
 class OpenPolicy:
     def judge(
-        self,
-        req: Request,
-        engines: list[Engine],
-        budget_s: float,
-        record: Decision | None = None,
-        last: bool = False,
+        self, req: Request, engines: list[Engine], budget_s: float, record: Decision | None = None
     ) -> Plan:
         return OPEN_PLAN
 

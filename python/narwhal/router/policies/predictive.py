@@ -55,12 +55,6 @@ WARM_HELD = 0.9
 # ... and only while at least this share of the engines has nothing ahead of a new prompt
 # (half was measured too: 2.5 points more misses at 2x in both of its runs; bench/README).
 WARM_IDLE = 0.75
-# A request whose wait for pace is over (`last`) is placed where the streams its prefill is
-# expected to push past their target are fewer than this: refused, it is one miss for sure;
-# placed, each stream it may break is a miss with the chance that it ends short of the length
-# its allowance needs. The ledger's own rule holds every stream to a low quantile of its
-# length, so one stream expected short shuts an engine to a long prompt for its whole wait.
-LAST_RISK = 0.5
 
 
 class PredictivePolicy:
@@ -128,12 +122,7 @@ class PredictivePolicy:
         ]
 
     def judge(
-        self,
-        req: Request,
-        engines: list[Engine],
-        budget_s: float,
-        record: Decision | None = None,
-        last: bool = False,
+        self, req: Request, engines: list[Engine], budget_s: float, record: Decision | None = None
     ) -> Plan:
         # An engine that has not sized clients' text, or measured prompts of this size, is
         # judged by the fleet's measurements (`Predictor.lender`): its cache expectation is
@@ -153,7 +142,7 @@ class PredictivePolicy:
             budget_s,
             cached,
             self._engines.get(home or ""),
-            self._paced(req.standing.share, req.standing.rank, last) if paced else None,
+            self._paced(req.standing.share, req.standing.rank) if paced else None,
             self._stall if paced else None,
             req.standing.rank,
             req.standing.share,
@@ -169,8 +158,6 @@ class PredictivePolicy:
             if record is not None:
                 record.chose(None, why.WAIT_CLASS)
             raise NoEngineKeepsPace(budget_s - (proj.guarded_s or 0.0))
-        if last and record is not None and record.why in (why.PACED, why.LOWEST_PACED):
-            record.why = why.AT_RISK
         charge = None
         if paced:
             # Charged now, not once placed: requests woken together by a stream's end are
@@ -270,31 +257,24 @@ class PredictivePolicy:
         profiles = [self.predictor.profiles.get(e.name) for e in engines]
         return all(p is not None and p.output_tokens is not None for p in profiles)
 
-    def _paced(self, share: float, rank: int, last: bool = False) -> Callable[[Projection], bool]:
+    def _paced(self, share: float, rank: int) -> Callable[[Projection], bool]:
         # The reserve is read once a request, not once an engine.
         reserve_s = 0.0
         if rank > 0 and self.reserve is not None:
             reserve_s = self.reserve.share() * self.budget_s
-        return lambda p: self._keeps_pace(p, share, rank, reserve_s, last)
+        return lambda p: self._keeps_pace(p, share, rank, reserve_s)
 
-    def _keeps_pace(
-        self, p: Projection, share: float, rank: int, reserve_s: float, last: bool = False
-    ) -> bool:
+    def _keeps_pace(self, p: Projection, share: float, rank: int, reserve_s: float) -> bool:
         """Placing there leaves every stream on the engine of the request's class or a
         higher one within the TPOT target: a request of a lower class with `1 - share` of
         the allowance to spare, and `reserve_s` more in critical streams' allowance. Lower
-        classes' streams are the higher ones' to spend. `last`: the request's wait is over,
-        and fewer than LAST_RISK streams expected pushed past their target will do."""
+        classes' streams are the higher ones' to spend."""
         stall = self._stall_s(p)
         if stall is None:
             return True
         name = p.engine.name
         ledger = self.streams[name]
         now = time.monotonic()
-        if last:
-            if ledger.at_risk(stall / share, now, rank) >= LAST_RISK:
-                return False
-            return not reserve_s or ledger.fits(stall + reserve_s, now, 0)
         room = ledger.headroom_s(now, rank)
         if room is not None and stall / share > room:
             return False

@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import heapq
 import itertools
-import math
 import statistics
 from collections import deque
 from typing import TYPE_CHECKING, Protocol
@@ -148,17 +147,6 @@ class Streams:
     def fits(self, stall_s: float, now: float, rank: int | None = None) -> bool:
         room = self.headroom_s(now, rank)
         return room is None or stall_s <= room
-
-    def at_risk(self, stall_s: float, now: float, rank: int) -> float:
-        """How many streams there of `rank` or higher a prefill of `stall_s` placed now is
-        expected to push past their target: each stream's chance of ending shorter than
-        the length at which the prefill would spend its allowance, from how long answers
-        that got as far as it has run (a stream with no learned lengths: 1 where it is
-        held to less, else 0). One pass over the streams: read only on the way to a refusal."""
-        charged, pending = self.charged_s, self.pending_s
-        return sum(
-            s.risk(stall_s, now, charged, pending) for s in self._live.values() if s.rank <= rank
-        )
 
     def charge(self, stall_s: float) -> Charge:
         """A prompt whose prefill takes `stall_s` is on its way here (judged or placed):
@@ -269,36 +257,6 @@ class _Stream:
         waited = charged - self.joined  # the most it can have waited on prefill
         grown = self.slope * (now - self.since - waited)
         return self.joined + max(self.allowance, grown)
-
-    def risk(self, stall: float, now: float, charged: float, pending: float) -> float:
-        """The chance that a prefill of `stall` seconds placed now pushes the stream past its
-        target (the engine's charge and pending prefill before it: `charged`, `pending`):
-        that the stream ends before the length at which it would still keep the target."""
-        slope = self.aim - self.tau0
-        if self.tally is not None:
-            assert self.since is not None
-            k = self.tally.counted
-            due = now + pending + stall  # when the prefill ahead of it will have run
-            if slope <= 0:
-                return float(self.value(now, charged) < due)
-            # value(N) = aim (N - 1) + since - tau0 (N - k) reaches `due` at N = need.
-            need = (due - self.since + self.aim - self.tau0 * k) / slope
-        else:
-            k = 0 if self.since is None else 1
-            spent = charged + stall - self.joined  # prefill charged since it joined
-            if (
-                self.since is not None
-                and self.slope * (now - self.since - (charged - self.joined)) >= spent
-            ):
-                return 0.0  # its decoding alone vouches for the room
-            if slope <= 0:
-                return 1.0
-            need = 1 + spent / slope
-        if self.cap is not None and need > self.cap:
-            return 1.0  # the answer cannot run long enough
-        if self.lengths is None:
-            return float(need > self.reaches(k))
-        return self.lengths.short_of(math.ceil(need), max(k, 1))
 
     def reaches(self, k: int) -> int:
         """The length a stream at its `k`th token is held to: never below `n` or `k`, and
