@@ -424,10 +424,7 @@ class Profile:
     def _sample(self, fresh: int, prompt: int, seconds: float) -> None:
         """One prefill sample taken into the fit, and into the pool's (divided by this
         engine's speed): where the pool's projection of it is mostly the prompt's tokens,
-        not the overhead, it also says how fast this engine is against the pool (`paces`).
-        Into the pool, within the engine's margin of what the pool projects for it at the
-        engine's speed (`_pool_clip`): a least-squares fit in seconds is pulled by a long
-        prompt's outlier far more than by a short one's."""
+        not the overhead, it also says how fast this engine is against the pool (`paces`)."""
         own = self.fit.add(fresh, prompt, seconds)
         if not self.pooled:
             self.prefill_tps, self.overhead_s, self.quad_s = own
@@ -445,20 +442,7 @@ class Profile:
                 w, total, squares = self.paces
                 keep = 1 - SPEED_ALPHA
                 self.paces = [keep * w + 1, keep * total + r, keep * squares + r * r]
-                expected = (overhead + work) * self.speed
-                clip = self._pool_clip()
-                seconds = min(max(seconds, expected / clip), expected * clip)
         pool.add(fresh, prompt, seconds / self.speed)
-
-    def _pool_clip(self) -> float:
-        """How far from the pool's projection a sample is taken as it is: the engine's own
-        margin (MARGIN_SPREAD typical misses), QUEUED_CLIP at most and before it has one.
-        On the fleet bench the pool's fit, unclipped, projected a 20k-token prompt at
-        0.89-1.75x its time at the end of ten runs (bench/README.md)."""
-        typical = self.spread if self.spread is not None else self.drift
-        if typical is None or self.drift_samples < 5:
-            return QUEUED_CLIP
-        return min(QUEUED_CLIP, math.exp(MARGIN_SPREAD * typical))
 
     def _sample_s(
         self, prefill_s: float | None, fresh: int, prompt: int, queued: bool
