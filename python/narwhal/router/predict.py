@@ -28,6 +28,7 @@ import functools
 import math
 import statistics
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -79,6 +80,9 @@ FIT_ALPHA = 0.1
 # The fleet's fit (`Predictor.pool`) remembers about the last 1 / POOL_ALPHA samples of every
 # engine's; an engine's speed against it, about its own last 1 / SPEED_ALPHA.
 POOL_ALPHA = 0.01
+# The samples the fleet's fit is refitted from at the engines' current speeds: what its
+# weights amount to.
+POOL_SAMPLES = round(2 / POOL_ALPHA)
 SPEED_ALPHA = 0.05
 # The fit's slope is read only where the prompts it saw differ in size (their coefficient of
 # variation at least this); else tokens / time through the mean, with no overhead.
@@ -135,6 +139,12 @@ class PrefillFit:
     def add(self, fresh: int, prompt: int, seconds: float) -> tuple[float, float, float]:
         """Take a sample; the fit: (rate in tokens/s, overhead in s, quad in s a token^2).
         The first samples are averaged evenly, the later ones weighted `alpha`."""
+        self.take(fresh, prompt, seconds)
+        self.last = self.fit()
+        return self.last
+
+    def take(self, fresh: int, prompt: int, seconds: float) -> None:
+        """A sample into the moments, the fit left as it was (`add` fits)."""
         self.count += 1
         a = max(self.alpha, 1.0 / self.count)
         x1 = fresh / 1000
@@ -142,8 +152,6 @@ class PrefillFit:
         t = seconds
         for i, v in enumerate((x1, x2, t, x1 * x1, x1 * x2, x2 * x2, x1 * t, x2 * t, t * t)):
             self.m[i] += a * (v - self.m[i])
-        self.last = self.fit()
-        return self.last
 
     def tells_sizes(self) -> bool:
         """Whether its samples are enough, and of sizes spread enough, to tell a prompt's
@@ -270,6 +278,9 @@ class Profile:
     pool: PrefillFit | None = field(default=None, repr=False, compare=False)
     speed: float = 1.0
     pooled: bool = False
+    # Its last sample as measured (fresh, prompt, seconds), until the fleet's fit keeps it
+    # with its engine (`Predictor._pooled`).
+    taken: tuple[int, int, float] | None = None
     # Its samples against the pool, ln(measured / the pool's): decayed weight, sum, squares.
     paces: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0], repr=False)
 
@@ -443,6 +454,7 @@ class Profile:
                 keep = 1 - SPEED_ALPHA
                 self.paces = [keep * w + 1, keep * total + r, keep * squares + r * r]
         pool.add(fresh, prompt, seconds / self.speed)
+        self.taken = (fresh, prompt, seconds)
 
     def _sample_s(
         self, prefill_s: float | None, fresh: int, prompt: int, queued: bool
@@ -540,6 +552,8 @@ class Predictor:
         self.speeds = Speeds()
         self._unread = 0
         self._telling = False
+        # The fleet's fit's samples as measured, each with its engine (`_refit`).
+        self._samples: deque[tuple[str, int, int, float]] = deque(maxlen=POOL_SAMPLES)
         # Per engine that serves several models, a profile per model it has served (its
         # prompts' own prefill: an adapter, or a second model on one engine, runs at a rate
         # of its own), begun as a copy of the engine's and learned as it is.
@@ -734,12 +748,16 @@ class Predictor:
         Between rounds the others keep the pool as they last read it: it moves by a
         hundredth of a sample each sample."""
         prof = self.profiles.get(name)
+        if prof is not None and prof.taken is not None:
+            self._samples.append((name, *prof.taken))
+            prof.taken = None
         if prof is not None and prof.paces[0] > 0:
             self.speeds.put(name, *prof.paces)
         pool = self.pool
         telling = pool.last is not None and pool.tells_sizes()
         self._unread += 1
-        if self._unread >= len(self.speeds) or telling != self._telling:
+        round_over = self._unread >= len(self.speeds) or telling != self._telling
+        if round_over:
             self._unread, self._telling = 0, telling
             self.speeds.resum()
             rows = [self.profiles[n] for n in self.speeds.names()]
@@ -750,6 +768,8 @@ class Predictor:
             return
         for p in rows:
             p.speed = self.speeds.speed(reading, p.paces[0], p.paces[1])
+        if round_over:
+            self._refit()
         if not telling:
             return
         assert pool.last is not None
@@ -761,6 +781,25 @@ class Predictor:
                 quad * p.speed,
             )
             p.pooled = True
+
+    def _refit(self) -> None:
+        """The fleet's fit from its samples again, each divided by its engine's speed as it
+        is now, not as it was when the sample came: the slow engines' first samples, taken
+        while they were read at the fleet's speed, entered at twice their time and bent the
+        fit's curve for the ~100 samples it remembers (the fleet bench on two speeds: a
+        20k-token prompt projected at 1.58x its time, where the same samples refitted at
+        the speeds learned by then give 0.96x; bench/README.md)."""
+        fit = PrefillFit(alpha=POOL_ALPHA)
+        for name, fresh, prompt, seconds in self._samples:
+            p = self.profiles.get(name)
+            if p is not None:
+                fit.take(fresh, prompt, seconds / p.speed)
+        pool = self.pool
+        # Only while it holds every sample the fit remembers (a profile fed outside the
+        # events, as the router's tests do, leaves the fit as it is).
+        if fit.count and fit.count >= min(pool.count, POOL_SAMPLES):
+            pool.m = fit.m
+            pool.last = pool.fit()
 
     def _reshape(self) -> None:
         """An engine's curve changed: the fleet's is the median of those its engines'
