@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import math
 import random
+import statistics
 import time
 from collections.abc import Callable
 
@@ -302,6 +303,32 @@ def test_the_most_hopeful_of_sixteen_engines_of_one_kind_projects_a_long_prompt_
     owns = [p.project(long.prompt_bytes, e).own_s or 0.0 for e in engines]
     assert min(owns) > 0.9 * h200(20_000)
     assert max(owns) < 1.1 * h200(20_000)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_samples_taken_before_the_speeds_were_known_do_not_bend_the_fleets_fit(seed: int) -> None:
+    """A fleet of two speeds whose slow engines happen to take the long prompts first, while
+    they are still read at the fleet's speed: those samples entered the fleet's fit at twice
+    their time and bent its curve for as long as it remembered them, and the fast engines
+    projected long prompts up to 1.4x their time (the fleet bench: 1.58x, and refusals).
+    Refitted at the speeds learned since, they do not."""
+    rng = random.Random(seed)
+    engines, p, served = fleet([f"e{i}" for i in range(8)])
+    fast, slow = engines[0::2], engines[1::2]
+    for _ in range(4):
+        for e in slow:
+            fresh = rng.randrange(8_000, 16_000)
+            served(e, fresh, 2 * h200(fresh) * math.exp(rng.gauss(0.0, 0.1)))
+        for e in fast:
+            fresh = rng.randrange(300, 3_000)
+            served(e, fresh, h200(fresh) * math.exp(rng.gauss(0.0, 0.1)))
+    for _ in range(8):
+        for i, e in enumerate(engines):
+            fresh = rng.randrange(300, 16_000)
+            served(e, fresh, (1 + i % 2) * h200(fresh) * math.exp(rng.gauss(0.0, 0.1)))
+    long = words(20_000)
+    owns = [(p.project(long.prompt_bytes, e).own_s or 0.0) / h200(20_000) for e in fast]
+    assert 0.85 < statistics.mean(owns) < 1.2
 
 
 def test_engines_of_two_speeds_each_project_at_their_own() -> None:
