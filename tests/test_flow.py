@@ -234,3 +234,97 @@ def test_a_refusals_access_line_says_how_near_it_came() -> None:
         asgi.current.reset(token)
     assert err.code == "prompt_exceeds_ttft_budget"
     assert rec.fields["alone_ms"] > 1000 * BUDGET_S
+
+
+class _SentAtCall:
+    """What Granian's `send` returns: an awaitable that did its work when called (so the
+    router relays the stream natively, from the engine socket's read callback)."""
+
+    def __await__(self) -> Any:
+        return iter(())
+
+
+@pytest.mark.parametrize("ending", ["completed", "stream_fault"])
+def test_a_client_that_hangs_up_once_the_answer_is_whole_does_not_change_its_outcome(
+    ending: str,
+) -> None:
+    """The client reads the stream's last bytes and closes at once: its disconnect reaches
+    the router before the request's task wakes to the stream's end. The request ended as
+    its answer did (completed, or a fault the client was told of), not `client_gone`."""
+
+    async def go() -> tuple[list[Any], Router]:
+        async def completions(request: web.Request) -> web.StreamResponse:
+            await request.read()
+            resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
+            await resp.prepare(request)
+            frame = {"id": "x", "object": "chat.completion.chunk", "created": 1, "model": "m"}
+            frame["choices"] = [{"index": 0, "delta": {"content": "a"}, "finish_reason": None}]
+            await resp.write(b"data: " + orjson.dumps(frame) + b"\n\n")
+            await relayed.wait()  # the rest comes once the stream is relayed natively
+            if ending == "completed":
+                await resp.write(b"data: [DONE]\n\n")
+            else:
+                await over.wait()  # nothing more: the router's deadline ends it
+            return resp
+
+        relayed, over = asyncio.Event(), asyncio.Event()
+
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", completions)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+        r = Router(
+            parse(
+                {
+                    "model": "main",
+                    "admission": "open",
+                    "engines": [{"name": "a", "url": url, "dialect": "openai"}],
+                }
+            )
+        )
+        for e in r.pool.engines:
+            e.healthy = True
+        sent: list[Any] = []
+        body = orjson.dumps({"messages": [{"role": "user", "content": "hi"}], "stream": True})
+        read, gone = asyncio.Event(), asyncio.Event()
+
+        async def receive() -> dict[str, Any]:
+            if read.is_set():
+                await gone.wait()
+                return {"type": "http.disconnect"}
+            read.set()
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        def send(message: dict[str, Any]) -> _SentAtCall:
+            sent.append(message)
+            if message["type"] == "http.response.body":
+                relayed.set()
+                if not message.get("more_body"):
+                    gone.set()  # the client has it all, and hangs up
+            return _SentAtCall()
+
+        scope: dict[str, Any] = {
+            "type": "http",
+            "method": "POST",
+            "headers": [(b"x-narwhal-timeout-ms", b"300")],
+        }
+        try:
+            await r.flow("/v1/chat/completions", scope, receive, send)
+        finally:
+            over.set()
+            r.relayer.close()
+            await runner.cleanup()
+        return sent, r
+
+    sent, r = asyncio.run(go())
+    text = b"".join(m.get("body", b"") for m in sent)
+    assert sent[0]["status"] == 200 and b'"a"' in text
+    if ending == "completed":
+        assert text.endswith(b"data: [DONE]\n\n")
+    else:
+        assert b"deadline_exceeded" in text
+    assert sample(r, "narwhal_relayed_streams_total", path="native") == 1
+    assert finished(r) == {ending: 1.0}

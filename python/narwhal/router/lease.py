@@ -77,6 +77,7 @@ class Measured:
     or through the lease's `first_output` and `finished`), read by the subscribers."""
 
     __slots__ = (
+        "answered",
         "cached_tokens",
         "decode_s",
         "first_at",
@@ -100,6 +101,9 @@ class Measured:
         # length is where answers end, not where a client's limit stopped it.
         self.natural = False
         self.tally: Tally | None = None  # the relay's count of output tokens, while it runs
+        # The answer's last bytes went to the client (True: it ended well; False: with an
+        # error event): a client that hangs up after them does not change its outcome.
+        self.answered: bool | None = None
 
 
 class Lease:

@@ -17,7 +17,7 @@ from narwhal.errors import ApiError
 from narwhal.router.admission import Admission
 from narwhal.router.config import RouterConfig
 from narwhal.router.decisions import Decision, Decisions
-from narwhal.router.endings import End, Ending
+from narwhal.router.endings import Ending
 from narwhal.router.metrics import RouterMetrics
 from narwhal.router.pipeline.classify import CRITICAL, classify
 from narwhal.router.pipeline.gate import Gate
@@ -195,7 +195,7 @@ class Flow:
             finally:
                 plan.settle()
         except asyncio.CancelledError:
-            end.end = End.CLIENT_GONE
+            # `client_gone` (the Ending's own) unless the answer had all gone out first.
             if not watcher.done():
                 raise  # not the client's doing: shutting down
         finally:

@@ -7,6 +7,7 @@ request went (`placed`) before the relay starts.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable
 from typing import Any
@@ -174,6 +175,14 @@ class Placer:
             # connecting (a fresh connection, or a retried one) may take longer than
             # what is left of this router's leadership.
             return await self.relayer.run(lease, send, self.gate.check_leading, trace)
+        except asyncio.CancelledError:
+            answered = lease.measured.answered
+            if answered is not None:  # the answer had gone out whole before the hang-up
+                req = lease.request
+                # As `Relayer.run` would have said, had the task not been cancelled first.
+                failed = End.STREAM_FAULT if req.stream or req.passthrough else End.ENGINE_ERROR
+                end.end = End.COMPLETED if answered else failed
+            raise
         except EngineFailed as e:
             raise ApiError(
                 502,

@@ -47,6 +47,7 @@ async def assemble(rl: Reading, lease: Lease, resp: Exchange, send: Send) -> boo
         if refusal is not None:  # the engine's own error, in its stream: its answer
             lease.fault("engine_error")
             await asgi.send_bytes(send, *refusal)
+            lease.measured.answered = False
             return False
         lease.fault("assembly")
         raise ApiError(
@@ -58,6 +59,7 @@ async def assemble(rl: Reading, lease: Lease, resp: Exchange, send: Send) -> boo
         ) from None
     lease.first_byte()
     await asgi.send_bytes(send, 200, body)
+    lease.measured.answered = True
     lease.finished(asm.measured_output_tokens)
     return True
 

@@ -41,6 +41,7 @@ async def passthrough(rl: Reading, lease: Lease, resp: Exchange, send: Send) -> 
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
             continue
         await send({"type": "http.response.body", "body": b"", "more_body": False})
+        lease.measured.answered = resp.complete()
         if resp.complete():
             lease.finished(0)  # output tokens are counted only where the router parses
             return True

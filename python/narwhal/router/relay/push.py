@@ -175,6 +175,9 @@ class _Pushed:
         if isinstance(outcome, BaseException):  # the client went away, say
             self.ended.set_exception(outcome)  # the coroutine decides
         else:
+            # The last bytes are handed to the server: a hang-up that cancels the request's
+            # task before it wakes must not undo the outcome.
+            self.st.lease.measured.answered = outcome
             self.ended.set_result(outcome)
         self.resp.push(None)  # nothing more goes to the client
 

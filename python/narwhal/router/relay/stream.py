@@ -50,6 +50,7 @@ async def stream(rl: Reading, lease: Lease, resp: Exchange, send: Send) -> bool:
                 await send({"type": "http.response.body", "body": forward, "more_body": True})
         if final is not None:
             await asgi.stream_chunk(send, final, more=False)
+            lease.measured.answered = outcome
         if outcome is not None:
             return outcome
         if forward:
@@ -69,11 +70,13 @@ async def stream(rl: Reading, lease: Lease, resp: Exchange, send: Send) -> bool:
             chunk = b""
         except asyncio.TimeoutError:
             await asgi.stream_chunk(send, rl.timed_out(lease), more=False)
+            lease.measured.answered = False
             return False
         forward, final, outcome = st.step(chunk)
         if forward:
             await send({"type": "http.response.body", "body": forward, "more_body": True})
         if final is not None:
             await asgi.stream_chunk(send, final, more=False)
+            lease.measured.answered = outcome
         if outcome is not None:
             return outcome
