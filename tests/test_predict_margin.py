@@ -331,6 +331,34 @@ def test_samples_taken_before_the_speeds_were_known_do_not_bend_the_fleets_fit(s
     assert 0.85 < statistics.mean(owns) < 1.2
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_an_engine_that_leaves_does_not_stop_the_fleets_fit_being_refitted(seed: int) -> None:
+    """The fleet of two speeds above, one of whose fast engines leaves once the slow ones
+    have bent the fit: the fit is refitted from the samples of the engines still there (its
+    samples held back the refit until the ring had filled again with newer ones)."""
+    rng = random.Random(seed)
+    engines, p, served = fleet([f"e{i}" for i in range(8)])
+    fast, slow = engines[0::2], engines[1::2]
+    for _ in range(4):
+        for e in slow:
+            fresh = rng.randrange(8_000, 16_000)
+            served(e, fresh, 2 * h200(fresh) * math.exp(rng.gauss(0.0, 0.1)))
+        for e in fast:
+            fresh = rng.randrange(300, 3_000)
+            served(e, fresh, h200(fresh) * math.exp(rng.gauss(0.0, 0.1)))
+    gone = fast.pop()
+    p.remove(gone)  # as the predictive policy does when an engine leaves the fleet
+    for _ in range(8):
+        for e in engines:
+            if e is not gone:
+                fresh = rng.randrange(300, 16_000)
+                k = 2 if e in slow else 1
+                served(e, fresh, k * h200(fresh) * math.exp(rng.gauss(0.0, 0.1)))
+    long = words(20_000)
+    owns = [(p.project(long.prompt_bytes, e).own_s or 0.0) / h200(20_000) for e in fast]
+    assert 0.85 < statistics.mean(owns) < 1.2
+
+
 def test_engines_of_two_speeds_each_project_at_their_own() -> None:
     """A fleet that mixes devices: what shrinks one kind's engines together leaves two
     kinds apart (half the engines here take twice as long)."""

@@ -83,6 +83,10 @@ POOL_ALPHA = 0.01
 # The samples the fleet's fit is refitted from at the engines' current speeds: what its
 # weights amount to.
 POOL_SAMPLES = round(2 / POOL_ALPHA)
+# Refitted at most once every this many samples (and once a round): a refit reads all
+# POOL_SAMPLES, and on a fleet of two a round is two samples; the speeds it corrects for
+# move by a twentieth of a sample each sample (SPEED_ALPHA).
+REFIT_EVERY = POOL_SAMPLES // 10
 SPEED_ALPHA = 0.05
 # The fit's slope is read only where the prompts it saw differ in size (their coefficient of
 # variation at least this); else tokens / time through the mean, with no overhead.
@@ -553,7 +557,10 @@ class Predictor:
         self._unread = 0
         self._telling = False
         # The fleet's fit's samples as measured, each with its engine (`_refit`).
-        self._samples: deque[tuple[str, int, int, float]] = deque(maxlen=POOL_SAMPLES)
+        # An engine that left leaves its samples' places (named None): what the fit
+        # remembers is still the last POOL_SAMPLES, less those.
+        self._samples: deque[tuple[str | None, int, int, float]] = deque(maxlen=POOL_SAMPLES)
+        self._unfitted = 0  # samples since the last refit
         # Per engine that serves several models, a profile per model it has served (its
         # prompts' own prefill: an adapter, or a second model on one engine, runs at a rate
         # of its own), begun as a copy of the engine's and learned as it is.
@@ -596,6 +603,13 @@ class Predictor:
 
     def remove(self, e: Engine) -> None:
         self.profiles.pop(e.name, None)
+        if any(n == e.name for n, *_ in self._samples):
+            # Its samples were divided by a speed no longer learned (and one that comes
+            # back under its name starts again): out of the fit.
+            self._samples = deque(
+                ((None if n == e.name else n, f, t, s) for n, f, t, s in self._samples),
+                maxlen=POOL_SAMPLES,
+            )
         self.speeds.drop(e.name)
         self.models.pop(e.name, None)
 
@@ -750,13 +764,15 @@ class Predictor:
         prof = self.profiles.get(name)
         if prof is not None and prof.taken is not None:
             self._samples.append((name, *prof.taken))
+            self._unfitted += 1
             prof.taken = None
         if prof is not None and prof.paces[0] > 0:
             self.speeds.put(name, *prof.paces)
         pool = self.pool
         telling = pool.last is not None and pool.tells_sizes()
         self._unread += 1
-        round_over = self._unread >= len(self.speeds) or telling != self._telling
+        first_telling = telling != self._telling
+        round_over = self._unread >= len(self.speeds) or first_telling
         if round_over:
             self._unread, self._telling = 0, telling
             self.speeds.resum()
@@ -768,7 +784,7 @@ class Predictor:
             return
         for p in rows:
             p.speed = self.speeds.speed(reading, p.paces[0], p.paces[1])
-        if round_over:
+        if round_over and (self._unfitted >= REFIT_EVERY or first_telling):
             self._refit()
         if not telling:
             return
@@ -789,15 +805,16 @@ class Predictor:
         fit's curve for the ~100 samples it remembers (the fleet bench on two speeds: a
         20k-token prompt projected at 1.58x its time, where the same samples refitted at
         the speeds learned by then give 0.96x; bench/README.md)."""
+        self._unfitted = 0
         fit = PrefillFit(alpha=POOL_ALPHA)
         for name, fresh, prompt, seconds in self._samples:
-            p = self.profiles.get(name)
+            p = self.profiles.get(name) if name is not None else None
             if p is not None:
                 fit.take(fresh, prompt, seconds / p.speed)
         pool = self.pool
-        # Only while it holds every sample the fit remembers (a profile fed outside the
-        # events, as the router's tests do, leaves the fit as it is).
-        if fit.count and fit.count >= min(pool.count, POOL_SAMPLES):
+        # Only while it holds a place for every sample the fit remembers (a profile fed
+        # outside the events, as the router's tests do, leaves the fit as it is).
+        if fit.count and len(self._samples) >= min(pool.count, POOL_SAMPLES):
             pool.m = fit.m
             pool.last = pool.fit()
 
