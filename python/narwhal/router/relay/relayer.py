@@ -38,6 +38,8 @@ log = logging.getLogger("narwhal.relay")
 
 
 TRUSTED_SOURCES = frozenset({"config", "dns"})
+# Streams relayed from Python, none natively, before the server is said not to qualify.
+WARN_AWAITED = 16
 
 
 class Relayer:
@@ -52,7 +54,12 @@ class Relayer:
     ) -> None:
         self.idle_s = idle_s  # an engine silent this long in the middle of an answer stalled
         self.native = native  # streams relayed from the read callback where `send` allows
-        self.count_path = count_path or (lambda _: None)
+        self._count_path = count_path or (lambda _: None)
+        # Granian's `send` goes at once, except when its channel to a client is full: a
+        # stream whose head had to wait is relayed from Python, and says nothing of the
+        # server. Only a server none of whose streams went natively is warned of.
+        self.went_native = False
+        self.awaited = 0
         self.warned = False
         self.upstreams: dict[str, Upstream] = {}
         # The header line that lets this router's fencing tokens raise engines' floors.
@@ -186,8 +193,17 @@ class Relayer:
         self.stalled(lease)
         return error_event(f"the engine sent nothing for {self.idle_s:g}s", "engine_stalled")
 
+    def count_path(self, path: str) -> None:
+        """A stream is relayed `native` or `awaited` (counted)."""
+        if path == "native":
+            self.went_native = True
+        self._count_path(path)
+
     def warn_not_native(self) -> None:
-        if not self.warned:
+        """A stream could not go natively: warned once, where none has (WARN_AWAITED
+        streams in)."""
+        self.awaited += 1
+        if not (self.warned or self.went_native) and self.awaited >= WARN_AWAITED:
             self.warned = True
             log.warning(
                 "serving.native_relay is on, but this server's ASGI send must be "
