@@ -20,6 +20,7 @@ import httpx
 import orjson
 import pytest
 
+from bench.fleet import projections
 from bench.fleet.gpu import Gpu, GpuModel, Seq, block_hashes
 from bench.fleet.replay import (
     EXACT,
@@ -578,3 +579,79 @@ def test_the_router_exports_how_far_its_projections_and_cache_expectations_were_
         assert series(err, "0.1") - series(err, "-0.1") == 3
     finally:
         r.stop()
+
+
+def test_the_projections_reader_holds_narwhal_to_the_simulators_own_cost(tmp_path: Path) -> None:
+    """`bench.fleet.projections` reads a dump's access lines and `/ready` against the cost a
+    prompt alone has in the simulator: that cost is the simulator's own (its steps to the
+    first token, at each engine's speed), and each figure is a projection over it."""
+    model = dataclasses.replace(GpuModel(prefill_half_context=12_000), block_tokens=512)
+    for speed, tokens in ((1.0, 9000), (0.5, 3000)):
+        gpu = Gpu(dataclasses.replace(model, speed=speed))
+        gpu.submit(Seq(tokens, 2, []))
+        first = 0.0
+        while True:
+            dur, producing, _ = gpu.plan()
+            first += dur
+            gpu.finish_step(producing)
+            if producing:
+                break
+        assert projections.alone_s(dataclasses.replace(model, speed=speed), tokens, 0, 2.0) == (
+            pytest.approx(2 * first)
+        )
+
+    fleet = projections.Fleet(model, (1.0, 0.5), 2.0)
+    slow_5k, fast_4k = fleet.alone_s("e1", 5000), fleet.alone_s("e0", 4000)
+    assert slow_5k > 2 * fleet.alone_s("e0", 5000) * 0.99
+    line = "2026-12-07 INFO narwhal.access POST /v1/chat/completions {} request_id={} {}"
+    lines = [
+        # Warm-up: not the trace's.
+        line.format(200, "warm0", "outcome=completed engine=e0 own_ms=1 projected_ms=1"),
+        # Refused for the margin on the slow engine, its own prefill projected 1.5x its cost.
+        line.format(
+            429,
+            "a",
+            "outcome=refused reason=ttft_budget_exceeded nearest_engine=e1 tokens_sized=5000 "
+            f"own_ms={1500 * slow_5k} projected_ms={1500 * slow_5k} "
+            f"guarded_ms={3000 * slow_5k}",
+        ),
+        # Served alone on the fast engine: projected at its cost, its first byte 1.1x.
+        line.format(
+            200,
+            "b",
+            f"outcome=completed engine=e0 tokens_in=4000 tokens_cached=0 cached_expected=0 "
+            f"sent_ms=2.0 own_ms={1000 * fast_4k} projected_ms={1000 * fast_4k} "
+            f"ttfb_ms={1100 * fast_4k}",
+        ),
+        # Behind another prompt there: not alone, not read.
+        line.format(
+            200,
+            "c",
+            f"outcome=completed engine=e0 tokens_in=4000 tokens_cached=0 cached_expected=0 "
+            f"sent_ms=2.0 own_ms={1000 * fast_4k} projected_ms={3000 * fast_4k} "
+            f"ttfb_ms={9000 * fast_4k}",
+        ),
+    ]
+    log = tmp_path / "narwhal-predictive-1x-r1.log"
+    log.write_text("\n".join(lines) + "\n")
+    long_s = fleet.alone_s("e0", projections.LONG)
+    ready = {
+        "engines": [
+            {
+                "name": "e0",
+                "profile": {
+                    "prefill_tokens_per_s": projections.LONG / (1.25 * long_s),
+                    "prefill_overhead_s": 0.0,
+                    "prefill_quadratic_s": 0.0,
+                },
+            }
+        ]
+    }
+    c = projections.cell(projections.access_lines(log), ready, fleet)
+    assert c["refused"] == {"ttft_budget_exceeded": 1}
+    assert c["margin_refusals"] == 1 and c["margin"] == pytest.approx(2.0)
+    assert c["refused_own_over_cost"] == pytest.approx(1.5) and c["refused_own_over_1_2"] == 1
+    assert c["alone_served"] == 1
+    assert c["measured_over_cost"] == pytest.approx((1.1, 1.1))
+    assert c["projected_over_cost"] == pytest.approx((1.0, 1.0))
+    assert c["end_20k_over_cost"] == {1.0: pytest.approx(1.25)}
