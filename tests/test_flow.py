@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import orjson
@@ -133,14 +134,21 @@ async def engine(status: int) -> tuple[web.AppRunner, str, list[int]]:
         await resp.write(b"data: [DONE]\n\n")
         return resp
 
+    runner, url = await serve(completions)
+    return runner, url, seen
+
+
+async def serve(
+    completions: Callable[[web.Request], Awaitable[web.StreamResponse]],
+) -> tuple[web.AppRunner, str]:
+    """An engine's chat completions route, served in process (real HTTP): its runner, URL."""
     app = web.Application()
     app.router.add_post("/v1/chat/completions", completions)
     runner = web.AppRunner(app)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
-    port = runner.addresses[0][1]
-    return runner, f"http://127.0.0.1:{port}", seen
+    return runner, f"http://127.0.0.1:{runner.addresses[0][1]}"
 
 
 @pytest.mark.parametrize("second", [200, 429])
@@ -269,13 +277,7 @@ def test_a_client_that_hangs_up_once_the_answer_is_whole_does_not_change_its_out
 
         relayed, over = asyncio.Event(), asyncio.Event()
 
-        app = web.Application()
-        app.router.add_post("/v1/chat/completions", completions)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+        runner, url = await serve(completions)
         r = Router(
             parse(
                 {

@@ -305,6 +305,23 @@ def test_the_most_hopeful_of_sixteen_engines_of_one_kind_projects_a_long_prompt_
     assert max(owns) < 1.1 * h200(20_000)
 
 
+def slow_take_the_long_prompts_first(
+    rng: random.Random,
+    fast: list[Engine],
+    slow: list[Engine],
+    served: Callable[[Engine, int, float], None],
+) -> None:
+    """Four rounds in which the slow engines (half as fast) measure only long prompts and the
+    fast ones only short ones, before any engine's speed is known."""
+    for _ in range(4):
+        for e in slow:
+            fresh = rng.randrange(8_000, 16_000)
+            served(e, fresh, 2 * h200(fresh) * math.exp(rng.gauss(0.0, 0.1)))
+        for e in fast:
+            fresh = rng.randrange(300, 3_000)
+            served(e, fresh, h200(fresh) * math.exp(rng.gauss(0.0, 0.1)))
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_samples_taken_before_the_speeds_were_known_do_not_bend_the_fleets_fit(seed: int) -> None:
     """A fleet of two speeds whose slow engines happen to take the long prompts first, while
@@ -315,13 +332,7 @@ def test_samples_taken_before_the_speeds_were_known_do_not_bend_the_fleets_fit(s
     rng = random.Random(seed)
     engines, p, served = fleet([f"e{i}" for i in range(8)])
     fast, slow = engines[0::2], engines[1::2]
-    for _ in range(4):
-        for e in slow:
-            fresh = rng.randrange(8_000, 16_000)
-            served(e, fresh, 2 * h200(fresh) * math.exp(rng.gauss(0.0, 0.1)))
-        for e in fast:
-            fresh = rng.randrange(300, 3_000)
-            served(e, fresh, h200(fresh) * math.exp(rng.gauss(0.0, 0.1)))
+    slow_take_the_long_prompts_first(rng, fast, slow, served)
     for _ in range(8):
         for i, e in enumerate(engines):
             fresh = rng.randrange(300, 16_000)
@@ -339,13 +350,7 @@ def test_an_engine_that_leaves_does_not_stop_the_fleets_fit_being_refitted(seed:
     rng = random.Random(seed)
     engines, p, served = fleet([f"e{i}" for i in range(8)])
     fast, slow = engines[0::2], engines[1::2]
-    for _ in range(4):
-        for e in slow:
-            fresh = rng.randrange(8_000, 16_000)
-            served(e, fresh, 2 * h200(fresh) * math.exp(rng.gauss(0.0, 0.1)))
-        for e in fast:
-            fresh = rng.randrange(300, 3_000)
-            served(e, fresh, h200(fresh) * math.exp(rng.gauss(0.0, 0.1)))
+    slow_take_the_long_prompts_first(rng, fast, slow, served)
     gone = fast.pop()
     p.remove(gone)  # as the predictive policy does when an engine leaves the fleet
     for _ in range(8):
