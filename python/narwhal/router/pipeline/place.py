@@ -22,7 +22,7 @@ from narwhal.router.lease import Lease
 from narwhal.router.pipeline.gate import Gate
 from narwhal.router.policies import Plan, Policy
 from narwhal.router.relay.errors import EngineBusy, EngineFailed, EngineFenced
-from narwhal.router.relay.relayer import Relayer
+from narwhal.router.relay.relayer import Relayer, ended
 from narwhal.router.request import Request
 from narwhal.router.tenants.registry import Tenants
 from narwhal.router.tracing import RequestTrace
@@ -178,10 +178,7 @@ class Placer:
         except asyncio.CancelledError:
             answered = lease.measured.answered
             if answered is not None:  # the answer had gone out whole before the hang-up
-                req = lease.request
-                # As `Relayer.run` would have said, had the task not been cancelled first.
-                failed = End.STREAM_FAULT if req.stream or req.passthrough else End.ENGINE_ERROR
-                end.end = End.COMPLETED if answered else failed
+                end.end = ended(lease, answered)  # as the relay would have returned it
             raise
         except EngineFailed as e:
             raise ApiError(

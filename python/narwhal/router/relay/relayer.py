@@ -42,6 +42,15 @@ TRUSTED_SOURCES = frozenset({"config", "dns"})
 WARN_AWAITED = 16
 
 
+def ended(lease: Lease, well: bool) -> End:
+    """How a relayed answer ended: completed, or cut by a fault its client was told of (an
+    error event in a stream, the engine's own error in an assembled answer)."""
+    if well:
+        return End.COMPLETED
+    req = lease.request
+    return End.STREAM_FAULT if req.stream or req.passthrough else End.ENGINE_ERROR
+
+
 class Relayer:
     """Runs a lease's upstream call and relays the answer; what it sees goes to the lease."""
 
@@ -156,12 +165,11 @@ class Relayer:
                 return End.ENGINE_ERROR
             if lease.request.passthrough:
                 done = await passthrough(self, lease, resp, send)
-                return End.COMPLETED if done else End.STREAM_FAULT
-            if lease.request.stream:
+            elif lease.request.stream:
                 done = await stream(self, lease, resp, send)
-                return End.COMPLETED if done else End.STREAM_FAULT
-            done = await assemble(self, lease, resp, send)
-            return End.COMPLETED if done else End.ENGINE_ERROR
+            else:
+                done = await assemble(self, lease, resp, send)
+            return ended(lease, done)
         finally:
             # Anything but a stream seen to its end (a fault, a timeout, a client that went
             # away) closes the connection: that is how the engine learns to stop.
