@@ -623,6 +623,25 @@ def test_the_projections_reader_holds_narwhal_to_the_simulators_own_cost(tmp_pat
             f"sent_ms=2.0 own_ms={1000 * fast_4k} projected_ms={1000 * fast_4k} "
             f"ttfb_ms={1100 * fast_4k}",
         ),
+        # Long prompts on the fast engine, their own prefill projected 1.4x their cost (sent
+        # after a wait: not alone), and one on the slow engine projected at twice its cost
+        # (one prompt is no engine's reading).
+        *(
+            line.format(
+                200,
+                f"d{i}",
+                f"outcome=completed engine=e0 tokens_in=9000 tokens_sized=9000 "
+                f"cached_expected=0 sent_ms=900 own_ms={1400 * fleet.alone_s('e0', 9000)} "
+                "projected_ms=1 ttfb_ms=1",
+            )
+            for i in range(projections.LONG_READ)
+        ),
+        line.format(
+            429,
+            "e",
+            "outcome=refused reason=tpot_target_exceeded nearest_engine=e1 tokens_sized=9000 "
+            f"own_ms={2000 * fleet.alone_s('e1', 9000)}",
+        ),
         # Behind another prompt there: not alone, not read.
         line.format(
             200,
@@ -648,10 +667,13 @@ def test_the_projections_reader_holds_narwhal_to_the_simulators_own_cost(tmp_pat
         ]
     }
     c = projections.cell(projections.access_lines(log), ready, fleet)
-    assert c["refused"] == {"ttft_budget_exceeded": 1}
+    assert c["refused"] == {"ttft_budget_exceeded": 1, "tpot_target_exceeded": 1}
     assert c["margin_refusals"] == 1 and c["margin"] == pytest.approx(2.0)
     assert c["refused_own_over_cost"] == pytest.approx(1.5) and c["refused_own_over_1_2"] == 1
     assert c["alone_served"] == 1
     assert c["measured_over_cost"] == pytest.approx((1.1, 1.1))
     assert c["projected_over_cost"] == pytest.approx((1.0, 1.0))
     assert c["end_20k_over_cost"] == {1.0: pytest.approx(1.25)}
+    n = projections.LONG_READ
+    assert c["long_own_over_cost"] == {"e0": (pytest.approx(1.4), n), "e1": (pytest.approx(2.0), 1)}
+    assert projections.most_off(c["long_own_over_cost"]) == f"e0 1.40 ({n})"

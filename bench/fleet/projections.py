@@ -21,7 +21,11 @@ is read against it, one line a cell:
   run's load and jitter included) and the projection against it (median and 90th
   percentile);
 - the end of the run: each engine's profile projecting a 20k-token prompt alone against the
-  cost model, the median over the engines of each speed.
+  cost model, the median over the engines of each speed;
+- during the run: each engine's own prefill as projected for the long prompts it served or
+  came nearest on when refused (`LONG_FRESH` tokens or more) against their cost, and the
+  engine whose median is furthest off (one engine read slow for half a run refuses the
+  long prompts a fleet at rest would serve).
 
 The flags are the simulator's (`bench.fleet.server`), so the replay's `--sim-args` can be
 passed as they were; the engines' speeds repeat over the fleet as there (`e0`, `e1`, ...).
@@ -31,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import re
 import statistics
 from collections import Counter
@@ -43,6 +48,12 @@ from bench.fleet.gpu import GpuModel
 from bench.fleet.server import add_model_flags, model_from
 
 LONG = 20_000  # the prompt the end-of-run profiles are asked about
+# The prompts each engine's own projections are held to their cost for, in the run: those
+# that decide light load's refusals (at a 5 s budget and time scale 2, 0.4-0.8 of it alone
+# on the fast kind of the bench's fleets, past it on the slow).
+LONG_FRESH = 8_000
+# An engine is read from this many such prompts at least (one prompt is not its reading).
+LONG_READ = 3
 _FIELD = re.compile(r"(\w+)=(\S+)")
 
 
@@ -104,8 +115,13 @@ def cell(lines: list[dict[str, str]], ready: dict[str, Any] | None, fleet: Fleet
     reasons = Counter(f.get("reason", "") for f in lines if f.get("outcome") == "refused")
     margin, refused_own = [], []
     measured, projected = [], []
+    long: dict[str, list[float]] = {}
     for f in lines:
         own, proj = _num(f, "own_ms"), _num(f, "projected_ms")
+        sized, on = _num(f, "tokens_sized"), f.get("engine") or f.get("nearest_engine")
+        if own and sized and sized >= LONG_FRESH and on:
+            cost = fleet.alone_s(on, int(sized), int(_num(f, "cached_expected") or 0))
+            long.setdefault(on, []).append(own / 1000 / cost)
         if f.get("reason") == "ttft_budget_exceeded":
             guarded, tokens = _num(f, "guarded_ms"), _num(f, "tokens_sized")
             engine = f.get("nearest_engine", "")
@@ -151,7 +167,18 @@ def cell(lines: list[dict[str, str]], ready: dict[str, Any] | None, fleet: Fleet
         if projected
         else None,
         "end_20k_over_cost": {s: statistics.median(v) for s, v in sorted(end.items())},
+        "long_own_over_cost": {e: (statistics.median(v), len(v)) for e, v in sorted(long.items())},
     }
+
+
+def most_off(by_engine: dict[str, tuple[float, int]]) -> str:
+    """The engine whose long prompts' own projections were furthest from their cost (of
+    those with LONG_READ of them at least)."""
+    read = {e: v for e, v in by_engine.items() if v[1] >= LONG_READ}
+    if not read:
+        return "-"
+    name, (ratio, n) = max(read.items(), key=lambda kv: abs(math.log(kv[1][0])))
+    return f"{name} {ratio:.2f} ({n})"
 
 
 def _pair(v: tuple[float, float] | None) -> str:
@@ -169,9 +196,9 @@ def main() -> None:
     print(
         "| cell | refused (by reason) | margin refusals: n, margin, own / cost (n over 1.2x) "
         "| served alone: n, first byte / cost (median / p90) | projected / cost "
-        "| 20k at the end / cost (by speed) |"
+        "| 20k at the end / cost (by speed) | long prompts' own / cost, engine most off (n) |"
     )
-    print("|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|")
     for log in sorted(a.folder.glob("narwhal-*.log")):
         ready_path = log.with_suffix(".ready.json")
         ready = orjson.loads(ready_path.read_bytes()) if ready_path.exists() else None
@@ -186,7 +213,8 @@ def main() -> None:
         end = ", ".join(f"{s:g}: {v:.2f}" for s, v in c["end_20k_over_cost"].items()) or "-"
         print(
             f"| {log.stem} | {refused} | {margin} | {c['alone_served']}, "
-            f"{_pair(c['measured_over_cost'])} | {_pair(c['projected_over_cost'])} | {end} |"
+            f"{_pair(c['measured_over_cost'])} | {_pair(c['projected_over_cost'])} | {end} "
+            f"| {most_off(c['long_own_over_cost'])} |"
         )
 
 
