@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import random
 import signal
 import subprocess
@@ -25,9 +24,9 @@ from collections.abc import Callable
 
 import aiohttp
 
-from bench.fleet.replay import engine_stats, reset
+from bench.fleet.replay import engine_stats, peer_command, reset
 from bench.fleet.server import STOP_MARK
-from tests.support import free_port
+from tests.support import free_port, wait_http
 
 ENGINES = 4
 FAMILIES = 4
@@ -58,13 +57,9 @@ async def hit_rate(command: Callable[[int, list[str]], list[str]]) -> float:
         command(rport, urls), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
     )
     try:
+        # Nothing else runs on the loop yet: waiting here blocks no one.
+        wait_http(f"http://127.0.0.1:{rport}/health", router, 60)
         async with aiohttp.ClientSession() as s:
-            for _ in range(300):
-                with contextlib.suppress(aiohttp.ClientError):
-                    async with s.get(f"http://127.0.0.1:{rport}/health") as r:
-                        if r.status == 200:
-                            break
-                await asyncio.sleep(0.2)
             await reset(urls)
             for text in prompts():
                 chat = [{"role": "user", "content": text}]
@@ -90,11 +85,8 @@ def main() -> None:
     a = ap.parse_args()
 
     def peer(exe: list[str], policy: str) -> Callable[[int, list[str]], list[str]]:
-        def command(port: int, urls: list[str]) -> list[str]:
-            cmd = [*exe, "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *urls]
-            return [*cmd, "--policy", policy, "--prometheus-port", str(free_port())]
-
-        return command
+        # At its defaults: one request at a time never reaches an admission knob.
+        return lambda port, urls: peer_command(f"peer-{policy}@defaults", exe, port, urls, 0)
 
     for name, cmd in (
         ("vllm-router cache_aware", peer([a.vllm], "cache_aware")),

@@ -123,11 +123,10 @@ def cell(lines: list[dict[str, str]], ready: dict[str, Any] | None, fleet: Fleet
             cost = fleet.alone_s(on, int(sized), int(_num(f, "cached_expected") or 0))
             long.setdefault(on, []).append(own / 1000 / cost)
         if f.get("reason") == "ttft_budget_exceeded":
-            guarded, tokens = _num(f, "guarded_ms"), _num(f, "tokens_sized")
-            engine = f.get("nearest_engine", "")
-            if own and proj and guarded and tokens and engine:
+            guarded = _num(f, "guarded_ms")
+            if own and proj and guarded and sized and on:
                 margin.append(guarded / proj)
-                refused_own.append(own / 1000 / fleet.alone_s(engine, int(tokens)))
+                refused_own.append(own / 1000 / fleet.alone_s(on, int(sized)))
             continue
         if f.get("outcome") != "completed" or not own or not proj or own < 0.95 * proj:
             continue
